@@ -1,0 +1,160 @@
+"""The engine's public entry points: inspect, convert (to safetensors or torch) and verify.
+
+Everything here is a plain library call: the CLI and the service call the same functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from . import dtypes, storage
+from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
+from .errors import OptionError, TargetError
+from .formats import load_index
+from .index import CheckpointIndex
+from .transforms import KeyOptions, apply
+from .verify import VerifyReport, find_tie, verify_indexes
+
+OutputFormat = Literal["safetensors", "torch"]
+DEFAULT_SHARD_SIZE = 5 * 1000**3
+
+
+@dataclass
+class ConvertOptions:
+    to: OutputFormat = "safetensors"
+    source_format: str | None = None
+    keys: KeyOptions = field(default_factory=KeyOptions)
+    dtype: str | None = None
+    max_shard_size: int = DEFAULT_SHARD_SIZE
+    memory_limit: int = DEFAULT_MEMORY_LIMIT
+    overwrite: bool = False
+    drop_tied: list[str] = field(default_factory=list)
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if self.to not in ("safetensors", "torch"):
+            raise OptionError(f"--to {self.to}: choose safetensors or torch")
+        self.dtype = dtypes.cast_target(self.dtype)
+        if self.max_shard_size <= 0:
+            raise OptionError("--max-shard-size must be positive")
+        if self.memory_limit < 1024 * 1024:
+            raise OptionError("--memory-limit must be at least 1MiB")
+
+
+@dataclass
+class ConvertResult:
+    target: str
+    outputs: list[tuple[str, int]]
+    report: list[str]
+    skipped: list[str]
+    verify: VerifyReport | None = None
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "outputs": [{"name": n, "bytes": b} for n, b in self.outputs],
+                "report": self.report, "skipped": self.skipped,
+                "verify": self.verify.to_dict() if self.verify else None}
+
+
+def inspect(uri: str, source_format: str | None = None) -> CheckpointIndex:
+    """Metadata only: reads no tensor data (DCP records are not even opened)."""
+    return load_index(uri, source_format, locate=False)
+
+
+def _drop_tied(index: CheckpointIndex, names: list[str], copier: Copier) -> dict[str, str]:
+    ties: dict[str, str] = {}
+    for name in names:
+        if name not in index.tensors:
+            raise OptionError(f"--drop-tied {name}: no such tensor in the output; known names include "
+                              f"{', '.join(list(index.tensors)[:5])}")
+        partner = find_tie(index, name, copier.reader)
+        if partner is None:
+            raise OptionError(f"--drop-tied {name}: no other tensor holds the same values, so dropping it would "
+                              "lose data; leave it in")
+        ties[name] = partner
+        del index.tensors[name]
+    return ties
+
+
+def convert(source: str, target: str, options: ConvertOptions | None = None,
+            on_progress: Callable[[Progress], None] | None = None) -> ConvertResult:
+    """Convert the checkpoint at `source` into `target` (a folder, or a `.safetensors`/`.pt` file)."""
+    options = options or ConvertOptions()
+    storage.check_target(target, options.overwrite)
+    reader = storage.RangeReader()
+    try:
+        index = load_index(source, options.source_format, reader=reader)
+        view, report = apply(index, options.keys)
+        skipped = []
+        if options.to == "safetensors" and view.objects:
+            skipped = sorted(view.objects)
+            report.append(f"skipped {len(skipped)} non-tensor entries (safetensors holds tensors only): "
+                          + ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+            view.objects = {}
+        if not view.tensors and not view.objects:
+            raise OptionError(f"{source}: nothing selected to write (--only {options.keys.only}, "
+                              "--include/--exclude); the checkpoint has: "
+                              + ", ".join(sorted({n.split('.', 1)[0] for n in index.names()})))
+        progress = Progress(total_bytes=sum(t.nbytes for t in view.tensors.values()),
+                            total_tensors=len(view.tensors), callback=on_progress)
+        copier = Copier(reader, options.memory_limit, progress)
+        metadata: dict[str, str] = {}
+        if options.drop_tied:
+            ties = _drop_tied(view, options.drop_tied, copier)
+            metadata["tied_weights"] = json.dumps(ties)
+            report.append("dropped tied " + ", ".join(f"{a} (= {b})" for a, b in ties.items()))
+        with storage.atomic_output(target, options.overwrite) as tmp:
+            if options.to == "torch":
+                from .writers.torchsave import write_torch
+
+                outputs = write_torch(view, tmp, copier, cast_to=options.dtype)
+                outputs = [(storage.basename(target), outputs[0][1])]
+            else:
+                from .writers.safetensors import write_safetensors
+
+                single = target.endswith(".safetensors")
+                outputs = write_safetensors(view, tmp, copier, cast_to=options.dtype,
+                                            max_shard_size=options.max_shard_size, single_file=single,
+                                            metadata=metadata)
+                if single:
+                    outputs = [(storage.basename(target), outputs[0][1])]
+            result = ConvertResult(target, outputs, report, skipped)
+            if options.verify:
+                written = load_index(tmp, options.to, reader=reader)
+                written.tensors = {".".join(t.path): t for t in written.tensors.values()}
+                written.objects = {".".join(o.path): o for o in written.objects.values()}
+                result.verify = verify_indexes(view, written, reader, cast_ok=options.dtype is not None,
+                                               memory_limit=options.memory_limit)
+                if not result.verify.ok:
+                    from .errors import VerifyError
+
+                    raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
+        return result
+    except OSError as exc:
+        raise TargetError(f"{target}: {exc.strerror or exc}") from None
+    finally:
+        reader.close()
+
+
+def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,
+           a_format: str | None = None, b_format: str | None = None,
+           memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
+    """Compare two checkpoints tensor by tensor after the same key clean-up."""
+    keys = keys or KeyOptions(only="all", nest=False)
+    reader = storage.RangeReader()
+    try:
+        left, _ = apply(load_index(a, a_format, reader=reader), keys)
+        right, _ = apply(load_index(b, b_format, reader=reader), keys)
+        return verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
+                              memory_limit=memory_limit)
+    finally:
+        reader.close()
+
+
+def output_size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)

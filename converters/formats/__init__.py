@@ -1,0 +1,98 @@
+"""Format registry and detection: a name -> reader table, and a look at a path that picks the name."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Protocol
+
+from .. import storage
+from ..errors import FormatError, OptionError, SourceError
+from ..index import CheckpointIndex
+
+READERS: dict[str, str] = {
+    "dcp": "converters.formats.dcp:DcpReader",
+    "accelerate": "converters.formats.accelerate:AccelerateReader",
+    "hf-dcp": "converters.formats.safetensors:SafetensorsReader",
+    "safetensors": "converters.formats.safetensors:SafetensorsReader",
+    "torch": "converters.formats.torchsave:TorchSaveReader",
+    "rank-files": "converters.formats.rankfiles:RankFilesReader",
+}
+RANK_FILE = re.compile(r"^(?P<stem>.*?)_?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+class Reader(Protocol):
+    format: str
+
+    def index(self, locate: bool = True) -> CheckpointIndex: ...
+
+
+def reader_class(name: str) -> type:
+    if name not in READERS:
+        raise OptionError(f"unknown format {name!r}; choose one of {', '.join(READERS)}")
+    module, cls = READERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _dcp_subfolders(uri: str, names: list[str]) -> list[str]:
+    return [n for n in names if storage.isdir(storage.join(uri, n))
+            and storage.exists(storage.join(uri, n, ".metadata"))]
+
+
+def detect(uri: str) -> str:
+    """Name the format of the checkpoint at `uri`, or raise an error that says what to point at."""
+    if not storage.exists(uri):
+        raise SourceError(f"{uri}: does not exist; check the path")
+    name = storage.basename(uri)
+    if not storage.isdir(uri):
+        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+            return "safetensors"
+        if RANK_FILE.match(name):
+            return "rank-files"
+        if name.endswith(_TORCH_SUFFIXES) or name.endswith(".bin.index.json"):
+            return "torch"
+        if name == ".metadata":
+            raise FormatError(f"{uri}: point at the folder that holds .metadata, not the file itself")
+        raise FormatError(f"{uri}: unknown file type; pass --from with one of {', '.join(READERS)}")
+    names = storage.listdir(uri)
+    if ".metadata" in names:
+        return "dcp"
+    if "model.safetensors.index.json" in names:
+        return "safetensors"
+    if any(n.endswith(".safetensors") for n in names) or "sharded" in names:
+        return "safetensors"
+    if "pytorch_model.bin.index.json" in names:
+        return "torch"
+    if any(RANK_FILE.match(n) for n in names):
+        return "rank-files"
+    torch_files = [n for n in names if n.endswith(_TORCH_SUFFIXES)]
+    if len(torch_files) == 1:
+        return "torch"
+    subfolders = _dcp_subfolders(uri, names)
+    if subfolders:
+        models = [n for n in subfolders if n.startswith("pytorch_model_fsdp_")]
+        if len(models) == 1:
+            return "accelerate"
+        raise FormatError(f"{uri}: no .metadata here; this looks like the parent of DCP checkpoints. Point at "
+                          f"one of the sub-folders: {', '.join(subfolders)}")
+    if torch_files:
+        raise FormatError(f"{uri}: several torch.save files ({', '.join(torch_files[:5])}) and no index; "
+                          "point at one file")
+    raise FormatError(f"{uri}: no checkpoint found (no .metadata, .safetensors, .pt/.bin or rank files); "
+                      "point at the checkpoint folder")
+
+
+def open_reader(uri: str, fmt: str | None = None, reader: storage.RangeReader | None = None) -> Reader:
+    name = fmt or detect(uri)
+    return reader_class(name)(uri, reader or storage.RangeReader())
+
+
+def load_index(uri: str, fmt: str | None = None, locate: bool = True,
+               reader: storage.RangeReader | None = None) -> CheckpointIndex:
+    """Read the index of the checkpoint at `uri` (metadata only; tensor bytes stay where they are)."""
+    uri = uri.rstrip("/") if len(uri) > 1 else uri
+    index = open_reader(uri, fmt, reader).index(locate=locate)
+    if not index.tensors and not index.objects:
+        raise FormatError(f"{uri}: the checkpoint holds no entries")
+    return index

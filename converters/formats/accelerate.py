@@ -1,0 +1,32 @@
+"""Reader for an Accelerate checkpoint folder (`checkpoint-N/`) holding `pytorch_model_fsdp_0/` and,
+optionally, `optimizer_0/`: one index over both DCP folders (their keys are already `model.` /
+`optimizer.`-prefixed, so they never collide)."""
+
+from __future__ import annotations
+
+from .. import storage
+from ..index import CheckpointIndex
+from .dcp import DcpReader
+
+
+class AccelerateReader:
+    format = "accelerate"
+
+    def __init__(self, uri: str, reader: storage.RangeReader) -> None:
+        self.uri = uri
+        self.reader = reader
+
+    def index(self, locate: bool = True) -> CheckpointIndex:
+        names = storage.listdir(self.uri)
+        model = next(n for n in names if n.startswith("pytorch_model_fsdp_"))
+        index = DcpReader(storage.join(self.uri, model), self.reader).index(locate)
+        index.uri, index.format, index.producer = self.uri, self.format, "Accelerate"
+        index.files = [f"{model}/{f}" for f in index.files]
+        optim = f"optimizer_{model.rsplit('_', 1)[-1]}"
+        if optim in names and storage.exists(storage.join(self.uri, optim, ".metadata")):
+            opt = DcpReader(storage.join(self.uri, optim), self.reader).index(locate)
+            index.tensors.update(opt.tensors)
+            index.objects.update(opt.objects)
+            index.files += [f"{optim}/{f}" for f in opt.files]
+        index.notes.append(f"read {model}/" + (f" and {optim}/" if optim in names else ""))
+        return index

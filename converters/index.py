@@ -1,0 +1,148 @@
+"""The checkpoint model every reader produces and every writer consumes: names, shapes, byte locations.
+
+A `CheckpointIndex` holds no tensor data. Each tensor is a global shape and dtype plus the
+chunks that tile it; each chunk says where its bytes live (`ByteRange`, optionally strided).
+Non-tensor values (optimizer hyper-parameters, step counters) are `ObjectEntry`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import dtypes
+
+OPTIM_CONTAINERS = ("optim", "optimizer", "optimizer_state_dict", "optim_state_dict")
+OPTIM_SECTIONS = ("state", "param_groups")
+MODEL_CONTAINERS = ("model", "module", "state_dict", "model_state_dict")
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Raw tensor bytes: `length` bytes of `uri` from `offset`.
+
+    With `stride` set, the bytes are a strided view (element strides, starting at `offset`),
+    as torch.save keeps non-contiguous tensors; otherwise they are row-major contiguous.
+    """
+
+    uri: str
+    offset: int
+    length: int
+    stride: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of the global tensor (`offsets`, `sizes`) and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: ByteRange
+
+    @property
+    def numel(self) -> int:
+        return dtypes.numel(self.sizes)
+
+
+@dataclass
+class TensorEntry:
+    """A tensor: `name` is the flat dotted key; `path` the nested keys it came from (see `split_path`)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[Chunk]
+    path: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            self.path = split_path(self.name)
+
+    @property
+    def numel(self) -> int:
+        return dtypes.numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+
+@dataclass
+class ObjectEntry:
+    """A non-tensor value: either inline, or a torch.save blob at `data` (read with weights_only)."""
+
+    name: str
+    value: Any = None
+    data: ByteRange | None = None
+    path: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            self.path = split_path(self.name)
+
+
+@dataclass
+class CheckpointIndex:
+    uri: str
+    format: str
+    producer: str | None = None
+    world_size: int | None = None
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def names(self) -> list[str]:
+        return list(self.tensors) + list(self.objects)
+
+    def has_optimizer(self) -> bool:
+        return any(is_optimizer_key(name) for name in self.names())
+
+
+def is_optimizer_key(name: str) -> bool:
+    """True for optimizer entries: `optim.…`/`optimizer.…` containers or bare `state.…`/`param_groups.…`."""
+    head = name.split(".", 1)[0]
+    return head in OPTIM_CONTAINERS or head in OPTIM_SECTIONS
+
+
+def check_tiling(entry: TensorEntry, where: str) -> None:
+    """Raise if the chunks of `entry` do not cover its shape exactly once (by element count and bounds)."""
+    from .errors import FormatError
+
+    total = 0
+    for chunk in entry.chunks:
+        if len(chunk.offsets) != len(entry.shape) or any(
+                o < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, entry.shape)):
+            raise FormatError(f"{where}: chunk {chunk.offsets}+{chunk.sizes} of {entry.name!r} lies outside "
+                              f"its shape {entry.shape}; the metadata is damaged")
+        total += chunk.numel
+    if total != entry.numel:
+        raise FormatError(f"{where}: the chunks of {entry.name!r} cover {total} of {entry.numel} elements; "
+                          "the checkpoint is missing ranks or is damaged")
+
+
+def split_path(name: str) -> tuple[str, ...]:
+    """Best guess of the nested keys behind a flat dotted name, used when the format does not record them.
+
+    Optimizer entries keep the parameter FQN as one component:
+    `optim.state.layers.0.w.exp_avg` -> (`optim`, `state`, `layers.0.w`, `exp_avg`);
+    `optim.param_groups.0.lr` -> (`optim`, `param_groups`, `0`, `lr`). Model entries under a
+    container split once (`model.layers.0.w` -> (`model`, `layers.0.w`)); others stay whole.
+    """
+    parts = name.split(".")
+    container: tuple[str, ...] = ()
+    if parts[0] in OPTIM_CONTAINERS and len(parts) > 1:
+        container, parts = (parts[0],), parts[1:]
+    if parts[0] == "state" and len(parts) >= 3:
+        return (*container, "state", ".".join(parts[1:-1]), parts[-1])
+    if parts[0] == "param_groups" and len(parts) >= 3:
+        return (*container, "param_groups", parts[1], ".".join(parts[2:]))
+    if container:
+        return (*container, ".".join(parts))
+    if parts[0] in MODEL_CONTAINERS and len(parts) > 1:
+        return (parts[0], ".".join(parts[1:]))
+    return (name,)

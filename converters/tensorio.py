@@ -1,0 +1,125 @@
+"""Assemble any box of a global tensor from the chunks that tile it, reading only the bytes it needs.
+
+The fast path (chunks and box both span whole rows, the usual dim-0 sharding) is one ranged read
+per overlapping chunk straight into the output buffer. Other layouts (chunks split on another
+dimension, strided storage) go through numpy views over the covering rows; nothing is converted
+to Python objects element by element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from . import dtypes
+from .index import Chunk, TensorEntry
+from .storage import RangeReader
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _full_rows(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    return all(o == 0 and s == d for o, s, d in zip(offsets[1:], sizes[1:], shape[1:]))
+
+
+def _overlap(a: Box, b: Box) -> Box | None:
+    offsets, sizes = [], []
+    for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def _row_bytes(sizes: tuple[int, ...], item: int) -> int:
+    return dtypes.numel(sizes[1:]) * item
+
+
+def read_box(reader: RangeReader, entry: TensorEntry, box: Box, out: memoryview) -> None:
+    """Fill `out` with the row-major bytes of `entry[box]`."""
+    offsets, sizes = box
+    item = dtypes.itemsize(entry.dtype)
+    if len(out) != dtypes.numel(sizes) * item:
+        raise ValueError("output buffer does not match the box")
+    if not entry.shape:  # 0-d tensor
+        chunk = entry.chunks[0]
+        reader.readinto(chunk.data.uri, chunk.data.offset, out)
+        return
+    box_full = _full_rows(offsets, sizes, entry.shape)
+    for chunk in entry.chunks:
+        inter = _overlap(box, (chunk.offsets, chunk.sizes))
+        if inter is None:
+            continue
+        if box_full and chunk.data.stride is None and _full_rows(chunk.offsets, chunk.sizes, entry.shape):
+            row = _row_bytes(entry.shape, item)
+            src = chunk.data.offset + (inter[0][0] - chunk.offsets[0]) * row
+            dst = (inter[0][0] - offsets[0]) * row
+            reader.readinto(chunk.data.uri, src, out[dst: dst + inter[1][0] * row])
+        else:
+            _copy_general(reader, entry, chunk, inter, box, out, item)
+
+
+def _copy_general(reader: RangeReader, entry: TensorEntry, chunk: Chunk, inter: Box, box: Box,
+                  out: memoryview, item: int) -> None:
+    """Copy `entry[inter]` from `chunk` into the box buffer through numpy views."""
+    utype = _UINT[item]
+    data = chunk.data
+    first = inter[0][0] - chunk.offsets[0]
+    rows = inter[1][0]
+    if data.stride is None:
+        stride = [1] * len(chunk.sizes)
+        for d in range(len(chunk.sizes) - 2, -1, -1):
+            stride[d] = stride[d + 1] * chunk.sizes[d + 1]
+    else:
+        stride = list(data.stride)
+    # read the span of storage that holds rows [first, first+rows) of the chunk
+    lo = first * stride[0]
+    span = 1 + (rows - 1) * stride[0] + sum((s - 1) * st for s, st in zip(chunk.sizes[1:], stride[1:]))
+    raw = bytearray(span * item)
+    reader.readinto(data.uri, data.offset + lo * item, memoryview(raw))
+    src = np.lib.stride_tricks.as_strided(
+        np.frombuffer(raw, dtype=utype), shape=(rows, *chunk.sizes[1:]),
+        strides=tuple(s * item for s in stride), writeable=False)
+    sel = tuple(slice(o - co, o - co + s) for o, s, co in zip(inter[0][1:], inter[1][1:], chunk.offsets[1:]))
+    dst = np.frombuffer(out, dtype=utype).reshape(box[1])
+    dsel = (slice(inter[0][0] - box[0][0], inter[0][0] - box[0][0] + rows),
+            *(slice(o - bo, o - bo + s) for o, s, bo in zip(inter[0][1:], inter[1][1:], box[0][1:])))
+    dst[dsel] = src[(slice(None), *sel)]
+
+
+def slabs(shape: tuple[int, ...], item: int, budget: int) -> Iterator[Box]:
+    """Boxes that tile `shape` in row-major order, each at most `budget` bytes where a row allows it."""
+    if not shape:
+        yield (), ()
+        return
+    yield from _slabs((), shape, item, budget)
+
+
+def _slabs(prefix: tuple[int, ...], shape: tuple[int, ...], item: int, budget: int) -> Iterator[Box]:
+    depth = len(prefix)
+    rest = shape[depth:]
+    row = dtypes.numel(rest[1:]) * item
+    if rest[0] == 0:
+        return
+    if row <= budget or len(rest) == 1:
+        step = max(1, budget // max(row, 1))
+        for start in range(0, rest[0], step):
+            n = min(step, rest[0] - start)
+            yield (*prefix, start, *(0,) * (len(rest) - 1)), (*(1,) * depth, n, *rest[1:])
+        return
+    for i in range(rest[0]):
+        yield from _slabs((*prefix, i), shape, item, budget)
+
+
+def cast(data: memoryview | bytes, src: str, dst: str) -> memoryview:
+    """Cast raw bytes from dtype `src` to `dst` (floating types only), returning the new bytes."""
+    import torch
+
+    if not data:
+        return memoryview(b"")
+    tensor = torch.frombuffer(data, dtype=getattr(torch, src)).to(getattr(torch, dst))
+    return memoryview(tensor.view(torch.uint8).numpy())

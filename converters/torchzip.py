@@ -1,0 +1,154 @@
+"""Locate the pieces of a `torch.save` zip archive by reading its headers, never its tensor data.
+
+A torch.save file (and every DCP tensor record) is an uncompressed zip: `<archive>/data.pkl`
+describes the objects, `<archive>/data/<key>` holds each storage's raw bytes. `read_archive`
+returns where each storage's bytes start, and the unpickled `data.pkl` with `TensorRef`
+stand-ins in place of tensors.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from . import unpickle
+from .errors import FormatError
+from .storage import RangeReader
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length (30 bytes)
+_LOCAL_SIG = 0x04034B50
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_CENTRAL_SIG = 0x02014B50
+_EOCD_SIG = b"PK\x05\x06"
+_EOCD64_LOC_SIG = b"PK\x06\x07"
+_HEAD_READ = 4096
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    data_offset: int  # absolute offset of the member's bytes in the file
+    size: int
+
+
+@dataclass
+class Archive:
+    """A parsed torch.save archive: its members and the object tree of data.pkl."""
+
+    uri: str
+    members: dict[str, Member]
+    obj: Any
+
+    def storage(self, key: str) -> Member:
+        for name, member in self.members.items():
+            if name.endswith(f"/data/{key}") or name == f"data/{key}":
+                return member
+        raise FormatError(f"{self.uri}: storage data/{key} is missing from the archive; the file is damaged")
+
+
+def _zip64_sizes(extra: bytes, comp: int, uncomp: int, offset: int | None = None) -> tuple[int, int, int | None]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, pos)
+        if tag == 0x0001:
+            body = extra[pos + 4: pos + 4 + length]
+            values = list(struct.unpack_from(f"<{len(body) // 8}Q", body))
+            if uncomp == 0xFFFFFFFF and values:
+                uncomp = values.pop(0)
+            if comp == 0xFFFFFFFF and values:
+                comp = values.pop(0)
+            if offset is not None and offset == 0xFFFFFFFF and values:
+                offset = values.pop(0)
+            break
+        pos += 4 + length
+    return comp, uncomp, offset
+
+
+def _walk_local_headers(head: bytes, base: int, limit: int) -> tuple[list[Member], bool]:
+    """Walk local headers from the start of an archive; stop at the first storage member.
+
+    Returns (members, complete): complete is False when the walk could not finish from `head`.
+    """
+    members: list[Member] = []
+    pos = 0
+    while pos + _LOCAL.size <= len(head):
+        fields = _LOCAL.unpack_from(head, pos)
+        if fields[0] != _LOCAL_SIG:
+            return members, False
+        flags, method, comp, uncomp, name_len, extra_len = (fields[2], fields[3], fields[7], fields[8],
+                                                            fields[9], fields[10])
+        name_end = pos + _LOCAL.size + name_len
+        if flags & 0x08 or method != 0 or name_end + extra_len > len(head):
+            return members, False
+        name = head[pos + _LOCAL.size: name_end].decode("utf-8", "replace")
+        comp, uncomp, _ = _zip64_sizes(head[name_end: name_end + extra_len], comp, uncomp)
+        data_start = name_end + extra_len
+        members.append(Member(name, base + data_start, comp))
+        if "/data/" in name or name.startswith("data/"):
+            return members, True
+        pos = data_start + comp
+        if pos >= limit:
+            break
+    return members, bool(members) and any(m.name.endswith("data.pkl") for m in members)
+
+
+def _central_members(reader: RangeReader, uri: str, base: int, length: int) -> list[Member]:
+    tail_len = min(length, 65536 + 22)
+    tail = reader.read(uri, base + length - tail_len, tail_len)
+    at = tail.rfind(_EOCD_SIG)
+    if at < 0:
+        raise FormatError(f"{uri}: not a torch.save archive (no zip directory at byte {base}); "
+                          "the file is damaged or not a PyTorch checkpoint")
+    count, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
+    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:
+        loc = tail.rfind(_EOCD64_LOC_SIG, 0, at)
+        (eocd64_offset,) = struct.unpack_from("<Q", tail, loc + 8)
+        eocd64 = reader.read(uri, base + eocd64_offset, 56)
+        count, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
+    directory = reader.read(uri, base + cd_offset, cd_size)
+    members: list[Member] = []
+    pos = 0
+    for _ in range(count):
+        fields = _CENTRAL.unpack_from(directory, pos)
+        if fields[0] != _CENTRAL_SIG:
+            raise FormatError(f"{uri}: damaged zip directory")
+        comp, uncomp, name_len, extra_len, comment_len, local_offset = (fields[8], fields[9], fields[10],
+                                                                       fields[11], fields[12], fields[16])
+        name = directory[pos + 46: pos + 46 + name_len].decode("utf-8", "replace")
+        extra = directory[pos + 46 + name_len: pos + 46 + name_len + extra_len]
+        comp, uncomp, local_offset = _zip64_sizes(extra, comp, uncomp, local_offset)
+        local = reader.read(uri, base + local_offset, _LOCAL.size)
+        lf = _LOCAL.unpack(local)
+        data_offset = base + local_offset + _LOCAL.size + lf[9] + lf[10]
+        members.append(Member(name, data_offset, comp))
+        pos += 46 + name_len + extra_len + comment_len
+    return members
+
+
+def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | None = None,
+                 allowed: dict[str, Any] | None = None, label: str | None = None,
+                 single_storage: bool = False) -> Archive:
+    """Parse the torch.save archive stored at `uri[offset:offset+length]`.
+
+    `single_storage` (DCP records) lets the parser stop at the first storage, found from the head
+    of the archive in one read; otherwise the zip directory lists every member.
+    """
+    label = label or uri
+    if length is None:
+        from .storage import size
+
+        length = size(uri) - offset
+    head = reader.read(uri, offset, min(length, _HEAD_READ))
+    members, complete = _walk_local_headers(head, offset, length) if single_storage else ([], False)
+    if not complete:
+        members = _central_members(reader, uri, offset, length)
+    by_name = {m.name: m for m in members}
+    pkl = next((m for m in members if m.name.endswith("data.pkl")), None)
+    if pkl is None:
+        raise FormatError(f"{label}: not a torch.save archive (no data.pkl)")
+    rel = pkl.data_offset - offset
+    pkl_bytes = head[rel: rel + pkl.size] if rel + pkl.size <= len(head) else reader.read(
+        uri, pkl.data_offset, pkl.size)
+    obj = unpickle.loads(pkl_bytes, label, allowed, unpickle.torch_storage_loader(label))
+    return Archive(uri, by_name, obj)

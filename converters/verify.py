@@ -1,0 +1,136 @@
+"""Compare two checkpoint indexes tensor by tensor, streaming both in the same bounded slabs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import dtypes
+from .copier import DEFAULT_MEMORY_LIMIT
+from .index import CheckpointIndex, TensorEntry
+from .storage import RangeReader
+from .tensorio import cast, read_box, slabs
+from .writers.objects import load_object
+
+
+@dataclass
+class VerifyReport:
+    compared: int = 0
+    compared_bytes: int = 0
+    missing: list[str] = field(default_factory=list)  # in the first, not in the second
+    extra: list[str] = field(default_factory=list)  # in the second, not in the first
+    mismatched: list[str] = field(default_factory=list)  # shape or dtype differs
+    different: list[str] = field(default_factory=list)  # values differ
+    max_abs_diff: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.extra or self.mismatched or self.different)
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"identical: {self.compared} entries, {self.compared_bytes} bytes compared"
+        parts = []
+        for label, names in (("missing", self.missing), ("extra", self.extra),
+                             ("shape/dtype differ", self.mismatched), ("values differ", self.different)):
+            if names:
+                parts.append(f"{label}: {', '.join(names[:8])}" + (f" (+{len(names) - 8})" if len(names) > 8 else ""))
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "compared": self.compared, "compared_bytes": self.compared_bytes,
+                "missing": self.missing, "extra": self.extra, "mismatched": self.mismatched,
+                "different": self.different, "max_abs_diff": self.max_abs_diff}
+
+
+def _compare(reader: RangeReader, a: TensorEntry, b: TensorEntry, budget: int, atol: float, rtol: float,
+             cast_ok: bool) -> tuple[bool, float]:
+    """(equal, max |a-b|): bytes must match exactly, unless dtypes differ and a cast is allowed."""
+    item = max(dtypes.itemsize(a.dtype), dtypes.itemsize(b.dtype))
+    exact = a.dtype == b.dtype and atol == 0 and rtol == 0
+    worst = 0.0
+    equal = True
+    for box in slabs(a.shape, item, budget):
+        n = dtypes.numel(box[1])
+        buf_a = memoryview(bytearray(n * dtypes.itemsize(a.dtype)))
+        buf_b = memoryview(bytearray(n * dtypes.itemsize(b.dtype)))
+        read_box(reader, a, box, buf_a)
+        read_box(reader, b, box, buf_b)
+        if exact:
+            if buf_a != buf_b:
+                equal = False
+                worst = max(worst, _max_diff(buf_a, buf_b, a.dtype, b.dtype))
+            continue
+        if cast_ok and a.dtype != b.dtype and atol == 0 and rtol == 0:
+            # a cast output: the first side cast to the second's dtype must match bit for bit
+            if bytes(cast(buf_a, a.dtype, b.dtype)) != bytes(buf_b):
+                equal = False
+                worst = max(worst, _max_diff(buf_a, buf_b, a.dtype, b.dtype))
+            continue
+        ok, diff = _close(buf_a, buf_b, a.dtype, b.dtype, atol, rtol)
+        equal = equal and ok
+        worst = max(worst, diff)
+    return equal, worst
+
+
+def _tensors(buf_a: memoryview, buf_b: memoryview, da: str, db: str) -> tuple[Any, Any]:
+    import torch
+
+    ta = torch.frombuffer(buf_a, dtype=getattr(torch, da)) if len(buf_a) else torch.empty(0)
+    tb = torch.frombuffer(buf_b, dtype=getattr(torch, db)) if len(buf_b) else torch.empty(0)
+    return ta.double(), tb.double()
+
+
+def _max_diff(buf_a: memoryview, buf_b: memoryview, da: str, db: str) -> float:
+    ta, tb = _tensors(buf_a, buf_b, da, db)
+    return float((ta - tb).abs().nan_to_num(float("inf")).max()) if ta.numel() else 0.0
+
+
+def _close(buf_a: memoryview, buf_b: memoryview, da: str, db: str, atol: float, rtol: float) -> tuple[bool, float]:
+    import torch
+
+    ta, tb = _tensors(buf_a, buf_b, da, db)
+    if not ta.numel():
+        return True, 0.0
+    return bool(torch.allclose(ta, tb, rtol=rtol, atol=atol, equal_nan=True)), float((ta - tb).abs().max())
+
+
+def verify_indexes(a: CheckpointIndex, b: CheckpointIndex, reader: RangeReader, *, atol: float = 0.0,
+                   rtol: float = 0.0, cast_ok: bool = False,
+                   memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
+    report = VerifyReport()
+    budget = max(64 * 1024, memory_limit // 4)
+    report.missing = sorted(set(a.tensors) - set(b.tensors))
+    report.extra = sorted(set(b.tensors) - set(a.tensors))
+    for name, ta in a.tensors.items():
+        tb = b.tensors.get(name)
+        if tb is None:
+            continue
+        if ta.shape != tb.shape or (ta.dtype != tb.dtype and not cast_ok):
+            report.mismatched.append(f"{name} ({ta.dtype}{list(ta.shape)} vs {tb.dtype}{list(tb.shape)})")
+            continue
+        equal, diff = _compare(reader, ta, tb, budget, atol, rtol, cast_ok)
+        report.compared += 1
+        report.compared_bytes += ta.nbytes
+        if not equal:
+            report.different.append(name)
+            report.max_abs_diff[name] = diff
+    for name in sorted(set(a.objects) & set(b.objects)):
+        report.compared += 1
+        if load_object(a.objects[name], reader) != load_object(b.objects[name], reader):
+            report.different.append(name)
+    return report
+
+
+def find_tie(index: CheckpointIndex, name: str, reader: RangeReader) -> str | None:
+    """Another tensor of `index` with exactly the same values as `name` (same bytes), or None."""
+    target = index.tensors[name]
+    candidates = [t for n, t in index.tensors.items()
+                  if n != name and t.shape == target.shape and t.dtype == target.dtype]
+    for other in candidates:
+        if [c.data for c in other.chunks] == [c.data for c in target.chunks]:
+            return other.name
+    for other in candidates:
+        if _compare(reader, target, other, 64 * 1024 * 1024, 0.0, 0.0, False)[0]:
+            return other.name
+    return None

@@ -1,0 +1,57 @@
+"""Write one `torch.save` file of the full state dict, streamed storage by storage (no torch import)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import dtypes, picklewriter
+from ..copier import Copier
+from ..index import CheckpointIndex
+from ..zipwriter import ZipWriter
+from .objects import load_object
+
+
+def nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
+    """Rebuild nested dicts from key paths; dicts whose keys are 0..n-1 from a list become lists."""
+    root: dict = {}
+    for path, value in pairs:
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any, key: str = "") -> Any:
+    """`param_groups` become lists again; integer parameter ids under `state` become ints again."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v, k) for k, v in node.items()}
+    if key == "param_groups" and all(k.isdigit() for k in node):
+        return [node[k] for k in sorted(node, key=int)]
+    if key == "state" and node and all(k.isdigit() for k in node):
+        return {int(k): v for k, v in node.items()}
+    return node
+
+
+def write_torch(index: CheckpointIndex, path: str, copier: Copier, *, cast_to: str | None
+                ) -> list[tuple[str, int]]:
+    """Nest entries by their paths: a flat {fqn: tensor} dict for a model, `model`/`optim` dicts for both."""
+    pairs: list[tuple[tuple[str, ...], Any]] = []
+    storages = []
+    for i, (name, entry) in enumerate(index.tensors.items()):
+        dtype = copier.out_dtype(entry, cast_to)
+        pairs.append((entry.path, picklewriter.tensor(str(i), dtype, entry.shape)))
+        storages.append((str(i), entry, dtype))
+    for name, obj in index.objects.items():
+        pairs.append((obj.path, load_object(obj, copier.reader)))
+    root = nest(pairs)
+    with open(path, "wb") as fh:
+        zw = ZipWriter(fh, archive="archive")
+        zw.add("data.pkl", picklewriter.dumps(root))
+        for key, entry, dtype in storages:
+            zw.write_member(f"data/{key}", copier.stream(entry, cast_to),
+                            dtypes.numel(entry.shape) * dtypes.itemsize(dtype))
+        zw.add_torch_records()
+        size = zw.close()
+    return [(path, size)]
