@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Pytho
         self.write(pickle.EMPTY_LIST)
         self._batch_appends(iter(obj))
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
     dispatch[dict] = save_dict
     dispatch[list] = save_list
 

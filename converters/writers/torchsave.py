@@ -39,11 +39,11 @@ def write_torch(index: CheckpointIndex, path: str, copier: Copier, *, cast_to: s
     """Nest entries by their paths: a flat {fqn: tensor} dict for a model, `model`/`optim` dicts for both."""
     pairs: list[tuple[tuple[str, ...], Any]] = []
     storages = []
-    for i, (name, entry) in enumerate(index.tensors.items()):
+    for i, entry in enumerate(index.tensors.values()):
         dtype = copier.out_dtype(entry, cast_to)
         pairs.append((entry.path, picklewriter.tensor(str(i), dtype, entry.shape)))
         storages.append((str(i), entry, dtype))
-    for name, obj in index.objects.items():
+    for obj in index.objects.values():
         pairs.append((obj.path, load_object(obj, copier.reader)))
     root = nest(pairs)
     with open(path, "wb") as fh:

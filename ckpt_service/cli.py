@@ -1,0 +1,230 @@
+"""`ckptctl`: inspect, convert, export, verify, reshard and sample checkpoints from the shell.
+
+Errors from the engine become one line on stderr and exit code 2 (1 for a failed verify); torch is
+imported only by the commands that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from converters.errors import CkptError
+
+from .summary import summarize
+from .units import human, parse_size
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Convert, reshard, export and verify sharded PyTorch checkpoints, offline and streaming.")
+out = Console()
+err = Console(stderr=True)
+
+From = Annotated[str | None, typer.Option("--from", help="Force the source format (dcp, accelerate, hf-dcp, "
+                                          "safetensors, torch, rank-files).")]
+Only = Annotated[str, typer.Option(help="Which entries to write: model, optim or all.")]
+Rename = Annotated[list[str] | None, typer.Option("--rename", help="REGEX=REPLACEMENT applied to parameter names "
+                                                  "(repeatable).")]
+Include = Annotated[list[str] | None, typer.Option("--include", help="Keep only names matching this glob.")]
+Exclude = Annotated[list[str] | None, typer.Option("--exclude", help="Drop names matching this glob.")]
+DType = Annotated[str | None, typer.Option("--dtype", help="Cast floating-point tensors: float32, bfloat16, "
+                                           "float16.")]
+ShardSize = Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard, e.g. 5GB.")]
+MemLimit = Annotated[str, typer.Option("--memory-limit", help="Cap on tensor bytes held in memory.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing target.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON document.")]
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def errors() -> Iterator[None]:
+    try:
+        yield
+    except CkptError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was left behind", 130)
+
+
+@contextmanager
+def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("converting", total=None)
+
+        def update(p: Any) -> None:
+            bar.update(task, completed=p.done_bytes, total=p.total_bytes or None)
+
+        yield update
+
+
+def key_options(only: str, clean: bool, rename: list[str] | None, include: list[str] | None,
+                exclude: list[str] | None) -> Any:
+    from converters.transforms import KeyOptions
+
+    return KeyOptions(only=only, clean=clean, renames=KeyOptions.parse_renames(rename or []),  # type: ignore[arg-type]
+                      include=include or [], exclude=exclude or [])
+
+
+def print_result(result: Any, as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+        return
+    for line in result.report:
+        err.print(f"[dim]{line}[/]", highlight=False)
+    total = sum(size for _, size in result.outputs)
+    out.print(f"wrote {result.target}: {len(result.outputs)} file(s), {human(total)}", highlight=False)
+    if result.verify is not None:
+        out.print(f"verify: {result.verify.summary()}", highlight=False)
+
+
+@app.command()
+def inspect(source: Annotated[str, typer.Argument(help="Checkpoint path or URI.")], source_format: From = None,
+            tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
+            as_json: AsJson = False) -> None:
+    """Describe a checkpoint from its metadata alone (no tensor data is read)."""
+    from converters.api import inspect as inspect_index
+
+    with errors():
+        info = summarize(inspect_index(source, source_format), tensors)
+    if as_json:
+        out.print_json(json.dumps(info))
+        return
+    for key in ("uri", "format", "producer", "world_size", "tensors", "objects", "has_optimizer", "files"):
+        out.print(f"{key:>14}: {info[key]}", highlight=False)
+    out.print(f"{'total_bytes':>14}: {info['total_bytes']} ({human(info['total_bytes'])})", highlight=False)
+    out.print(f"{'dtypes':>14}: " + ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()), highlight=False)
+    if "bytes_per_file" in info:
+        out.print(f"{'balance':>14}: {info['balance']} (smallest / largest file)", highlight=False)
+        for name, size in info["bytes_per_file"].items():
+            out.print(f"{'':>14}  {name}: {human(size)}", highlight=False)
+    if "non_tensor_entries" in info:
+        names = info["non_tensor_entries"]
+        out.print(f"{'non-tensor':>14}: " + ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""),
+                  highlight=False)
+    if tensors:
+        table = Table("name", "dtype", "shape", "chunks")
+        for row in info["tensor_table"]:
+            table.add_row(row["name"], row["dtype"], str(row["shape"]), str(row["chunks"]))
+        out.print(table)
+
+
+def _convert(source: str, target: str, to: str, source_format: str | None, keys: Any, dtype: str | None,
+             max_shard_size: str, memory_limit: str, overwrite: bool, drop_tied: list[str] | None,
+             verify: bool, quiet: bool, as_json: bool) -> None:
+    from converters.api import ConvertOptions, convert
+
+    with errors():
+        options = ConvertOptions(to=to, source_format=source_format, keys=keys, dtype=dtype,  # type: ignore[arg-type]
+                                 max_shard_size=parse_size(max_shard_size), memory_limit=parse_size(memory_limit),
+                                 overwrite=overwrite, drop_tied=drop_tied or [], verify=verify)
+        with progress_bar(quiet or as_json) as update:
+            result = convert(source, target, options, update)
+    print_result(result, as_json)
+
+
+DropTied = Annotated[list[str] | None, typer.Option("--drop-tied", help="Leave out NAME, a tensor equal to "
+                                                    "another (e.g. lm_head.weight); the tie is recorded.")]
+Verify = Annotated[bool, typer.Option("--verify", help="Compare the output with the source before finishing.")]
+
+
+@app.command()
+def convert(source: str, target: str,
+            to: Annotated[str, typer.Option("--to", help="Output format: safetensors or torch.")] = "safetensors",
+            source_format: From = None, only: Only = "all",
+            clean_keys: Annotated[bool, typer.Option("--clean-keys/--keep-keys", help="Strip wrapper prefixes "
+                                                     "and containers.")] = False,
+            rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
+            max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
+            drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False) -> None:
+    """Convert a checkpoint to one safetensors/torch output (model and optimizer by default, keys as they are)."""
+    with errors():
+        keys = key_options(only, clean_keys, rename, include, exclude)
+    _convert(source, target, to, source_format, keys, dtype, max_shard_size, memory_limit, overwrite, drop_tied,
+             verify, quiet, as_json)
+
+
+@app.command()
+def export(source: str, target: str, source_format: From = None, only: Only = "model",
+           keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
+           rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
+           max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
+           drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False) -> None:
+    """Export model weights to HF-style sharded safetensors for serving (clean keys by default)."""
+    with errors():
+        keys = key_options(only, not keep_keys, rename, include, exclude)
+    _convert(source, target, "safetensors", source_format, keys, dtype, max_shard_size, memory_limit, overwrite,
+             drop_tied, verify, quiet, as_json)
+
+
+@app.command()
+def verify(a: str, b: str, only: Only = "all",
+           keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Compare names exactly as stored.")] = False,
+           rename: Rename = None, include: Include = None, exclude: Exclude = None,
+           atol: Annotated[float, typer.Option(help="Absolute tolerance (for cast outputs).")] = 0.0,
+           rtol: Annotated[float, typer.Option(help="Relative tolerance (for cast outputs).")] = 0.0,
+           a_format: Annotated[str | None, typer.Option("--from-a")] = None,
+           b_format: Annotated[str | None, typer.Option("--from-b")] = None,
+           memory_limit: MemLimit = "256MiB", as_json: AsJson = False) -> None:
+    """Compare two checkpoints tensor by tensor (exact unless --atol/--rtol); exit 1 when they differ."""
+    from converters.api import verify as verify_checkpoints
+
+    with errors():
+        keys = key_options(only, not keep_keys, rename, include, exclude)
+        keys.nest = False
+        report = verify_checkpoints(a, b, keys=keys, atol=atol, rtol=rtol, a_format=a_format, b_format=b_format,
+                                    memory_limit=parse_size(memory_limit))
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        out.print(("OK " if report.ok else "DIFFERENT ") + report.summary(), highlight=False)
+        for name, diff in list(report.max_abs_diff.items())[:20]:
+            out.print(f"  {name}: max |a-b| = {diff:g}", highlight=False)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")] = 2,
+           size: Annotated[str, typer.Option(help="tiny, small, or a size such as 1GB.")] = "small",
+           layout: Annotated[str, typer.Option(help="fsdp2-dcp, fsdp1-dcp, accelerate, rank-files-dtensor, "
+                                               "rank-files-sharded, hf-dcp, torch-full, safetensors, ...")] = "fsdp2-dcp",
+           dtype: Annotated[str, typer.Option(help="float32 or bfloat16 parameters.")] = "float32",
+           tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings")] = False,
+           model_only: Annotated[bool, typer.Option("--model-only", help="No optimizer state.")] = False) -> None:
+    """Train a small model one step with real FSDP on CPU (gloo) and save its checkpoint."""
+    from .sample import make_sample
+
+    with errors():
+        try:
+            make_sample(target, world_size=world_size, layout=layout, size=size, dtype=dtype,
+                        tie_embeddings=tie_embeddings, with_optim=not model_only)
+        except ValueError as exc:
+            fail(str(exc))
+    out.print(f"wrote {layout} sample at world size {world_size}: {target}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""What `inspect` reports about a checkpoint, as a plain dict (the CLI prints it, the API returns it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from converters import dtypes as dt
+from converters.index import CheckpointIndex
+
+
+def rank_bytes(index: CheckpointIndex) -> dict[str, int]:
+    """Bytes of tensor data per data file (per rank for DCP)."""
+    per: Counter[str] = Counter()
+    for entry in index.tensors.values():
+        for chunk in entry.chunks:
+            per[chunk.data.uri.rsplit("/", 1)[-1]] += chunk.numel * dt.itemsize(entry.dtype)
+    return dict(sorted(per.items()))
+
+
+def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
+    dtypes = Counter(t.dtype for t in index.tensors.values())
+    out: dict[str, Any] = {
+        "uri": index.uri,
+        "format": index.format,
+        "producer": index.producer,
+        "world_size": index.world_size,
+        "tensors": len(index.tensors),
+        "objects": len(index.objects),
+        "total_bytes": index.total_bytes,
+        "dtypes": dict(dtypes.most_common()),
+        "has_optimizer": index.has_optimizer(),
+        "files": len(index.files),
+    }
+    per = rank_bytes(index)
+    if len(per) > 1:
+        sizes = list(per.values())
+        out["bytes_per_file"] = per
+        out["balance"] = round(min(sizes) / max(sizes), 4) if max(sizes) else 1.0
+    if index.objects:
+        out["non_tensor_entries"] = sorted(index.objects)
+    if tensors:
+        out["tensor_table"] = [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks)}
+            for t in index.tensors.values()]
+    return out

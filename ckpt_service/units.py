@@ -1,0 +1,27 @@
+"""Human sizes: "5GB" (decimal, as Hugging Face counts shards), "256MiB" (binary), or plain bytes."""
+
+from __future__ import annotations
+
+import re
+
+from converters.errors import OptionError
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_size(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise OptionError(f"size {text!r}: write a number with an optional unit, e.g. 5GB, 256MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
