@@ -101,6 +101,14 @@ def _rebuild_parameter(data: Any, *_: Any) -> Any:
     return data
 
 
+class _Dict(dict):
+    """OrderedDict stand-in; BUILD state (e.g. a state dict's `_metadata`) becomes attributes, not items."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
 def _path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts).replace("//", "/")
 
@@ -130,7 +138,7 @@ BASE_ALLOWED: dict[str, Any] = {
     "torch._utils._rebuild_tensor_v3": lambda s, o, size, stride, *rest: _rebuild_tensor(s, o, size, stride),
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "collections.OrderedDict": dict,
+    "collections.OrderedDict": _Dict,
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.slice": slice,

@@ -1,0 +1,22 @@
+"""Real sharded sample checkpoints, made by training a tiny model under FSDP on CPU (gloo).
+
+>>> make_sample("out/ckpt", layout="fsdp2-dcp", world_size=2, size="tiny", reference="out/ref.pt")
+
+See :func:`make_sample` for the options and :data:`LAYOUTS` for the on-disk layouts.
+"""
+
+from .api import load_and_step, make_sample, make_samples
+from .layouts import ENGINE, LAYOUTS, expected_files
+from .model import SampleConfig, SampleModel, config_for_size
+
+__all__ = [
+    "ENGINE",
+    "LAYOUTS",
+    "SampleConfig",
+    "SampleModel",
+    "config_for_size",
+    "expected_files",
+    "load_and_step",
+    "make_sample",
+    "make_samples",
+]

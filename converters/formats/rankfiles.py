@@ -1,0 +1,226 @@
+"""Reader for per-rank `torch.save` files of a sharded state dict (`rank0.pt … rankN.pt`,
+Accelerate's `pytorch_model_fsdp_0_rank{r}.bin`): FSDP1 ShardedTensor and FSDP2 DTensor values.
+
+The files are read through the allow-list unpickler: ShardedTensor and DTensor become plain
+records of their metadata and local tensor, so no process group, no torch.distributed import and
+no foreign code is needed. A DTensor's local storage carries FSDP2's padding; its true chunk is
+computed from the global shape with `torch.chunk` semantics and read as a prefix of that storage.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .. import dtypes, storage
+from ..errors import FormatError, UnsafePickleError
+from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
+from ..torchzip import Archive, read_archive
+from ..unpickle import BASE_ALLOWED, Stub, TensorRef, stub
+from .torchsave import flatten, tensor_entry
+
+_RANK = re.compile(r"^(?P<stem>.*?)_?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
+
+
+@dataclass
+class Wrapped:
+    """A tensor subclass instance (ShardedTensor, DTensor) as `_rebuild_from_type_v2` describes it."""
+
+    kind: str
+    args: tuple
+    state: Any
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: tuple, state: Any) -> Wrapped:
+    kind = getattr(new_type, "qualname", str(new_type))
+    return Wrapped(kind, args, state)
+
+
+def _safe_getattr(obj: Any, name: str) -> Any:
+    if isinstance(obj, type) and issubclass(obj, Stub):
+        return stub(f"{obj.qualname}.{name}")
+    raise UnsafePickleError(f"pickle calls getattr({type(obj).__name__}, {name!r}); refusing")
+
+
+_STUBS = [
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor",
+    "torch.distributed._shard.sharded_tensor.shard.Shard",
+    "torch.distributed._shard.metadata.ShardMetadata",
+    "torch.distributed.remote_device._remote_device",
+    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor._api.DTensor",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+    "torch.distributed.device_mesh.DeviceMesh",
+    "torch.distributed._mesh_layout._MeshLayout",
+    "torch.distributed._mesh_layout._FlatLayout",
+    "torch.distributed.tensor.placement_types.Shard",
+    "torch.distributed.tensor.placement_types.Replicate",
+    "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.distributed._tensor.placement_types.Shard",
+    "torch.distributed._tensor.placement_types.Replicate",
+]
+ALLOWED: dict[str, Any] = {
+    **BASE_ALLOWED,
+    **{name: stub(name) for name in _STUBS},
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
+    "torch._utils._rebuild_wrapper_subclass": lambda *args: ("wrapper-subclass", args),
+    "__builtin__.getattr": _safe_getattr,
+    "builtins.getattr": _safe_getattr,
+}
+
+
+def _chunk_bounds(dim_size: int, world: int, rank: int) -> tuple[int, int]:
+    """(offset, size) of `rank`'s piece of `dim_size` rows under torch.chunk semantics."""
+    step = -(-dim_size // world) if dim_size else 0
+    start = min(rank * step, dim_size)
+    return start, max(0, min(step, dim_size - start))
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """The state of a stub as a dict (dataclass state, or (None, slots) pairs)."""
+    state = obj.state if isinstance(obj, Stub) else obj
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        merged = dict(state[0] or {})
+        merged.update(state[1])
+        return merged
+    return state if isinstance(state, dict) else {}
+
+
+class RankFilesReader:
+    format = "rank-files"
+
+    def __init__(self, uri: str, reader: storage.RangeReader) -> None:
+        self.uri = uri
+        self.reader = reader
+
+    def _groups(self) -> dict[str, dict[int, str]]:
+        """stem -> {rank: path}, e.g. {"": {0: rank0.pt, 1: rank1.pt}, "optim_": {...}}."""
+        folder = self.uri if storage.isdir(self.uri) else storage.parent(self.uri)
+        groups: dict[str, dict[int, str]] = {}
+        for name in storage.listdir(folder):
+            m = _RANK.match(name)
+            if m:
+                groups.setdefault(m.group("stem"), {})[int(m.group("rank"))] = storage.join(folder, name)
+        if not storage.isdir(self.uri):
+            stem = _RANK.match(storage.basename(self.uri))
+            groups = {stem.group("stem"): groups[stem.group("stem")]} if stem else {}
+        return groups
+
+    def index(self, locate: bool = True) -> CheckpointIndex:
+        groups = self._groups()
+        if not groups:
+            raise FormatError(f"{self.uri}: no per-rank files (rank0.pt, …_rank0.bin) found")
+        world = {len(g) for g in groups.values()}
+        index = CheckpointIndex(uri=self.uri, format=self.format, world_size=max(world),
+                                files=sorted(storage.basename(p) for g in groups.values() for p in g.values()))
+        kinds: set[str] = set()
+        for stem, files in sorted(groups.items()):
+            n = len(files)
+            missing = sorted(set(range(n)) - set(files))
+            if missing:
+                raise FormatError(f"{self.uri}: {stem}rank{missing[0]} file is missing (found ranks "
+                                  f"{sorted(files)}); copy every rank's file")
+            optimizer = "optim" in stem.lower()
+            for rank, path in sorted(files.items()):
+                archive = read_archive(self.reader, path, allowed=ALLOWED)
+                self._add_file(index, archive, rank, n, ("optim",) if optimizer else (), kinds)
+        for entry in index.tensors.values():
+            check_tiling(entry, self.uri)
+        index.producer = " + ".join(sorted(kinds)) or "torch.save per rank"
+        return index
+
+    def _add_file(self, index: CheckpointIndex, archive: Archive, rank: int, world: int,
+                  prefix: tuple[str, ...], kinds: set[str]) -> None:
+        if not isinstance(archive.obj, dict):
+            raise FormatError(f"{archive.uri}: holds a {type(archive.obj).__name__}, not a state dict")
+        for path, value in flatten(archive.obj).items():
+            path = (*prefix, *path)
+            name = ".".join(path)
+            if isinstance(value, Wrapped):
+                chunks, dtype, shape = self._wrapped_chunks(archive, name, value, rank, world, kinds)
+                entry = index.tensors.get(name)
+                if entry is None:
+                    index.tensors[name] = TensorEntry(name, dtype, shape, chunks, path=path)
+                else:
+                    entry.chunks.extend(chunks)
+            elif isinstance(value, TensorRef):
+                if name not in index.tensors:  # replicated on every rank: keep rank 0's copy
+                    entry = tensor_entry(name, value, archive)
+                    entry.path = path
+                    index.tensors[name] = entry
+            elif name not in index.objects:
+                index.objects[name] = ObjectEntry(name, value=value, path=path)
+
+    def _wrapped_chunks(self, archive: Archive, name: str, value: Wrapped, rank: int, world: int,
+                        kinds: set[str]) -> tuple[list[Chunk], str, tuple[int, ...]]:
+        marker, args = value.args[0] if value.args and isinstance(value.args[0], tuple) else (None, value.args)
+        if marker != "wrapper-subclass":
+            args = value.args
+        dtype, shape = str(args[1]), tuple(int(s) for s in args[2])
+        where = f"{archive.uri} ({name})"
+        if value.kind.endswith("ShardedTensor"):
+            kinds.add("FSDP1 ShardedTensor")
+            return self._sharded_tensor(archive, where, value, shape), dtype, shape
+        if value.kind.endswith("DTensor"):
+            kinds.add("FSDP2 DTensor")
+            return self._dtensor(archive, where, value, shape, rank, world), dtype, shape
+        raise FormatError(f"{where}: unsupported tensor subclass {value.kind}")
+
+    def _sharded_tensor(self, archive: Archive, where: str, value: Wrapped, shape: tuple[int, ...]) -> list[Chunk]:
+        state = value.state
+        shards = state[0] if isinstance(state, tuple) else _fields(state).get("_local_shards", [])
+        chunks = []
+        for shard in shards:
+            f = _fields(shard)
+            meta = _fields(f.get("metadata"))
+            ref = f.get("tensor")
+            if not isinstance(ref, TensorRef):
+                raise FormatError(f"{where}: shard holds no tensor")
+            sizes = tuple(int(s) for s in meta["shard_sizes"])
+            if ref.shape != sizes:
+                raise FormatError(f"{where}: shard tensor is {list(ref.shape)}, metadata says {list(sizes)}")
+            entry = tensor_entry(where, ref, archive)
+            chunks.append(Chunk(tuple(int(o) for o in meta["shard_offsets"]), sizes, entry.chunks[0].data))
+        return chunks
+
+    def _dtensor(self, archive: Archive, where: str, value: Wrapped, shape: tuple[int, ...], rank: int,
+                 world: int) -> list[Chunk]:
+        state = _fields(value.state)
+        local, spec = state.get("_local_tensor"), _fields(state.get("_spec"))
+        placements = spec.get("placements") or ()
+        if not isinstance(local, TensorRef):
+            raise FormatError(f"{where}: DTensor holds no local tensor")
+        if len(placements) != 1:
+            raise FormatError(f"{where}: DTensor on a {len(placements)}-D mesh; only 1-D meshes (FSDP2) are "
+                              "supported for per-rank files; save with torch.distributed.checkpoint instead")
+        placement = placements[0]
+        if placement.qualname.endswith("Replicate"):
+            if rank != 0:
+                return []
+            entry = tensor_entry(where, local, archive)
+            return entry.chunks
+        if not placement.qualname.endswith(".Shard"):
+            raise FormatError(f"{where}: unsupported DTensor placement {placement.qualname}")
+        dim = int(_fields(placement).get("dim", placement.args[0] if placement.args else 0))
+        start, size = _chunk_bounds(shape[dim], world, rank)
+        sizes = tuple(size if d == dim else s for d, s in enumerate(shape))
+        offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+        if size == 0:
+            return []
+        if dim != 0 and not local.is_contiguous():
+            raise FormatError(f"{where}: non-contiguous local shard; save with torch.distributed.checkpoint")
+        # the local tensor may carry padding rows beyond `size`: take the leading `size` rows
+        trimmed = TensorRef(local.storage, local.offset, sizes, local.stride)
+        if dim != 0 and local.shape[dim] != size:
+            raise FormatError(f"{where}: padded shard on dim {dim} is not supported")
+        entry = tensor_entry(where, trimmed, archive)
+        if dtypes.numel(local.shape) < dtypes.numel(sizes):
+            raise FormatError(f"{where}: local shard {list(local.shape)} is smaller than its chunk {list(sizes)}")
+        return [Chunk(offsets, sizes, entry.chunks[0].data)]
