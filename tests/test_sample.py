@@ -311,7 +311,9 @@ def test_compiled_tied_bf16(compiled_out: Path) -> None:
 def test_make_sample_model_only(tmp_path: Path) -> None:
     out = tmp_path / "ckpt"
     out.mkdir()  # an empty folder may exist already
-    make_sample(out, world_size=WS, layout="fsdp1-dcp", size=SIZE, with_optim=False, reference=tmp_path / "r.pt")
+    make_sample(
+        out, world_size=WS, layout="fsdp1-dcp", size=SIZE, with_optim=False, reference=tmp_path / "r.pt"
+    )
     keys = list(FileSystemReader(out).read_metadata().state_dict_metadata)
     assert sorted(keys) == sorted(model_keys())  # top-level clean FQNs
     ref = load_ref(tmp_path / "r.pt")

@@ -31,9 +31,7 @@ ENGINE: dict[str, str] = {
 LAYOUTS: tuple[str, ...] = tuple(ENGINE)
 
 #: Layouts that hold optimizer state when ``with_optim`` is true.
-WITH_OPTIM_LAYOUTS = frozenset(
-    {"fsdp2-dcp", "fsdp1-dcp", "accelerate", "rank-files-dtensor", "rank-files-sharded", "accelerate-rank-files"}
-)
+WITH_OPTIM_LAYOUTS = frozenset(LAYOUTS) - {"hf-dcp", "torch-full", "safetensors"}
 
 ACCEL_MODEL_DIR = "pytorch_model_fsdp_0"
 ACCEL_OPTIM_DIR = "optimizer_0"
@@ -198,19 +196,14 @@ def _save_torch_full(t: Trained, out: Path) -> None:
 
 def _shard_groups(sd: dict[str, torch.Tensor], n: int) -> list[list[str]]:
     """Split keys, in order, into at most ``n`` consecutive groups of about equal bytes."""
-    sizes = {k: v.numel() * v.element_size() for k, v in sd.items()}
-    n = max(1, min(n, len(sd)))
-    budget = sum(sizes.values()) / n
-    groups: list[list[str]] = [[]]
-    acc = 0
-    for i, key in enumerate(sd):
-        left_keys = len(sd) - i
-        need_new = groups[-1] and (acc + sizes[key] / 2 > budget * len(groups) or left_keys < n - len(groups) + 1)
-        if need_new and len(groups) < n:
-            groups.append([])
-        groups[-1].append(key)
-        acc += sizes[key]
-    return groups
+    sizes = [v.numel() * v.element_size() for v in sd.values()]
+    budget = max(sum(sizes), 1) / max(1, n)
+    groups: list[list[str]] = [[] for _ in range(max(1, n))]
+    done = 0
+    for key, size in zip(sd, sizes):
+        groups[min(len(groups) - 1, int((done + size / 2) // budget))].append(key)  # by the tensor's middle
+        done += size
+    return [g for g in groups if g]
 
 
 def _save_safetensors(t: Trained, out: Path) -> None:
