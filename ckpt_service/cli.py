@@ -62,8 +62,7 @@ def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
     if quiet or not sys.stderr.isatty():
         yield None
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -206,7 +205,7 @@ def verify(a: str, b: str, only: Only = "all",
 def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")] = 2,
            size: Annotated[str, typer.Option(help="tiny, small, or a size such as 1GB.")] = "small",
            layout: Annotated[str, typer.Option(help="fsdp2-dcp, fsdp1-dcp, accelerate, rank-files-dtensor, "
-                                               "rank-files-sharded, hf-dcp, torch-full, safetensors, ...")] = "fsdp2-dcp",
+                                               "rank-files-sharded, hf-dcp, torch-full, ...")] = "fsdp2-dcp",
            dtype: Annotated[str, typer.Option(help="float32 or bfloat16 parameters.")] = "float32",
            tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings")] = False,
            model_only: Annotated[bool, typer.Option("--model-only", help="No optimizer state.")] = False) -> None:

@@ -11,7 +11,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from converters.api import ConvertOptions, convert
-from converters.transforms import KeyOptions
 
 from .conftest import FSDP1_LAYOUTS, FSDP2_LAYOUTS, Sample, assert_same_tensors, ckptctl
 
@@ -94,7 +93,7 @@ def test_cast_never_touches_integer_tensors(tmp_path: Path) -> None:
     assert torch.equal(got["w"], sd["w"].bfloat16()) and torch.equal(got["h"], sd["h"].bfloat16())
 
 
-def test_bf16_parameters_export_exactly(samples, tmp_path: Path) -> None:  # noqa: ANN001
+def test_bf16_parameters_export_exactly(samples, tmp_path: Path) -> None:
     sample = samples.one("fsdp2-bf16", "fsdp2-dcp", world_size=2, dtype="bfloat16")
     ckptctl("export", sample.path, tmp_path / "out")
     got = load_export(tmp_path / "out")
@@ -102,7 +101,7 @@ def test_bf16_parameters_export_exactly(samples, tmp_path: Path) -> None:  # noq
     assert_same_tensors(got, sample.ref()["model"])
 
 
-def test_tied_embeddings_are_written_twice_or_dropped_on_request(samples, tmp_path: Path) -> None:  # noqa: ANN001
+def test_tied_embeddings_are_written_twice_or_dropped_on_request(samples, tmp_path: Path) -> None:
     sample = samples.one("fsdp2-tied", "fsdp2-dcp", world_size=2, tie_embeddings=True)
     ref = sample.ref()["model"]
     ckptctl("export", sample.path, tmp_path / "both")
@@ -119,7 +118,7 @@ def test_tied_embeddings_are_written_twice_or_dropped_on_request(samples, tmp_pa
     assert bad.returncode == 2 and "lose data" in bad.stderr and not (tmp_path / "bad").exists()
 
 
-def test_compiled_model_prefixes_are_stripped(samples, tmp_path: Path) -> None:  # noqa: ANN001
+def test_compiled_model_prefixes_are_stripped(samples, tmp_path: Path) -> None:
     sample = samples.one("fsdp2-compiled", "torch-full", world_size=2, compile_prefix=True)
     proc = ckptctl("export", sample.path, tmp_path / "out")
     assert "_orig_mod." in proc.stderr  # reported
@@ -146,7 +145,8 @@ def test_non_tensor_entries_are_reported_for_safetensors(fsdp2: dict[str, Sample
     assert "optim.param_groups.0.lr" in result["skipped"]
     got = load_export(tmp_path / "all")
     ref = fsdp2["fsdp2-dcp"].ref()
-    assert torch.equal(got["optim.state.tok_emb.weight.exp_avg_sq"], ref["optim"]["state"]["tok_emb.weight"]["exp_avg_sq"])
+    want = ref["optim"]["state"]["tok_emb.weight"]["exp_avg_sq"]
+    assert torch.equal(got["optim.state.tok_emb.weight.exp_avg_sq"], want)
 
 
 def test_single_file_targets_and_small_memory_limit(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
