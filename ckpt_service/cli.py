@@ -202,6 +202,33 @@ def verify(a: str, b: str, only: Only = "all",
 
 
 @app.command()
+def reshard(source: str, target: str, world_size: Annotated[int, typer.Option("--world-size", help="Target ranks.")],
+            layout: Annotated[str, typer.Option(help="Sharding policy: fsdp2 (dim-0 torch.chunk pieces).")] = "fsdp2",
+            shard_dim_rule: Annotated[list[str] | None, typer.Option("--shard-dim-rule", help="REGEX=DIM: split "
+                                                                     "matching parameters on DIM instead.")] = None,
+            source_format: From = None, only: Only = "model",
+            keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
+            rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
+            dtype_optim: Annotated[bool, typer.Option("--dtype-optim", help="Cast optimizer state too.")] = False,
+            memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False, verify: Verify = False,
+            quiet: Quiet = False, as_json: AsJson = False) -> None:
+    """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
+    from converters.layouts import parse_dim_rules
+    from converters.reshard import ReshardOptions
+    from converters.reshard import reshard as run_reshard
+
+    with errors():
+        options = ReshardOptions(world_size=world_size, layout=layout, dim_rules=parse_dim_rules(shard_dim_rule or []),
+                                 source_format=source_format, keys=key_options(only, not keep_keys, rename, include,
+                                                                               exclude),
+                                 dtype=dtype, dtype_optim=dtype_optim, memory_limit=parse_size(memory_limit),
+                                 overwrite=overwrite, verify=verify)
+        with progress_bar(quiet or as_json) as update:
+            result = run_reshard(source, target, options, update)
+    print_result(result, as_json)
+
+
+@app.command()
 def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")] = 2,
            size: Annotated[str, typer.Option(help="tiny, small, or a size such as 1GB.")] = "small",
            layout: Annotated[str, typer.Option(help="fsdp2-dcp, fsdp1-dcp, accelerate, rank-files-dtensor, "

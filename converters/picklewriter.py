@@ -32,6 +32,10 @@ class Obj:
     state: Any
 
 
+class Pairs(list):
+    """A dict given as (key, value) pairs, for keys that are not hashable here (e.g. `Obj`)."""
+
+
 @dataclass(frozen=True)
 class Persistent:
     pid: tuple
@@ -48,6 +52,9 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Pytho
             self.save(obj.func)
             self.save(obj.args)
             self.write(pickle.REDUCE)
+        elif isinstance(obj, Pairs):
+            self.write(pickle.EMPTY_DICT)
+            self._batch_setitems(iter(obj))
         elif isinstance(obj, Obj):
             self.save(obj.cls)
             self.save(())

@@ -171,6 +171,12 @@ def worker(rank: int, job: Job) -> None:
             raise ValueError(f"unknown job mode {job.mode!r}")
         dist.barrier()
         Path(job.done_dir, f"rank{rank}").touch()
+    except (KeyboardInterrupt, SystemExit, Exception):
+        raise
+    except BaseException as e:
+        # DCP's CheckpointException derives from BaseException, which torch.multiprocessing does not
+        # report to the parent: re-raise it as an Exception so its message reaches the caller.
+        raise RuntimeError(f"{type(e).__name__}: {e}") from e
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,121 @@
+"""Reshard any checkpoint into a DCP folder laid out for a target world size (model and optimizer).
+
+Optimizer state travels with its parameter: each per-parameter state tensor is split by the layout
+under the parameter's name, so `exp_avg` lands on the same rank, in the same box, as its weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import dtypes, storage
+from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
+from .errors import FormatError, OptionError
+from .formats import load_index
+from .index import CheckpointIndex, TensorEntry
+from .layouts import make_layout
+from .transforms import KeyOptions, _parts, apply
+from .verify import VerifyReport, verify_indexes
+from .writers.dcp import Piece, write_dcp
+from .writers.objects import load_object
+
+
+@dataclass
+class ReshardOptions:
+    world_size: int
+    layout: str = "fsdp2"
+    dim_rules: list[tuple[str, int]] = field(default_factory=list)
+    source_format: str | None = None
+    keys: KeyOptions = field(default_factory=KeyOptions)
+    dtype: str | None = None
+    dtype_optim: bool = False
+    memory_limit: int = DEFAULT_MEMORY_LIMIT
+    overwrite: bool = False
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise OptionError(f"--world-size {self.world_size}: must be a positive integer")
+        self.dtype = dtypes.cast_target(self.dtype)
+        if self.dtype_optim and self.dtype is None:
+            raise OptionError("--dtype-optim needs --dtype")
+
+
+@dataclass
+class ReshardResult:
+    target: str
+    world_size: int
+    outputs: list[tuple[str, int]]
+    report: list[str]
+    verify: VerifyReport | None = None
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "world_size": self.world_size,
+                "outputs": [{"name": n, "bytes": b} for n, b in self.outputs], "report": self.report,
+                "verify": self.verify.to_dict() if self.verify else None}
+
+
+def check_optimizer_names(view: CheckpointIndex) -> None:
+    """Every optimizer state entry must name a parameter the model has (when both are present)."""
+    params = {_parts(e.path).fqn for e in view.tensors.values() if not _parts(e.path).optimizer}
+    if not params:
+        return
+    for entry in [*view.tensors.values(), *view.objects.values()]:
+        parts = _parts(entry.path)
+        if parts.optimizer and parts.section == ("state",) and parts.fqn not in params:
+            raise FormatError(f"optimizer state {entry.name!r} belongs to parameter {parts.fqn!r}, which the model "
+                              "does not have; check --rename/--include, or reshard with --only model")
+    for name, obj in view.objects.items():
+        parts = _parts(obj.path)
+        if parts.optimizer and parts.leaf == ("params",) and obj.value is not None:
+            unknown = [p for p in obj.value if isinstance(p, str) and p not in params]
+            if unknown:
+                raise FormatError(f"{name} lists parameter {unknown[0]!r}, which the model does not have")
+
+
+def reshard(source: str, target: str, options: ReshardOptions,
+            on_progress: Callable[[Progress], None] | None = None) -> ReshardResult:
+    storage.check_target(target, options.overwrite)
+    layout = make_layout(options.layout, options.dim_rules)
+    reader = storage.RangeReader()
+    try:
+        index = load_index(source, options.source_format, reader=reader)
+        view, report = apply(index, options.keys)
+        if not view.tensors:
+            raise OptionError(f"{source}: no tensors selected (--only {options.keys.only})")
+        for obj in view.objects.values():  # resolve values now, so renamed param lists are final
+            obj.value, obj.data = load_object(obj, reader), None
+        check_optimizer_names(view)
+
+        def cast_for(entry: TensorEntry) -> str | None:
+            optimizer = _parts(entry.path).optimizer
+            return options.dtype if (not optimizer or options.dtype_optim) else None
+
+        copier = Copier(reader, options.memory_limit, Progress(total_bytes=view.total_bytes,
+                                                               total_tensors=len(view.tensors),
+                                                               callback=on_progress))
+        plan: list[list[Piece]] = [[] for _ in range(options.world_size)]
+        for name, entry in view.tensors.items():
+            fqn = _parts(entry.path).fqn or name
+            out_dtype = copier.out_dtype(entry, cast_for(entry))
+            for rank, box in enumerate(layout.boxes(fqn, entry.shape, options.world_size)):
+                if box is not None:
+                    plan[rank].append(Piece(name, entry, box, out_dtype))
+        empty = sum(1 for pieces in plan if not pieces)
+        if empty:
+            report.append(f"{empty} of {options.world_size} ranks hold no tensor data (more ranks than rows)")
+        with storage.atomic_output(target, options.overwrite) as tmp:
+            outputs = write_dcp(view, tmp, copier, plan, cast_for)
+            result = ReshardResult(target, options.world_size, outputs, report)
+            if options.verify:
+                written = load_index(tmp, "dcp", reader=reader)
+                cast = options.dtype is not None
+                result.verify = verify_indexes(view, written, reader, cast_ok=cast, memory_limit=options.memory_limit)
+                if not result.verify.ok:
+                    from .errors import VerifyError
+
+                    raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
+        return result
+    finally:
+        reader.close()
