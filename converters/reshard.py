@@ -96,15 +96,21 @@ def reshard(source: str, target: str, options: ReshardOptions,
                                                                total_tensors=len(view.tensors),
                                                                callback=on_progress))
         plan: list[list[Piece]] = [[] for _ in range(options.world_size)]
+        uneven = 0
         for name, entry in view.tensors.items():
             fqn = _parts(entry.path).fqn or name
             out_dtype = copier.out_dtype(entry, cast_for(entry))
-            for rank, box in enumerate(layout.boxes(fqn, entry.shape, options.world_size)):
+            boxes = layout.boxes(fqn, entry.shape, options.world_size)
+            uneven += bool(entry.shape) and None in boxes
+            for rank, box in enumerate(boxes):
                 if box is not None:
                     plan[rank].append(Piece(name, entry, box, out_dtype))
+        if uneven:
+            report.append(f"{uneven} tensors have fewer rows than {options.world_size} ranks: some ranks hold empty "
+                          "shards of them, as FSDP2 does")
         empty = sum(1 for pieces in plan if not pieces)
         if empty:
-            report.append(f"{empty} of {options.world_size} ranks hold no tensor data (more ranks than rows)")
+            report.append(f"{empty} of {options.world_size} ranks hold no tensor data at all")
         with storage.atomic_output(target, options.overwrite) as tmp:
             outputs = write_dcp(view, tmp, copier, plan, cast_for)
             result = ReshardResult(target, options.world_size, outputs, report)

@@ -16,6 +16,7 @@ the step on it gives the same result at every world size (up to float rounding):
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,24 @@ def _write_reference(ref: dict[str, Any] | None, path: str | None) -> None:
         torch.save(ref, path)
 
 
+_T0 = time.monotonic()
+
+
+def log(phase: str) -> None:
+    """With CKPT_SAMPLE_DEBUG=1, print the phase, seconds since start and this rank's RSS (now / peak)."""
+    if os.environ.get("CKPT_SAMPLE_DEBUG", "") in ("", "0"):
+        return
+    mem = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS", "VmHWM")):
+                key, value = line.split(":")
+                mem[key] = int(value.split()[0]) // 1024
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    rss, peak = mem.get("VmRSS", -1), mem.get("VmHWM", -1)
+    print(f"[sample rank {rank}] {time.monotonic() - _T0:7.2f}s {phase}: rss {rss} MB, peak {peak} MB", flush=True)
+
+
 def _setup_env(rank: int, job: Job) -> None:
     # Accelerate's PartialState(cpu=True) reads these to join the running group.
     os.environ.update(
@@ -182,23 +201,29 @@ def worker(rank: int, job: Job) -> None:
 
 
 def _make(rank: int, job: Job) -> None:
+    log("start")
     model = shard(build_model(job.cfg, job.seed, DTYPES[job.dtype]), job.engine, job.world_size)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    log("built and sharded")
     # torch.compile only wraps (the compiled forward never runs): training goes through the inner
     # module, state dicts through the wrapper, whose keys then carry `_orig_mod.`.
     sd_module = torch.compile(model) if job.compile_prefix else model
     train_step(model, optim, first_batch(job.cfg, job.seed, rank))
+    log("trained")
 
     if job.reference is not None:
         _write_reference(full_reference(model, optim, job.engine), job.reference)
+        log("reference written")
     trained = Trained(model, optim, sd_module, job.engine, rank, job.world_size, job.with_optim)
     for layout, out in job.outs.items():
         save_layout(layout, trained, Path(out))
         dist.barrier()
+        log(f"saved {layout}")
 
     if job.step_reference is not None:
         train_step(model, optim, shared_batch(job.cfg, job.seed))
         _write_reference(full_reference(model, optim, job.engine), job.step_reference)
+        log("second step reference written")
 
 
 def _load(rank: int, job: Job) -> None:

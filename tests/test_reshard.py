@@ -1,0 +1,164 @@
+"""reshard: real FSDP2 jobs at the target world size load the output and train on identically."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_service.sample import load_and_step, make_samples
+from converters.layouts import chunk_bounds
+from converters.reshard import ReshardOptions, reshard
+from converters.transforms import KeyOptions
+
+from .conftest import Sample, Samples, assert_same_tensors, ckptctl
+
+
+def fsdp2_ws4(samples: Samples) -> Sample:
+    key = "fsdp2-ws4"
+    if key not in samples.made:
+        base = samples.root / key
+        base.mkdir()
+        make_samples({"fsdp2-dcp": base / "dcp"}, world_size=4, size="tiny", reference=base / "reference.pt",
+                     extra_step_reference=base / "step.pt")
+        samples.made[key] = Sample(base / "dcp", base / "reference.pt")
+    return samples.made[key]
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert_same_tensors(got["model"], want["model"])
+    assert sorted(got["optim"]["state"]) == sorted(want["optim"]["state"])
+    for fqn, state in want["optim"]["state"].items():
+        assert_same_tensors(got["optim"]["state"][fqn], state)
+
+
+def check_rank_files(folder: Path, world_size: int) -> None:
+    """Rank R's file holds exactly FSDP2's rank-R dim-0 slice of every tensor, and nothing else."""
+    md = pickle.loads((folder / ".metadata").read_bytes())  # our own output, written by this test run
+    for index, info in md.storage_data.items():
+        meta = md.state_dict_metadata[index.fqn]
+        if not hasattr(meta, "chunks"):
+            assert info.relative_path == "__0_0.distcp"
+            continue
+        if len(meta.size) == 0:
+            assert info.relative_path == "__0_0.distcp"
+            continue
+        rank = int(info.relative_path.split("_")[2])
+        start, length = chunk_bounds(meta.size[0], world_size, rank)
+        chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
+        assert (chunk.offsets[0], chunk.sizes[0]) == (start, length), (index.fqn, rank)
+        assert tuple(chunk.sizes[1:]) == tuple(meta.size[1:])
+    assert sorted(p.name for p in folder.glob("*.distcp")) == sorted(f"__{r}_0.distcp" for r in range(world_size))
+
+
+def load_at(folder: Path, world_size: int, tmp_path: Path, **kwargs: object) -> tuple[dict, dict]:
+    after_load, after_step = tmp_path / f"load{world_size}.pt", tmp_path / f"step{world_size}.pt"
+    load_and_step(folder, world_size=world_size, size="tiny", reference_after_load=after_load,
+                  reference_after_step=after_step, **kwargs)
+    return torch.load(after_load, weights_only=True), torch.load(after_step, weights_only=True)
+
+
+def test_fsdp2_4_to_3_loads_and_steps_like_the_original(samples: Samples, tmp_path: Path) -> None:
+    src = fsdp2_ws4(samples)
+    out = tmp_path / "ws3"
+    ckptctl("reshard", src.path, out, "--world-size", "3", "--only", "all", "--verify")
+    check_rank_files(out, 3)
+    loaded, stepped = load_at(out, 3, tmp_path)
+    assert_same_state(loaded, src.ref())
+    original_step = torch.load(src.reference.parent / "step.pt", weights_only=True)
+    for name, tensor in original_step["model"].items():
+        torch.testing.assert_close(stepped["model"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("key", "target_ws"), [("fsdp2-ws2", 4), ("fsdp2-ws4", 1), ("fsdp1-ws2", 3)])
+def test_reshard_matrix(key: str, target_ws: int, samples: Samples, fsdp1: dict[str, Sample],
+                        fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    src = {"fsdp2-ws2": fsdp2["fsdp2-dcp"], "fsdp1-ws2": fsdp1["fsdp1-dcp"]}.get(key) or fsdp2_ws4(samples)
+    out = tmp_path / "out"
+    reshard(str(src.path), str(out), ReshardOptions(world_size=target_ws, keys=KeyOptions(only="all")))
+    check_rank_files(out, target_ws)
+    loaded, _ = load_at(out, target_ws, tmp_path)
+    assert_same_state(loaded, src.ref())
+
+
+@pytest.mark.parametrize("layout", ["rank-files-dtensor", "rank-files-sharded", "safetensors", "accelerate"])
+def test_other_inputs_reshard_into_fsdp2(layout: str, fsdp1: dict[str, Sample], fsdp2: dict[str, Sample],
+                                         tmp_path: Path) -> None:
+    src = {**fsdp1, **fsdp2}[layout]
+    # per-rank DTensor optimizer files key state by parameter id, so those reshard the model alone
+    only = "model" if layout in ("rank-files-dtensor", "safetensors") else "all"
+    out = tmp_path / "out"
+    ckptctl("reshard", src.path, out, "--world-size", "3", "--only", only)
+    loaded, _ = load_at(out, 3, tmp_path)
+    if only == "all":
+        assert_same_state(loaded, src.ref())
+    else:
+        assert_same_tensors(loaded["model"], src.ref()["model"])
+
+
+def test_export_then_reshard_to_2(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    src = fsdp2["fsdp2-dcp"]
+    ckptctl("export", src.path, tmp_path / "hf", "--max-shard-size", "100KB")
+    ckptctl("reshard", tmp_path / "hf", tmp_path / "ws2", "--world-size", "2")
+    loaded, _ = load_at(tmp_path / "ws2", 2, tmp_path)
+    assert_same_tensors(loaded["model"], src.ref()["model"])
+
+
+def test_round_trip_4_3_4_is_identical(samples: Samples, tmp_path: Path) -> None:
+    src = fsdp2_ws4(samples)
+    ckptctl("reshard", src.path, tmp_path / "ws3", "--world-size", "3", "--only", "all")
+    ckptctl("reshard", tmp_path / "ws3", tmp_path / "ws4", "--world-size", "4", "--only", "all")
+    proc = ckptctl("verify", src.path, tmp_path / "ws4")
+    assert proc.stdout.startswith("OK")
+
+
+def test_more_ranks_than_rows_and_dtype_rules(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    src = fsdp2["fsdp2-dcp"]
+    out = tmp_path / "ws64"
+    proc = ckptctl("reshard", src.path, out, "--world-size", "64", "--only", "all", "--dtype", "bfloat16",
+                   "--verify")
+    assert "fewer rows than 64 ranks" in proc.stderr
+    check_rank_files(out, 64)
+    from converters.api import verify
+
+    report = verify(str(src.path), str(out), keys=KeyOptions(only="optim", nest=False))
+    assert report.ok  # optimizer state is not cast without --dtype-optim
+    from converters.formats import load_index
+
+    index = load_index(str(out))
+    assert {t.dtype for n, t in index.tensors.items() if n.startswith("model.")} == {"bfloat16"}
+    assert {t.dtype for n, t in index.tensors.items() if n.startswith("optim.")} == {"float32"}
+
+
+def test_shard_dim_rule(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    src = fsdp2["fsdp2-dcp"]
+    out = tmp_path / "cols"
+    ckptctl("reshard", src.path, out, "--world-size", "2", "--shard-dim-rule", r"lm_head\.weight$=1")
+    md = pickle.loads((out / ".metadata").read_bytes())
+    chunks = md.state_dict_metadata["lm_head.weight"].chunks
+    width = md.state_dict_metadata["lm_head.weight"].size[1]
+    assert [(tuple(c.offsets), tuple(c.sizes)[1]) for c in chunks] == [((0, 0), -(-width // 2)),
+                                                                       ((0, -(-width // 2)), width // 2)]
+    proc = ckptctl("verify", src.path, out, "--only", "model")
+    assert proc.returncode == 0
+
+
+def test_bad_reshard_input(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    src = fsdp2["fsdp2-dcp"]
+    proc = ckptctl("reshard", src.path, tmp_path / "a", "--world-size", "0", check=False)
+    assert proc.returncode == 2 and "--world-size" in proc.stderr
+    (tmp_path / "exists").mkdir()
+    proc = ckptctl("reshard", src.path, tmp_path / "exists", "--world-size", "2", check=False)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    # an optimizer whose state names a parameter the model does not have
+    bad = tmp_path / "bad.pt"
+    torch.save({"model": {"w": torch.ones(4, 2)},
+                "optim": {"state": {"w": {"exp_avg": torch.ones(4, 2)}, "ghost.weight": {"exp_avg": torch.ones(3)}},
+                          "param_groups": [{"lr": 0.1, "params": ["w", "ghost.weight"]}]}}, bad)
+    proc = ckptctl("reshard", bad, tmp_path / "b", "--world-size", "2", "--only", "all", check=False)
+    assert proc.returncode == 2 and "ghost.weight" in proc.stderr
+    assert not (tmp_path / "b").exists()
+    shutil.rmtree(tmp_path / "exists")
