@@ -108,7 +108,8 @@ class RangeReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def _fd(self, path: str) -> int:
+    def fd(self, path: str) -> int:
+        """A shared read-only descriptor of a local file (kept open until `close`)."""
         fd = self._fds.get(path)
         if fd is None:
             with self._lock:
@@ -126,7 +127,7 @@ class RangeReader:
         if length == 0:
             return b""
         if is_local(uri):
-            data = os.pread(self._fd(local_path(uri)), length, offset)
+            data = os.pread(self.fd(local_path(uri)), length, offset)
         else:
             fs, path = filesystem(uri)
             data = fs.cat_file(path, start=offset, end=offset + length)
@@ -140,7 +141,7 @@ class RangeReader:
         if length == 0:
             return
         if is_local(uri):
-            fd = self._fd(local_path(uri))
+            fd = self.fd(local_path(uri))
             got = os.preadv(fd, [view], offset)
             while got < length:
                 more = os.preadv(fd, [view[got:]], offset + got)

@@ -9,15 +9,14 @@ to Python objects element by element.
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-import numpy as np
+from typing import Any
 
 from . import dtypes
 from .index import Chunk, TensorEntry
 from .storage import RangeReader
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
 
 
 def _full_rows(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -66,6 +65,8 @@ def read_box(reader: RangeReader, entry: TensorEntry, box: Box, out: memoryview)
 def _copy_general(reader: RangeReader, entry: TensorEntry, chunk: Chunk, inter: Box, box: Box,
                   out: memoryview, item: int) -> None:
     """Copy `entry[inter]` from `chunk` into the box buffer through numpy views."""
+    import numpy as np
+
     utype = _UINT[item]
     data = chunk.data
     first = inter[0][0] - chunk.offsets[0]
@@ -116,10 +117,76 @@ def _slabs(prefix: tuple[int, ...], shape: tuple[int, ...], item: int, budget: i
 
 
 def cast(data: memoryview | bytes, src: str, dst: str) -> memoryview:
-    """Cast raw bytes from dtype `src` to `dst` (floating types only), returning the new bytes."""
-    import torch
+    """Cast raw bytes between float32, float64, float16 and bfloat16, rounding as torch's `.to()` does.
 
+    numpy does the work (round to nearest even; NaN stays NaN; overflow gives inf) in blocks of
+    `_CAST_BLOCK` elements, so the temporaries stay small and casting needs no torch import.
+    """
     if not data:
         return memoryview(b"")
-    tensor = torch.frombuffer(data, dtype=getattr(torch, src)).to(getattr(torch, dst))
-    return memoryview(tensor.view(torch.uint8).numpy())
+    if src not in _FLOATS or dst not in _FLOATS:
+        import torch
+
+        tensor = torch.frombuffer(data, dtype=getattr(torch, src)).to(getattr(torch, dst))
+        return memoryview(tensor.view(torch.uint8).numpy())
+    import numpy as np
+
+    source = np.frombuffer(data, dtype=_FLOATS[src])
+    out = np.empty(len(source), dtype=_FLOATS[dst])
+    with np.errstate(over="ignore"):
+        for i in range(0, len(source), _CAST_BLOCK):
+            block = _to_f32(source[i: i + _CAST_BLOCK], src)
+            _from_f32(block, dst, out[i: i + _CAST_BLOCK])
+    return memoryview(out).cast("B")
+
+
+_FLOATS = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2"}
+_CAST_BLOCK = 1 << 20
+
+
+def _to_f32(block: Any, src: str) -> Any:
+    if src == "bfloat16":
+        return (block.astype("<u4") << 16).view("<f4")
+    return block.astype("<f4", copy=False)
+
+
+def _from_f32(values: Any, dst: str, out: Any) -> None:
+    """Write float32 `values` into `out` (dtype of `dst`); bfloat16 rounds to nearest even like torch."""
+    if dst != "bfloat16":
+        out[...] = values
+        return
+    bits = values.view("<u4")
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += 0x7FFF
+    rounded += bits
+    rounded >>= 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out[...] = rounded
+    out[nan] = ((bits[nan] >> 16) | 0x0040).astype("<u2")
+
+
+def direct_ranges(entry: TensorEntry, box: Box | None = None) -> list[tuple[str, int, int]] | None:
+    """The byte ranges whose concatenation is `entry[box]`, when no reshaping is needed; else None.
+
+    That holds when every chunk is contiguous storage tiling whole rows and the box spans whole rows.
+    """
+    if box is None:
+        box = ((0,) * len(entry.shape), entry.shape)
+    offsets, sizes = box
+    if not entry.shape:
+        chunk = entry.chunks[0]
+        return [(chunk.data.uri, chunk.data.offset, chunk.data.length)]
+    if not _full_rows(offsets, sizes, entry.shape):
+        return None
+    row = _row_bytes(entry.shape, dtypes.itemsize(entry.dtype))
+    out = []
+    for chunk in sorted(entry.chunks, key=lambda c: c.offsets[0]):
+        if chunk.data.stride is not None or not _full_rows(chunk.offsets, chunk.sizes, entry.shape):
+            return None
+        inter = _overlap(box, (chunk.offsets, chunk.sizes))
+        if inter is None:
+            continue
+        start = chunk.data.offset + (inter[0][0] - chunk.offsets[0]) * row
+        out.append((chunk.data.uri, start, inter[1][0] * row))
+    return out

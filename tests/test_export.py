@@ -93,6 +93,22 @@ def test_cast_never_touches_integer_tensors(tmp_path: Path) -> None:
     assert torch.equal(got["w"], sd["w"].bfloat16()) and torch.equal(got["h"], sd["h"].bfloat16())
 
 
+def test_cast_and_copy_across_many_slabs(tmp_path: Path) -> None:
+    """Tensors far larger than one slab (a 1MiB memory limit) come out exact, cast or not."""
+    src = tmp_path / "big.pt"
+    sd = {"a": torch.randn(1001, 333) * 1e3, "b": torch.randn(777, 129).double(), "c": torch.randn(5000).half(),
+          "t": torch.randn(300, 400).t(), "s": torch.tensor(3.5)}
+    sd["a"][0, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])
+    torch.save(sd, src)
+    for dtype in (None, "bfloat16", "float16", "float32"):
+        out = tmp_path / f"out-{dtype}"
+        convert(str(src), str(out), ConvertOptions(dtype=dtype, memory_limit=1024 * 1024, verify=True))
+        got = load_file(out / "model.safetensors")
+        for name, tensor in sd.items():
+            want = tensor.to(getattr(torch, dtype)) if dtype else tensor
+            assert torch.equal(got[name], want), (dtype, name)
+
+
 def test_bf16_parameters_export_exactly(samples, tmp_path: Path) -> None:
     sample = samples.one("fsdp2-bf16", "fsdp2-dcp", world_size=2, dtype="bfloat16")
     ckptctl("export", sample.path, tmp_path / "out")

@@ -3,6 +3,10 @@
 >>> make_sample("out/ckpt", layout="fsdp2-dcp", world_size=2, size="tiny", reference="out/ref.pt")
 
 See :func:`make_sample` for the options and :data:`LAYOUTS` for the on-disk layouts.
+
+The ranks are started with torch.multiprocessing's "spawn": a script that calls these functions must
+guard its top level with ``if __name__ == "__main__":`` (pytest and ``python -c`` need nothing).
+Set ``CKPT_SAMPLE_DEBUG=1`` to have every rank print its phases, seconds and memory.
 """
 
 from .api import load_and_step, make_sample, make_samples

@@ -106,7 +106,8 @@ def make_sample(
     ``world_size`` gloo processes are spawned. ``size`` is ``"tiny"``, ``"small"`` or a byte size such as
     ``"1GB"`` (fp32 parameter bytes). ``dtype`` is ``"float32"`` or ``"bfloat16"`` (parameters cast
     before sharding). ``compile_prefix`` takes state dicts from ``torch.compile(model)`` so model keys
-    carry ``_orig_mod.``. ``with_optim=False`` saves the model alone.
+    carry ``_orig_mod.``. ``with_optim=False`` saves the model alone (``hf-dcp``, ``torch-full`` and
+    ``safetensors`` always hold the model alone).
 
     ``reference``: a ``torch.save`` file of the exact full state after the step,
     ``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}}``, clean FQNs.

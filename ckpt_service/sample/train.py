@@ -15,6 +15,8 @@ the step on it gives the same result at every world size (up to float rounding):
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import time
 import warnings
@@ -71,6 +73,7 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Ten
     optim.zero_grad(set_to_none=True)
     next_token_loss(model, tokens).backward()
     optim.step()
+    optim.zero_grad(set_to_none=True)  # no gradient memory held while saving
 
 
 def shard(model: nn.Module, engine: str, world_size: int) -> nn.Module:
@@ -92,15 +95,23 @@ def shard(model: nn.Module, engine: str, world_size: int) -> nn.Module:
 
 
 def _plain(obj: Any) -> Any:
-    """Detached, contiguous CPU copies of every tensor in a nested state dict."""
+    """Detached, compact CPU tensors throughout a nested state dict (dicts and lists updated in place).
+
+    Gathered tensors may be views into padded all-gather buffers: those are cloned, one at a time, so
+    the peak stays at one extra tensor rather than a second copy of the whole state.
+    """
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
-        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.is_contiguous()
-        return t if whole and t is not obj else t.clone()
+        compact = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if compact else t.clone()
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
+        for key in list(obj):
+            obj[key] = _plain(obj[key])
+        return obj
     if isinstance(obj, list):
-        return [_plain(v) for v in obj]
+        for i, value in enumerate(obj):
+            obj[i] = _plain(value)
+        return obj
     if isinstance(obj, tuple):
         return tuple(_plain(v) for v in obj)
     return obj
@@ -140,6 +151,14 @@ def _write_reference(ref: dict[str, Any] | None, path: str | None) -> None:
     if ref is not None and path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(ref, path)
+    del ref
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise; matters for GB-sized samples)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 _T0 = time.monotonic()
@@ -157,7 +176,8 @@ def log(phase: str) -> None:
                 mem[key] = int(value.split()[0]) // 1024
     rank = dist.get_rank() if dist.is_initialized() else -1
     rss, peak = mem.get("VmRSS", -1), mem.get("VmHWM", -1)
-    print(f"[sample rank {rank}] {time.monotonic() - _T0:7.2f}s {phase}: rss {rss} MB, peak {peak} MB", flush=True)
+    elapsed = time.monotonic() - _T0
+    print(f"[sample rank {rank}] {elapsed:7.2f}s {phase}: rss {rss} MB, peak {peak} MB", flush=True)
 
 
 def _setup_env(rank: int, job: Job) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .. import dtypes
-from ..copier import Copier
+from ..copier import Copier, pwrite_all
 from ..index import CheckpointIndex, TensorEntry
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,13 +52,22 @@ def header_bytes(items: list[Planned], metadata: dict[str, str]) -> bytes:
 
 
 def write_file(path: str, items: list[Planned], copier: Copier, cast_to: str | None,
-               metadata: dict[str, str]) -> int:
-    with open(path, "wb", buffering=0) as fh:
-        fh.write(header_bytes(items, metadata))
+               metadata: dict[str, str], pool: ThreadPoolExecutor) -> int:
+    """Write one safetensors file: the header, then every tensor at its offset, several at a time."""
+    header = header_bytes(items, metadata)
+    total = len(header) + sum(item.nbytes for item in items)
+    with open(path, "wb") as fh:
+        fd = fh.fileno()
+        pwrite_all(fd, header, 0)
+        offsets, at = [], len(header)
         for item in items:
-            for block in copier.stream(item.entry, cast_to):
-                fh.write(block)
-        return fh.tell()
+            offsets.append(at)
+            at += item.nbytes
+        futures = [pool.submit(copier.write_at, fd, off, item.entry, cast_to) for off, item in zip(offsets, items)]
+        for future in futures:
+            future.result()
+        os.ftruncate(fd, total)
+    return total
 
 
 def write_safetensors(index: CheckpointIndex, out_dir: str, copier: Copier, *, cast_to: str | None,
@@ -66,19 +76,20 @@ def write_safetensors(index: CheckpointIndex, out_dir: str, copier: Copier, *, c
     """Write the tensors of `index` under `out_dir` (or to the file `out_dir` when `single_file`)."""
     meta = {"format": "pt", **(metadata or {})}
     items = [Planned(name, entry, copier.out_dtype(entry, cast_to)) for name, entry in index.tensors.items()]
-    if single_file:
-        return [(out_dir, write_file(out_dir, items, copier, cast_to, meta))]
-    os.makedirs(out_dir, exist_ok=True)
-    shards = plan_shards(items, max_shard_size)
-    if len(shards) == 1:
-        path = os.path.join(out_dir, SINGLE_NAME)
-        return [(SINGLE_NAME, write_file(path, shards[0], copier, cast_to, meta))]
-    written: list[tuple[str, int]] = []
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        written.append((name, write_file(os.path.join(out_dir, name), shard, copier, cast_to, meta)))
-        weight_map.update({item.name: name for item in shard})
+    with ThreadPoolExecutor(copier.threads, thread_name_prefix="ckpt-write") as pool:
+        if single_file:
+            return [(out_dir, write_file(out_dir, items, copier, cast_to, meta, pool))]
+        os.makedirs(out_dir, exist_ok=True)
+        shards = plan_shards(items, max_shard_size)
+        if len(shards) == 1:
+            path = os.path.join(out_dir, SINGLE_NAME)
+            return [(SINGLE_NAME, write_file(path, shards[0], copier, cast_to, meta, pool))]
+        written: list[tuple[str, int]] = []
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            written.append((name, write_file(os.path.join(out_dir, name), shard, copier, cast_to, meta, pool)))
+            weight_map.update({item.name: name for item in shard})
     index_doc = {"metadata": {"total_size": sum(i.nbytes for i in items), **(metadata or {})},
                  "weight_map": weight_map}
     with open(os.path.join(out_dir, INDEX_NAME), "w") as fh:
