@@ -61,6 +61,7 @@ class Copier:
         # room for a source slab and its cast copy in every thread
         self.slab_bytes = max(64 * 1024, memory_limit // (3 * self.threads))
         self._direct = hasattr(os, "copy_file_range")
+        self._local = threading.local()
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
@@ -75,12 +76,18 @@ class Copier:
         base, shape = box if box is not None else ((0,) * len(entry.shape), entry.shape)
         for offsets, sizes in slabs(shape, item, self.slab_bytes):
             absolute = (tuple(b + o for b, o in zip(base, offsets)), sizes)
-            buf = bytearray(dtypes.numel(sizes) * item)
-            view = memoryview(buf)
+            view = self._buffer(dtypes.numel(sizes) * item)
             read_box(self.reader, entry, absolute, view)
-            self.progress.add(len(buf))
+            self.progress.add(len(view))
             yield cast(view, entry.dtype, out_dtype) if out_dtype != entry.dtype else view
         self.progress.add(tensors=1)
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        """This thread's reusable slab buffer (valid until its next `stream` step): no page faults per slab."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(max(nbytes, min(self.slab_bytes, 1 << 20)))
+        return memoryview(buf)[:nbytes]
 
     def write_at(self, fd: int, offset: int, entry: TensorEntry, cast_to: str | None = None,
                  box: Box | None = None) -> None:

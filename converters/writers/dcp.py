@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,24 +92,33 @@ def write_dcp(index: CheckpointIndex, out_dir: str, copier: Copier, plan: list[l
         return Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                    {"relative_path": rel, "offset": offset, "length": length, "transform_descriptors": None})
 
-    for rank, pieces in enumerate(plan):
+    def write_rank(rank: int) -> tuple[list[tuple[Obj, Obj, Box | None]], tuple[str, int]]:
         rel = f"__{rank}_0.distcp"
+        entries: list[tuple[Obj, Obj, Box | None]] = []
         with open(os.path.join(out_dir, rel), "wb") as fh:
-            for piece in pieces:
+            for piece in plan[rank]:
                 nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
                 stream = copier.stream(piece.entry, cast_for(piece.entry), piece.box)
                 start, length = _record(fh, picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1])),
                                         [("data/0", stream, nbytes)])
-                chunks[piece.name].append(piece.box)
-                key = index_key(piece.name, piece.box[0], len(chunks[piece.name]) - 1)
-                storage_data.append((key, info(rel, start, length)))
+                entries.append((index_key(piece.name, piece.box[0], None), info(rel, start, length), piece.box))
             if rank == 0:
                 for name, obj in index.objects.items():
                     blob = object_blob(load_object(obj, copier.reader))
                     start = fh.tell()
                     fh.write(blob)
-                    storage_data.append((index_key(name, None, None), info(rel, start, len(blob))))
-            written.append((rel, fh.tell()))
+                    entries.append((index_key(name, None, None), info(rel, start, len(blob)), None))
+            return entries, (rel, fh.tell())
+
+    with ThreadPoolExecutor(min(copier.threads, len(plan)), thread_name_prefix="ckpt-rank") as pool:
+        results = list(pool.map(write_rank, range(len(plan))))
+    for entries, file_info in results:
+        for key, value, box in entries:
+            if box is not None:
+                key.state["index"] = len(chunks[key.state["fqn"]])
+                chunks[key.state["fqn"]].append(box)
+            storage_data.append((key, value))
+        written.append(file_info)
     sd_meta: dict[str, Any] = {}
     for name, entry in index.tensors.items():
         dtype = cast_for(entry) or entry.dtype
