@@ -248,9 +248,14 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
     out.print(f"wrote {layout} sample at world size {world_size}: {target}", highlight=False)
 
 
+from . import cli_client, cli_service  # noqa: E402, F401  (service and client commands, registered on `app`)
+
+
 def main() -> None:
     app()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m ckpt_service.cli`: run the package module's app, where all commands live
+    from ckpt_service.cli import main as package_main
+
+    package_main()

@@ -1,0 +1,58 @@
+"""/v1/checkpoints: register (inspects the URI), list, show, lineage, unregister (optionally purge)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request
+
+from ckpt_service.registry import CheckpointView, LineageView, RegisterRequest
+
+from .schemas import CheckpointPage, errors
+from .security import Reader, Writer
+
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
+CheckpointId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+@router.post("", status_code=201, response_model=CheckpointView,
+             responses=errors(401, 403, 409, 413, 422, 503), summary="Register a checkpoint")
+def register(body: RegisterRequest, request: Request, _: Writer) -> CheckpointView:
+    """Inspect the URI (metadata only) and record it with a name, tags and metadata."""
+    return request.app.state.service.register(body)
+
+
+@router.get("", response_model=CheckpointPage, responses=errors(401, 403, 422, 503), summary="List checkpoints")
+def list_checkpoints(request: Request, _: Reader,
+                     name: Annotated[str | None, Query(max_length=200)] = None,
+                     tag: Annotated[str | None, Query(max_length=64)] = None,
+                     format: Annotated[str | None, Query(max_length=32)] = None,
+                     limit: Annotated[int, Query(ge=1, le=200)] = 50,
+                     cursor: Annotated[str | None, Query(max_length=64)] = None) -> CheckpointPage:
+    items, next_cursor = request.app.state.service.checkpoints(name, tag, format, limit, cursor)
+    return CheckpointPage(items=items, next_cursor=next_cursor)
+
+
+@router.get("/{checkpoint_id}", response_model=CheckpointView, responses=errors(401, 403, 404, 422, 503),
+            summary="Show a checkpoint")
+def show(checkpoint_id: CheckpointId, request: Request, _: Reader,
+         tensors: bool = False) -> CheckpointView:
+    """The stored summary; `?tensors=true` re-reads the metadata and adds the tensor table."""
+    return request.app.state.service.checkpoint(checkpoint_id, tensors)
+
+
+@router.get("/{checkpoint_id}/lineage", response_model=LineageView, responses=errors(401, 403, 404, 422, 503),
+            summary="Walk a checkpoint's lineage")
+def lineage(checkpoint_id: CheckpointId, request: Request, _: Reader) -> LineageView:
+    """Ancestors (what it was derived from, recursively) and descendants, each with the job that made it."""
+    return request.app.state.service.lineage(checkpoint_id)
+
+
+@router.delete("/{checkpoint_id}", response_model=CheckpointView, responses=errors(401, 403, 404, 409, 422, 503),
+               summary="Unregister a checkpoint")
+def delete(checkpoint_id: CheckpointId, request: Request, principal: Writer,
+           purge: Annotated[bool, Query(description="Delete the data too (admin; only under a write root)")] = False
+           ) -> CheckpointView:
+    if purge:
+        request.app.state.checker.require(request.headers.get("authorization"), "admin")
+    return request.app.state.service.delete(checkpoint_id, purge)

@@ -1,0 +1,47 @@
+"""/healthz (process alive), /readyz (store reachable, workers alive), /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ckpt_service.errors import ServiceError
+
+from .schemas import Health, Ready, errors
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health, summary="Liveness")
+async def healthz() -> Health:
+    """Answers from the event loop without touching the store: the process is alive and serving."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Ready, responses={503: {"model": Ready}}, summary="Readiness")
+def readyz(request: Request) -> JSONResponse:
+    checks: dict[str, object] = {}
+    ready = True
+    try:
+        request.app.state.service.store.ping()
+        checks["store"] = "ok"
+    except ServiceError:
+        checks["store"], ready = "unreachable", False
+    pool = request.app.state.pool
+    if pool is not None:
+        alive = pool.alive()
+        checks["workers"] = {"alive": alive, "slots": pool.slots, "busy": pool.busy()}
+        ready = ready and alive
+    else:
+        checks["workers"] = "none in this process"
+    status = "ready" if ready else "unavailable"
+    return JSONResponse(Ready(status=status, checks=checks).model_dump(), status_code=200 if ready else 503)
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}},
+                                                            **errors(401, 403)}, summary="Prometheus metrics")
+def metrics(request: Request) -> Response:
+    if not request.app.state.settings.metrics_public:
+        request.app.state.checker.require(request.headers.get("authorization"), "read")
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,69 @@
+"""/v1/jobs: submit (202), list, read, cancel, and follow a job's events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from ckpt_service.jobs import JobSpec, JobView, Kind, State
+
+from .events import job_events
+from .schemas import JobPage, errors
+from .security import Reader, Writer
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+@router.post("", status_code=202, response_model=JobView, responses=errors(401, 403, 409, 413, 422, 429, 503),
+             summary="Submit a job")
+def submit(spec: JobSpec, request: Request, response: Response, principal: Writer,
+           idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200,
+                                                         description="Retries with the same key return the "
+                                                                     "same job.")] = None) -> JobView:
+    """Validate, authorise and queue a job. Returns 202 with the job; with a repeated `Idempotency-Key`,
+    the job the first request made (header `Idempotent-Replayed: true`)."""
+    job, created = request.app.state.service.submit(spec, principal, idempotency_key)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if not created:
+        response.headers["Idempotent-Replayed"] = "true"
+    return job
+
+
+@router.get("", response_model=JobPage, responses=errors(401, 403, 422, 503), summary="List jobs")
+def list_jobs(request: Request, _: Reader, state: State | None = None,
+              kind: Kind | None = None, limit: Annotated[int, Query(ge=1, le=200)] = 50,
+              cursor: Annotated[str | None, Query(max_length=32, description="next_cursor of the previous "
+                                                                             "page")] = None) -> JobPage:
+    """Newest first."""
+    items, next_cursor = request.app.state.service.jobs(state, kind, limit, cursor)
+    return JobPage(items=items, next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", response_model=JobView, responses=errors(401, 403, 404, 422, 503), summary="Read a job")
+def get_job(job_id: JobId, request: Request, _: Reader) -> JobView:
+    return request.app.state.service.job(job_id).view()
+
+
+@router.post("/{job_id}/cancel", response_model=JobView, responses=errors(401, 403, 404, 409, 422, 503),
+             summary="Cancel a job")
+def cancel(job_id: JobId, request: Request, _: Writer) -> JobView:
+    """A queued job is cancelled at once; a running job's process is stopped within seconds and its
+    partial output removed (the job shows `cancel_requested` until then)."""
+    return request.app.state.service.cancel(job_id)
+
+
+@router.get("/{job_id}/events", responses={200: {"content": {"text/event-stream": {}},
+                                                 "description": "SSE: state, progress, end"},
+                                           **errors(401, 403, 404, 422, 503)},
+            response_class=StreamingResponse, summary="Follow a job")
+async def events(job_id: JobId, request: Request, _: Reader) -> StreamingResponse:
+    """Server-sent events until the job ends: `state` (the job document), `progress`, and `end`."""
+    service = request.app.state.service
+    await anyio.to_thread.run_sync(service.job, job_id)  # 404 before the stream starts
+    return StreamingResponse(job_events(service, job_id, request.app.state.settings.poll_seconds),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,381 @@
+"""Client commands: `ckptctl submit KIND …` (the offline flags, run on a server), `jobs`, `status`, `cancel`,
+`checkpoints list|show|register|lineage|delete`, against `--server` / CKPT_SERVER with CKPT_TOKEN.
+
+A command moves from local to remote by adding `submit`: `ckptctl export A B --dtype bfloat16` becomes
+`ckptctl submit export A B --dtype bfloat16`. Local paths are made absolute before they are sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from .cli import (
+    AsJson,
+    DropTied,
+    Exclude,
+    From,
+    Include,
+    MemLimit,
+    Only,
+    Overwrite,
+    Quiet,
+    Rename,
+    ShardSize,
+    Verify,
+    app,
+    err,
+    fail,
+    out,
+)
+from .client import DEFAULT_SERVER, ClientError, ServiceClient
+from .units import human
+
+Server = Annotated[str, typer.Option("--server", envvar="CKPT_SERVER", help="Service URL.")]
+Token = Annotated[str | None, typer.Option("--token", envvar="CKPT_TOKEN", show_default=False,
+                                           help="Bearer token (prefer the CKPT_TOKEN variable).")]
+Wait = Annotated[bool, typer.Option("--wait", help="Follow the job until it ends; exit 1 unless it succeeds.")]
+Callback = Annotated[str | None, typer.Option("--callback-url", help="POSTed the final job document.")]
+IdemKey = Annotated[str | None, typer.Option("--idempotency-key", help="Resubmitting with the same key returns "
+                                             "the same job (default: a fresh key per command).")]
+DType = Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16 or float16.")]
+
+
+@contextmanager
+def connect(server: str, token: str | None) -> Iterator[ServiceClient]:
+    client = ServiceClient(server, token)
+    try:
+        yield client
+    except ClientError as exc:
+        fail(str(exc))
+    finally:
+        client.close()
+
+
+def as_uri(path: str) -> str:
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def clean(options: dict[str, Any]) -> dict[str, Any]:
+    """Drop unset options (None, empty lists) so the server applies its defaults and kind checks."""
+    return {k: v for k, v in options.items() if v is not None and v != []}
+
+
+def print_job(job: dict[str, Any]) -> None:
+    spec = job["spec"]
+    arrow = f" -> {spec['target']}" if spec.get("target") else ""
+    out.print(f"{job['id']}  {job['kind']}  {job['state']}  attempt {job['attempt']}/{job['max_attempts']}",
+              highlight=False)
+    out.print(f"  {spec['source']}{arrow}", highlight=False)
+    progress = job.get("progress") or {}
+    if progress.get("total_bytes"):
+        rate = progress.get("throughput_bytes_per_s")
+        eta = progress.get("eta_seconds")
+        out.print(f"  progress: {human(progress['done_bytes'])} of {human(progress['total_bytes'])}, "
+                  f"{progress['done_tensors']}/{progress['total_tensors']} tensors"
+                  + (f", {human(rate)}/s" if rate else "") + (f", ETA {eta:.0f} s" if eta else ""), highlight=False)
+    if job.get("error"):
+        out.print(f"  error: {job['error']['type']}: {job['error']['message']}", highlight=False)
+    result = job.get("result") or {}
+    if job["state"] == "succeeded" and "outputs" in result:
+        out.print(f"  wrote {len(result['outputs'])} file(s), {human(result.get('total_bytes', 0))}"
+                  + (f"; registered as {result['checkpoint_id']}" if result.get("checkpoint_id") else ""),
+                  highlight=False)
+    if result.get("verify_summary") or (job["kind"] == "verify" and result.get("summary")):
+        out.print(f"  verify: {result.get('verify_summary') or result['summary']}", highlight=False)
+    if job["kind"] == "inspect" and job["state"] == "succeeded":
+        for key in ("format", "world_size", "tensors", "total_bytes", "has_optimizer"):
+            out.print(f"  {key}: {result.get(key)}", highlight=False)
+
+
+def follow(client: ServiceClient, job_id: str, quiet: bool) -> dict[str, Any]:
+    """Follow a job's events (a progress bar on a terminal, state lines otherwise) and return the final job."""
+    if quiet or not sys.stderr.isatty():
+        def lines(event: str, data: dict[str, Any]) -> None:
+            if event == "state" and not quiet:
+                err.print(f"{data['id']}: {data['state']} (attempt {data['attempt']})", highlight=False)
+
+        return client.wait(job_id, lines)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(job_id, total=None)
+
+        def draw(event: str, data: dict[str, Any]) -> None:
+            progress = data.get("progress") or {}
+            bar.update(task, description=f"{job_id} {data.get('state', '')}", completed=progress.get("done_bytes", 0),
+                       total=progress.get("total_bytes") or None)
+
+        return client.wait(job_id, draw)
+
+
+def finish(client: ServiceClient, job: dict[str, Any], wait: bool, quiet: bool, as_json: bool) -> None:
+    if wait:
+        job = follow(client, job["id"], quiet or as_json)
+    if as_json:
+        out.print_json(json.dumps(job))
+    elif wait:
+        print_job(job)
+    else:
+        typer.echo(job["id"])
+        if not quiet:
+            err.print(f"queued {job['kind']} job {job['id']}; follow it with: ckptctl status {job['id']} --follow",
+                      highlight=False)
+    if wait and job["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+def submit_job(kind: str, source: str, target: str | None, options: dict[str, Any], server: str,
+               token: str | None, callback_url: str | None, idempotency_key: str | None, wait: bool, quiet: bool,
+               as_json: bool) -> None:
+    spec: dict[str, Any] = {"kind": kind, "source": as_uri(source), "options": clean(options)}
+    if target is not None:
+        spec["target"] = as_uri(target)
+    if callback_url:
+        spec["callback_url"] = callback_url
+    with connect(server, token) as client:
+        job = client.submit(spec, idempotency_key)
+        finish(client, job, wait, quiet, as_json)
+
+
+submit_app = typer.Typer(help="Queue a job on a ckpt-service server, with the offline command's flags.",
+                         no_args_is_help=True)
+app.add_typer(submit_app, name="submit")
+
+
+@submit_app.command("export")
+def submit_export(source: str, target: str, source_format: From = None, only: Only = "model",
+                  keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
+                  rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
+                  max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
+                  drop_tied: DropTied = None, verify: Verify = False, wait: Wait = False, quiet: Quiet = False,
+                  as_json: AsJson = False, callback_url: Callback = None, idempotency_key: IdemKey = None,
+                  server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Export model weights to HF-style sharded safetensors, on the server."""
+    options = {"source_format": source_format, "only": only, "clean_keys": not keep_keys, "rename": rename,
+               "include": include, "exclude": exclude, "dtype": dtype, "max_shard_size": max_shard_size,
+               "memory_limit": memory_limit, "overwrite": overwrite, "drop_tied": drop_tied, "verify": verify}
+    submit_job("export", source, target, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
+
+
+@submit_app.command("convert")
+def submit_convert(source: str, target: str,
+                   to: Annotated[str, typer.Option("--to", help="safetensors or torch.")] = "safetensors",
+                   source_format: From = None, only: Only = "all",
+                   clean_keys: Annotated[bool, typer.Option("--clean-keys/--keep-keys")] = False,
+                   rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
+                   max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
+                   drop_tied: DropTied = None, verify: Verify = False, wait: Wait = False, quiet: Quiet = False,
+                   as_json: AsJson = False, callback_url: Callback = None, idempotency_key: IdemKey = None,
+                   server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Convert a checkpoint to safetensors or one torch file, on the server."""
+    options = {"to": to, "source_format": source_format, "only": only, "clean_keys": clean_keys, "rename": rename,
+               "include": include, "exclude": exclude, "dtype": dtype, "max_shard_size": max_shard_size,
+               "memory_limit": memory_limit, "overwrite": overwrite, "drop_tied": drop_tied, "verify": verify}
+    submit_job("convert", source, target, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
+
+
+@submit_app.command("reshard")
+def submit_reshard(source: str, target: str,
+                   world_size: Annotated[int, typer.Option("--world-size", help="Target ranks.")],
+                   layout: Annotated[str, typer.Option(help="Sharding policy: fsdp2.")] = "fsdp2",
+                   shard_dim_rule: Annotated[list[str] | None, typer.Option("--shard-dim-rule")] = None,
+                   source_format: From = None, only: Only = "model",
+                   keep_keys: Annotated[bool, typer.Option("--keep-keys")] = False,
+                   rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
+                   dtype_optim: Annotated[bool, typer.Option("--dtype-optim")] = False,
+                   memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False, verify: Verify = False,
+                   wait: Wait = False, quiet: Quiet = False, as_json: AsJson = False, callback_url: Callback = None,
+                   idempotency_key: IdemKey = None, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Reshard to a DCP checkpoint for WORLD_SIZE ranks, on the server."""
+    options = {"world_size": world_size, "layout": layout, "shard_dim_rule": shard_dim_rule,
+               "source_format": source_format, "only": only, "clean_keys": not keep_keys, "rename": rename,
+               "include": include, "exclude": exclude, "dtype": dtype, "dtype_optim": dtype_optim,
+               "memory_limit": memory_limit, "overwrite": overwrite, "verify": verify}
+    submit_job("reshard", source, target, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
+
+
+@submit_app.command("verify")
+def submit_verify(a: str, b: str, only: Only = "all",
+                  keep_keys: Annotated[bool, typer.Option("--keep-keys")] = False,
+                  rename: Rename = None, include: Include = None, exclude: Exclude = None,
+                  atol: Annotated[float, typer.Option(help="Absolute tolerance.")] = 0.0,
+                  rtol: Annotated[float, typer.Option(help="Relative tolerance.")] = 0.0,
+                  a_format: Annotated[str | None, typer.Option("--from-a")] = None,
+                  b_format: Annotated[str | None, typer.Option("--from-b")] = None,
+                  memory_limit: MemLimit = "256MiB", wait: Wait = False, quiet: Quiet = False,
+                  as_json: AsJson = False, callback_url: Callback = None, idempotency_key: IdemKey = None,
+                  server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Compare two checkpoints tensor by tensor, on the server (the job fails when they differ)."""
+    options = {"only": only, "clean_keys": not keep_keys, "rename": rename, "include": include, "exclude": exclude,
+               "atol": atol, "rtol": rtol, "source_format": a_format, "target_format": b_format,
+               "memory_limit": memory_limit}
+    submit_job("verify", a, b, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
+
+
+@submit_app.command("inspect")
+def submit_inspect(source: str, source_format: From = None,
+                   tensors: Annotated[bool, typer.Option("--tensors", help="Include the tensor table.")] = False,
+                   wait: Wait = False, quiet: Quiet = False, as_json: AsJson = False, callback_url: Callback = None,
+                   idempotency_key: IdemKey = None, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Describe a checkpoint from its metadata, on the server."""
+    options = {"source_format": source_format, "tensors": tensors or None}
+    submit_job("inspect", source, None, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
+
+
+@app.command()
+def jobs(state: Annotated[str | None, typer.Option("--state", help="queued, running, succeeded, failed, "
+                                                   "cancelled.")] = None,
+         kind: Annotated[str | None, typer.Option("--kind")] = None,
+         limit: Annotated[int, typer.Option("--limit")] = 50, as_json: AsJson = False,
+         server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """List jobs on the server, newest first."""
+    with connect(server, token) as client:
+        page = client.jobs(state, kind, limit)
+    if as_json:
+        out.print_json(json.dumps(page))
+        return
+    table = Table("id", "kind", "state", "attempt", "progress", "source", "target")
+    for job in page["items"]:
+        progress = job.get("progress") or {}
+        fraction = progress.get("fraction")
+        table.add_row(job["id"], job["kind"], job["state"], f"{job['attempt']}/{job['max_attempts']}",
+                      f"{fraction:.0%}" if fraction is not None else "", job["spec"]["source"],
+                      job["spec"].get("target") or "")
+    out.print(table)
+
+
+@app.command()
+def status(job_id: str, follow_events: Annotated[bool, typer.Option("--follow", "-f", help="Follow until the job "
+                                                                    "ends (live progress bar).")] = False,
+           quiet: Quiet = False, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Show a job; with --follow, wait for it to end (exit 1 unless it succeeds)."""
+    with connect(server, token) as client:
+        job = client.job(job_id)
+        if follow_events and job["state"] not in ("succeeded", "failed", "cancelled"):
+            job = follow(client, job_id, quiet or as_json)
+    if as_json:
+        out.print_json(json.dumps(job))
+    else:
+        print_job(job)
+    if follow_events and job["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+@app.command()
+def cancel(job_id: str, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Cancel a job: a queued one never starts, a running one is stopped and its partial output removed."""
+    with connect(server, token) as client:
+        job = client.cancel(job_id)
+    if as_json:
+        out.print_json(json.dumps(job))
+    else:
+        note = " (stopping)" if job["state"] == "running" else ""
+        out.print(f"{job['id']}: {job['state']}{note}", highlight=False)
+
+
+checkpoints_app = typer.Typer(help="The checkpoint registry on the server.", no_args_is_help=True)
+app.add_typer(checkpoints_app, name="checkpoints")
+
+
+def print_checkpoint(c: dict[str, Any]) -> None:
+    out.print(f"{c['id']}  {c['name']}  {c['format']}  world size {c['world_size']}  {c['tensors']} tensors  "
+              f"{human(c['total_bytes'] or 0)}", highlight=False)
+    out.print(f"  {c['uri']}", highlight=False)
+    if c["tags"] or c["metadata"]:
+        out.print(f"  tags: {', '.join(c['tags'])}  metadata: {json.dumps(c['metadata'])}", highlight=False)
+    if c["made_by_job"]:
+        out.print(f"  made by job {c['made_by_job']}", highlight=False)
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(name: Annotated[str | None, typer.Option("--name")] = None,
+                     tag: Annotated[str | None, typer.Option("--tag")] = None,
+                     format: Annotated[str | None, typer.Option("--format")] = None,
+                     limit: Annotated[int, typer.Option("--limit")] = 50, as_json: AsJson = False,
+                     server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """List registered checkpoints."""
+    with connect(server, token) as client:
+        page = client.checkpoints(name, tag, format, limit)
+    if as_json:
+        out.print_json(json.dumps(page))
+        return
+    table = Table("id", "name", "format", "world size", "size", "tags", "uri")
+    for c in page["items"]:
+        table.add_row(c["id"], c["name"], str(c["format"]), str(c["world_size"]), human(c["total_bytes"] or 0),
+                      ",".join(c["tags"]), c["uri"])
+    out.print(table)
+
+
+@checkpoints_app.command("show")
+def checkpoints_show(checkpoint_id: str, tensors: Annotated[bool, typer.Option("--tensors")] = False,
+                     as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Show a registered checkpoint (with --tensors, its tensor table)."""
+    with connect(server, token) as client:
+        c = client.checkpoint(checkpoint_id, tensors)
+    if as_json:
+        out.print_json(json.dumps(c))
+        return
+    print_checkpoint(c)
+    if tensors:
+        table = Table("name", "dtype", "shape", "chunks")
+        for row in c["summary"].get("tensor_table", []):
+            table.add_row(row["name"], row["dtype"], str(row["shape"]), str(row["chunks"]))
+        out.print(table)
+
+
+@checkpoints_app.command("register")
+def checkpoints_register(uri: str, name: Annotated[str | None, typer.Option("--name")] = None,
+                         tag: Annotated[list[str] | None, typer.Option("--tag", help="Repeatable.")] = None,
+                         meta: Annotated[list[str] | None, typer.Option("--meta", help="KEY=VALUE, repeatable "
+                                                                        "(e.g. step=2000).")] = None,
+                         source_format: From = None, as_json: AsJson = False, server: Server = DEFAULT_SERVER,
+                         token: Token = None) -> None:
+    """Register a checkpoint (the server inspects it) with a name, tags and metadata."""
+    metadata: dict[str, Any] = {}
+    for item in meta or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            fail(f"--meta {item!r}: expected KEY=VALUE")
+        metadata[key] = int(value) if value.isdigit() else value
+    with connect(server, token) as client:
+        c = client.register(as_uri(uri), name, tag or [], metadata, source_format)
+    if as_json:
+        out.print_json(json.dumps(c))
+    else:
+        print_checkpoint(c)
+
+
+@checkpoints_app.command("lineage")
+def checkpoints_lineage(checkpoint_id: str, as_json: AsJson = False, server: Server = DEFAULT_SERVER,
+                        token: Token = None) -> None:
+    """What a checkpoint was derived from, and what was derived from it."""
+    with connect(server, token) as client:
+        view = client.lineage(checkpoint_id)
+    if as_json:
+        out.print_json(json.dumps(view))
+        return
+    for label, edges in (("derived from", view["ancestors"]), ("derived into", view["descendants"])):
+        for edge in edges:
+            c = edge["checkpoint"]
+            out.print(f"{'  ' * (edge['depth'] - 1)}{label} {c['id']} {c['uri']} (job {edge['job_id']})",
+                      highlight=False)
+
+
+@checkpoints_app.command("delete")
+def checkpoints_delete(checkpoint_id: str,
+                       purge: Annotated[bool, typer.Option("--purge", help="Delete the data too (admin).")] = False,
+                       server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Unregister a checkpoint (with --purge, delete its data)."""
+    with connect(server, token) as client:
+        c = client.delete(checkpoint_id, purge)
+    out.print(f"unregistered {c['id']} ({c['uri']})" + ("; data deleted" if purge else ""), highlight=False)

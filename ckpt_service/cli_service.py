@@ -1,0 +1,118 @@
+"""`ckptctl serve`, `ckptctl worker` and `ckptctl token create`: run the service, or a worker alone.
+
+fastapi and uvicorn are imported inside the commands, so the offline commands never load them.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .cli import app, fail, out
+
+Host = Annotated[str | None, typer.Option("--host", help="Address to listen on (CKPT_HOST).")]
+Port = Annotated[int | None, typer.Option("--port", help="Port to listen on (CKPT_PORT).")]
+Workers = Annotated[int | None, typer.Option("--workers", help="Job slots; each job runs in its own process "
+                                             "(CKPT_WORKERS, default 2).")]
+DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Job store and default storage root "
+                                              "(CKPT_DATA_DIR, default ~/.local/share/ckpt-service).")]
+Config = Annotated[Path | None, typer.Option("--config", help="A .toml or .json settings file (CKPT_CONFIG).")]
+LogLevel = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error.")]
+
+
+def load_settings(config: Path | None, **flags: Any) -> Any:
+    """Validated settings, or a clean exit naming every bad setting."""
+    from pydantic import ValidationError
+
+    from .settings import SettingsError, describe, load
+
+    try:
+        return load(config, **flags)
+    except ValidationError as exc:
+        fail(describe(exc))
+    except (SettingsError, ValueError) as exc:
+        fail(str(exc))
+
+
+def open_store(settings: Any) -> Any:
+    from .errors import StoreError
+    from .store import JobStore
+
+    try:
+        settings.prepare()
+        return JobStore(settings.db_path)
+    except OSError as exc:
+        fail(f"data dir {settings.data_dir}: {exc.strerror or exc}")
+    except StoreError as exc:
+        fail(str(exc))
+
+
+@app.command()
+def serve(host: Host = None, port: Port = None, workers: Workers = None, data_dir: DataDir = None,
+          config: Config = None, log_level: LogLevel = None,
+          print_config: Annotated[bool, typer.Option("--print-config", help="Print the effective settings "
+                                                     "(secrets masked) and exit.")] = False) -> None:
+    """Run the REST API and a pool of job slots (jobs in their own processes), with the job store under the data dir."""
+    settings = load_settings(config, host=host, port=port, workers=workers, data_dir=data_dir, log_level=log_level)
+    if print_config:
+        out.print_json(json.dumps(settings.masked()))
+        return
+    import uvicorn
+
+    from api.app import create_app
+
+    from . import logs
+    from .worker import WorkerPool
+
+    logs.setup(settings.log_level)
+    store = open_store(settings)
+    pool = WorkerPool(settings, store) if settings.workers else None
+    server_config = uvicorn.Config(create_app(settings, pool, store=store), host=settings.host, port=settings.port,
+                                   log_config=None, log_level=settings.log_level, timeout_graceful_shutdown=5,
+                                   server_header=False)
+    uvicorn.Server(server_config).run()
+
+
+@app.command()
+def worker(workers: Workers = None, data_dir: DataDir = None, config: Config = None,
+           log_level: LogLevel = None) -> None:
+    """Run job slots alone against the same store as a `ckptctl serve` (scale workers apart from the API)."""
+    settings = load_settings(config, workers=workers, data_dir=data_dir, log_level=log_level)
+    from . import logs
+    from .worker import WorkerPool
+
+    logs.setup(settings.log_level)
+    store = open_store(settings)
+    if settings.workers < 1:
+        fail("--workers must be at least 1 for a worker")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    WorkerPool(settings, store).run_until(stop)
+
+
+token_app = typer.Typer(help="Make API tokens.", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+
+@token_app.command("create")
+def token_create(scope: Annotated[str, typer.Option("--scope", help="read, write or admin.")] = "read",
+                 name: Annotated[str | None, typer.Option("--name", help="A label for logs and errors.")] = None,
+                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Print a new token once (stdout) and the hashed entry to add to CKPT_TOKENS (stderr)."""
+    from .auth import create
+
+    try:
+        token, entry = create(scope, name)  # type: ignore[arg-type]
+    except ValueError as exc:
+        fail(str(exc))
+    if as_json:
+        out.print_json(json.dumps({"token": token, "entry": entry.line(), "scope": entry.scope, "name": entry.name}))
+        return
+    typer.echo(token)
+    typer.echo(f"add to CKPT_TOKENS (the token itself is stored nowhere): {entry.line()}", err=True)

@@ -1,0 +1,186 @@
+"""The checkpoint registry: named, tagged checkpoints with their `inspect` summary, and lineage edges
+(`child derived_from parent`, made by a job) that can be walked both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import deque
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import Conflict, NotFound
+from .store import JobStore, new_id
+
+MAX_LINEAGE = 500
+Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:=/-]+$")]
+MetaValue = str | int | float | bool | None
+
+
+class RegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(min_length=1, max_length=4096)
+    name: str | None = Field(None, min_length=1, max_length=200, description="Default: the last path segment.")
+    tags: list[Tag] = Field(default_factory=list, max_length=32)
+    metadata: dict[Annotated[str, Field(max_length=64)], MetaValue] = Field(default_factory=dict, max_length=64,
+                                                                           description="Free-form: run id, step…")
+    source_format: str | None = Field(None, max_length=32)
+
+
+class CheckpointView(BaseModel):
+    id: str
+    name: str
+    uri: str
+    format: str | None
+    world_size: int | None = None
+    total_bytes: int | None = None
+    tensors: int | None = None
+    has_optimizer: bool | None = None
+    dtypes: dict[str, int] = Field(default_factory=dict)
+    tags: list[str]
+    metadata: dict[str, Any]
+    made_by_job: str | None
+    created_at: datetime
+    updated_at: datetime
+    summary: dict[str, Any] = Field(description="What `ckptctl inspect --json` reports.")
+
+
+class LineageEdge(BaseModel):
+    checkpoint: CheckpointView
+    job_id: str | None
+    depth: int = Field(description="1 for direct parents (or children), 2 for theirs, …")
+
+
+class LineageView(BaseModel):
+    checkpoint: CheckpointView
+    ancestors: list[LineageEdge]
+    descendants: list[LineageEdge]
+
+
+def _view(row: sqlite3.Row) -> CheckpointView:
+    summary = json.loads(row["summary"])
+    return CheckpointView(
+        id=row["id"], name=row["name"], uri=row["uri"], format=row["format"], world_size=summary.get("world_size"),
+        total_bytes=summary.get("total_bytes"), tensors=summary.get("tensors"),
+        has_optimizer=summary.get("has_optimizer"), dtypes=summary.get("dtypes") or {}, tags=json.loads(row["tags"]),
+        metadata=json.loads(row["metadata"]), made_by_job=row["made_by_job"],
+        created_at=datetime.fromtimestamp(row["created_at"], tz=timezone.utc),
+        updated_at=datetime.fromtimestamp(row["updated_at"], tz=timezone.utc), summary=summary)
+
+
+def default_name(uri: str) -> str:
+    return uri.rstrip("/").rsplit("/", 1)[-1] or uri
+
+
+class Registry:
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def add(self, conn: sqlite3.Connection, *, uri: str, name: str, summary: dict[str, Any], tags: list[str],
+            metadata: dict[str, Any], made_by_job: str | None = None) -> str:
+        """Inside a transaction: insert a checkpoint; Conflict if the URI is registered already."""
+        row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (uri,)).fetchone()
+        if row is not None:
+            raise Conflict(f"{uri} is registered already as {row['id']}")
+        now = time.time()
+        checkpoint_id = new_id("ckpt")
+        conn.execute("INSERT INTO checkpoints (id, uri, name, format, summary, tags, metadata, made_by_job, "
+                     "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     (checkpoint_id, uri, name, summary.get("format"), json.dumps(summary), json.dumps(tags),
+                      json.dumps(metadata), made_by_job, now, now))
+        return checkpoint_id
+
+    def register(self, request: RegisterRequest, uri: str, summary: dict[str, Any]) -> CheckpointView:
+        with self.store.transaction() as conn:
+            checkpoint_id = self.add(conn, uri=uri, name=request.name or default_name(uri), summary=summary,
+                                     tags=list(request.tags), metadata=dict(request.metadata))
+        return self.get(checkpoint_id)
+
+    def record_output(self, conn: sqlite3.Connection, *, uri: str, summary: dict[str, Any], job_id: str,
+                      source_uri: str, source_summary: dict[str, Any] | None) -> str:
+        """Inside the transaction that marks a job succeeded: register (or refresh, when a job overwrote it)
+        the output, register the source if it is new, and record `output derived_from source` by `job_id`."""
+        now = time.time()
+        row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (uri,)).fetchone()
+        if row is None:
+            child = self.add(conn, uri=uri, name=default_name(uri), summary=summary, tags=[], metadata={},
+                             made_by_job=job_id)
+        else:
+            child = row["id"]
+            conn.execute("UPDATE checkpoints SET summary = ?, format = ?, made_by_job = ?, updated_at = ? "
+                         "WHERE id = ?", (json.dumps(summary), summary.get("format"), job_id, now, child))
+            conn.execute("DELETE FROM lineage WHERE child_id = ?", (child,))  # a new artifact at the same place
+        parent_row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (source_uri,)).fetchone()
+        if parent_row is not None:
+            parent = parent_row["id"]
+        elif source_summary is not None:
+            parent = self.add(conn, uri=source_uri, name=default_name(source_uri), summary=source_summary, tags=[],
+                              metadata={})
+        else:
+            return child
+        if parent != child:
+            conn.execute("INSERT OR REPLACE INTO lineage (child_id, parent_id, job_id, created_at) "
+                         "VALUES (?, ?, ?, ?)", (child, parent, job_id, now))
+        return child
+
+    def get(self, checkpoint_id: str) -> CheckpointView:
+        rows = self.store.query("SELECT * FROM checkpoints WHERE id = ?", (checkpoint_id,))
+        if not rows:
+            raise NotFound(f"no checkpoint {checkpoint_id}")
+        return _view(rows[0])
+
+    def find_uri(self, uri: str) -> CheckpointView | None:
+        rows = self.store.query("SELECT * FROM checkpoints WHERE uri = ?", (uri,))
+        return _view(rows[0]) if rows else None
+
+    def list(self, name: str | None = None, tag: str | None = None, format: str | None = None, limit: int = 50,
+             after: str | None = None) -> tuple[list[CheckpointView], str | None]:
+        """Ordered by id; returns (page, id to pass as `after` for the next page, or None)."""
+        where, params = ["1 = 1"], []
+        if name is not None:
+            where.append("name = ?")
+            params.append(name)
+        if format is not None:
+            where.append("format = ?")
+            params.append(format)
+        if tag is not None:
+            where.append("EXISTS (SELECT 1 FROM json_each(checkpoints.tags) WHERE value = ?)")
+            params.append(tag)
+        if after is not None:
+            where.append("id > ?")
+            params.append(after)
+        rows = self.store.query(f"SELECT * FROM checkpoints WHERE {' AND '.join(where)} ORDER BY id LIMIT ?",
+                                (*params, limit + 1))
+        page = [_view(r) for r in rows[:limit]]
+        return page, (page[-1].id if len(rows) > limit else None)
+
+    def delete(self, checkpoint_id: str) -> CheckpointView:
+        view = self.get(checkpoint_id)
+        with self.store.transaction() as conn:
+            conn.execute("DELETE FROM checkpoints WHERE id = ?", (checkpoint_id,))
+        return view
+
+    def lineage(self, checkpoint_id: str) -> LineageView:
+        root = self.get(checkpoint_id)
+        up = self._walk(checkpoint_id, "SELECT parent_id AS next, job_id FROM lineage WHERE child_id = ?")
+        down = self._walk(checkpoint_id, "SELECT child_id AS next, job_id FROM lineage WHERE parent_id = ?")
+        return LineageView(checkpoint=root, ancestors=up, descendants=down)
+
+    def _walk(self, start: str, sql: str) -> list[LineageEdge]:
+        """Breadth-first, each checkpoint once (so cycles end), at most MAX_LINEAGE entries."""
+        seen, edges = {start}, []
+        todo: deque[tuple[str, int]] = deque([(start, 0)])
+        while todo and len(edges) < MAX_LINEAGE:
+            node, depth = todo.popleft()
+            for row in self.store.query(sql, (node,)):
+                if row["next"] in seen:
+                    continue
+                seen.add(row["next"])
+                edges.append(LineageEdge(checkpoint=self.get(row["next"]), job_id=row["job_id"], depth=depth + 1))
+                todo.append((row["next"], depth + 1))
+        return edges

@@ -1,0 +1,188 @@
+"""The service as a library: submit, read and cancel jobs; register, list and delete checkpoints.
+
+The REST API is a thin layer over this class (it authenticates, then calls one method); so is any
+Python caller. Everything a job needs is checked here, before it is queued: storage roots, options
+that apply to its kind, options the engine would refuse, and targets that exist or are busy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+from converters.errors import CkptError
+
+from . import roots
+from .auth import Principal
+from .errors import Conflict, InvalidRequest, ServiceError
+from .jobs import APPLIES, WRITING_KINDS, JobRecord, JobSpec, JobView
+from .registry import CheckpointView, LineageView, RegisterRequest, Registry
+from .settings import Settings
+from .store import JobStore
+
+_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+
+
+def request_hash(spec: JobSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _exists(uri: str, field: str) -> bool:
+    from converters import storage
+
+    try:
+        return storage.exists(uri)
+    except (CkptError, OSError, ValueError) as exc:
+        raise InvalidRequest(f"{field}: cannot look at {uri} ({type(exc).__name__})", field) from None
+
+
+class CkptService:
+    def __init__(self, settings: Settings, store: JobStore | None = None) -> None:
+        self.settings = settings
+        self.store = store or JobStore(settings.db_path)
+        self.registry = Registry(self.store)
+
+    # -- jobs --------------------------------------------------------------------------------------
+
+    def normalise(self, spec: JobSpec) -> JobSpec:
+        """Check `spec` against the roots and the engine; returns it with source/target normalised."""
+        s = self.settings
+        stray = sorted(spec.options.model_fields_set - APPLIES[spec.kind])
+        if stray:
+            raise InvalidRequest(f"options.{stray[0]}: does not apply to {spec.kind} jobs", f"options.{stray[0]}")
+        if spec.kind == "reshard" and spec.options.world_size is None:
+            raise InvalidRequest("options.world_size: reshard jobs need a world size", "options.world_size")
+        if spec.kind == "inspect" and spec.target is not None:
+            raise InvalidRequest("target: inspect jobs take no target", "target")
+        if spec.kind != "inspect" and spec.target is None:
+            raise InvalidRequest(f"target: {spec.kind} jobs need a target", "target")
+        source = roots.check(spec.source, s.read_locations, field="source", purpose="read")
+        target = spec.target
+        if target is not None:
+            writing = spec.kind in WRITING_KINDS
+            target = roots.check(target, s.write_locations if writing else s.read_locations, field="target",
+                                 purpose="write" if writing else "read")
+            if writing and roots.overlap(source, target):
+                raise InvalidRequest("target: the output would overlap the source; write it elsewhere", "target")
+        normal = spec.model_copy(update={"source": source, "target": target})
+        from .executor import engine_call
+
+        try:
+            engine_call(normal)
+        except CkptError as exc:
+            raise InvalidRequest(f"options: {exc}", "options") from None
+        if spec.kind in WRITING_KINDS and not spec.options.overwrite and _exists(target or "", "target"):
+            raise Conflict(f"target {target} exists; set options.overwrite to replace it, or choose another target")
+        return normal
+
+    def submit(self, spec: JobSpec, principal: Principal, idempotency_key: str | None = None) -> tuple[JobView, bool]:
+        """Queue a job; returns (job, created). A repeated idempotency key returns the first job."""
+        idempotency = None
+        if idempotency_key is not None:
+            if not _IDEMPOTENCY_KEY.match(idempotency_key):
+                raise InvalidRequest("Idempotency-Key: 1-200 printable ASCII characters", "Idempotency-Key")
+            idempotency = (idempotency_key, request_hash(spec))
+            earlier = self._replay(principal, idempotency)
+            if earlier is not None:
+                return earlier, False
+        normal = self.normalise(spec)
+        writing = normal.kind in WRITING_KINDS
+        record, created = self.store.create_job(
+            kind=normal.kind, spec=normal.model_dump(mode="json"), target=normal.target if writing else None,
+            callback_url=str(normal.callback_url) if normal.callback_url else None, submitted_by=principal.name,
+            max_attempts=self.settings.max_attempts, queue_limit=self.settings.queue_limit, idempotency=idempotency)
+        return record.view(), created
+
+    def _replay(self, principal: Principal, idempotency: tuple[str, str]) -> JobView | None:
+        """The job an earlier request with this key made (checked before the roots, which may have changed)."""
+        rows = self.store.query("SELECT request_hash, job_id FROM idempotency WHERE principal = ? AND key = ?",
+                                (principal.name, idempotency[0]))
+        if not rows:
+            return None
+        if rows[0]["request_hash"] != idempotency[1]:
+            raise Conflict("Idempotency-Key was already used for a different request; use a new key")
+        return self.store.get(rows[0]["job_id"]).view()
+
+    def job(self, job_id: str) -> JobRecord:
+        return self.store.get(job_id)
+
+    def jobs(self, state: str | None, kind: str | None, limit: int, cursor: str | None
+             ) -> tuple[list[JobView], str | None]:
+        before = None
+        if cursor is not None:
+            if not cursor.isdigit() or len(cursor) > 18:
+                raise InvalidRequest("cursor: pass the next_cursor of the previous page", "cursor")
+            before = int(cursor)
+        records, next_before = self.store.list_jobs(state, kind, limit, before)
+        return [r.view() for r in records], (str(next_before) if next_before is not None else None)
+
+    def cancel(self, job_id: str) -> JobView:
+        return self.store.request_cancel(job_id).view()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def _summary(self, uri: str, source_format: str | None, tensors: bool = False) -> dict[str, Any]:
+        from converters.api import inspect
+
+        from .summary import summarize
+
+        try:
+            return summarize(inspect(uri, source_format), tensors)
+        except CkptError as exc:
+            raise InvalidRequest(f"uri: {exc}", "uri") from None
+
+    def register(self, request: RegisterRequest) -> CheckpointView:
+        uri = roots.check(request.uri, self.settings.read_locations, field="uri", purpose="read")
+        if request.source_format is not None:
+            from converters.formats import READERS
+
+            if request.source_format not in READERS:
+                raise InvalidRequest(f"source_format: choose one of {', '.join(READERS)}", "source_format")
+        return self.registry.register(request, uri, self._summary(uri, request.source_format))
+
+    def checkpoint(self, checkpoint_id: str, tensors: bool = False) -> CheckpointView:
+        view = self.registry.get(checkpoint_id)
+        if tensors:
+            view.summary = self._summary(view.uri, None, tensors=True)
+        return view
+
+    def checkpoints(self, name: str | None, tag: str | None, format: str | None, limit: int, cursor: str | None
+                    ) -> tuple[list[CheckpointView], str | None]:
+        return self.registry.list(name, tag, format, limit, cursor)
+
+    def lineage(self, checkpoint_id: str) -> LineageView:
+        return self.registry.lineage(checkpoint_id)
+
+    def delete(self, checkpoint_id: str, purge: bool = False) -> CheckpointView:
+        """Unregister; with `purge`, delete the data too (only under a write root, and not while a job uses it)."""
+        view = self.registry.get(checkpoint_id)
+        if purge:
+            uri = roots.check(view.uri, self.settings.write_locations, field="uri", purpose="write")
+            busy = self.store.query("SELECT id FROM jobs WHERE state IN ('queued', 'running') AND "
+                                    "(target = ? OR json_extract(spec, '$.source') = ? OR "
+                                    "json_extract(spec, '$.target') = ?)", (uri, uri, uri))
+            if busy:
+                raise Conflict(f"{uri} is used by job {busy[0]['id']}; wait for it or cancel it")
+            _remove(uri)
+        return self.registry.delete(checkpoint_id)
+
+
+def _remove(uri: str) -> None:
+    from converters import storage
+
+    if storage.is_local(uri):
+        path = storage.local_path(uri)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+        return
+    try:
+        fs, path = storage.filesystem(uri)
+        fs.rm(path, recursive=True)
+    except (CkptError, OSError) as exc:
+        raise ServiceError(f"could not delete {uri}: {type(exc).__name__}") from None

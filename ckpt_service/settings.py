@@ -1,0 +1,190 @@
+"""Service settings: command-line flags > environment (`CKPT_…`) > config file (TOML or JSON) > defaults.
+
+Validated once at start-up; `ckptctl serve --print-config` shows the effective values with secrets
+masked. List settings take JSON (`["/a", "/b"]`) or comma-separated text in the environment.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from . import auth, roots
+from .errors import ServiceError
+
+CONFIG_ENV = "CKPT_CONFIG"
+DB_NAME = "ckpt.db"
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "ckpt-service"
+
+
+def _split(value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+StrList = Annotated[list[str], NoDecode]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_default=True)
+
+    data_dir: Path = Field(default_factory=default_data_dir, description="Job store and default storage root.")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    workers: int = Field(2, ge=0, le=64, description="Job slots in this process (each job runs in its own process).")
+    max_attempts: int = Field(2, ge=1, le=10, description="Runs of a job whose process died before it is failed.")
+    queue_limit: int = Field(100, ge=1, le=100_000, description="Queued jobs beyond which POST /v1/jobs gets 429.")
+    lease_seconds: float = Field(15.0, gt=0, le=3600, description="A running job whose worker is silent this long "
+                                 "is requeued.")
+    heartbeat_seconds: float = Field(1.0, gt=0, le=600)
+    poll_seconds: float = Field(0.5, gt=0, le=60, description="How often idle workers look for queued jobs.")
+    progress_seconds: float = Field(0.5, gt=0, le=60, description="Least time between stored progress updates.")
+    read_roots: StrList = Field(default_factory=list, description="URIs jobs may read (default: the data dir).")
+    write_roots: StrList = Field(default_factory=list, description="URIs jobs may write (default: the data dir).")
+    tokens: StrList = Field(default_factory=list, description="NAME:SCOPE:sha256:HEX entries (ckptctl token create).")
+    allow_anonymous: bool | None = Field(None, description="Accept requests without a token (default: only when no "
+                                         "tokens are set and the server listens on loopback).")
+    metrics_public: bool = Field(True, description="Serve /metrics without a token.")
+    max_request_bytes: int = Field(1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    callback_timeout: float = Field(5.0, gt=0, le=120)
+    callback_attempts: int = Field(3, ge=1, le=10)
+    job_max_bytes_per_second: int = Field(0, ge=0, description="Bandwidth cap per job, in tensor bytes per second "
+                                          "(0: none); keeps shared filesystems usable while jobs run.")
+    job_nice: int = Field(10, ge=0, le=19, description="Niceness of job processes, so the API stays responsive.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls),
+                JsonConfigSettingsSource(settings_cls))
+
+    @field_validator("read_roots", "write_roots", "tokens", mode="before")
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return _split(value)
+
+    @field_validator("data_dir", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return Path(os.path.abspath(os.path.expanduser(str(value))))
+
+    @field_validator("read_roots", "write_roots", mode="after")
+    @classmethod
+    def _roots(cls, value: list[str]) -> list[str]:
+        try:
+            return [roots.parse_root(text).uri() for text in value]
+        except ServiceError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("tokens", mode="after")
+    @classmethod
+    def _tokens(cls, value: list[str]) -> list[str]:
+        return [auth.parse_entry(text).line() for text in value]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise ValueError("heartbeat_seconds must be at most half of lease_seconds")
+        if not self.tokens and not self.anonymous:
+            raise ValueError(f"no tokens configured and the server listens on {self.host}: add one (ckptctl token "
+                             "create) to CKPT_TOKENS, or set CKPT_ALLOW_ANONYMOUS=true")
+        return self
+
+    @property
+    def anonymous(self) -> bool:
+        if self.allow_anonymous is not None:
+            return self.allow_anonymous
+        return not self.tokens and is_loopback(self.host)
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / DB_NAME
+
+    @cached_property
+    def write_locations(self) -> list[roots.Location]:
+        return [roots.parse_root(r) for r in self.write_roots or [str(self.data_dir)]]
+
+    @cached_property
+    def read_locations(self) -> list[roots.Location]:
+        found = [roots.parse_root(r) for r in self.read_roots or [str(self.data_dir)]]
+        return found + [r for r in self.write_locations if r not in found]
+
+    def token_checker(self) -> auth.TokenChecker:
+        return auth.TokenChecker([auth.parse_entry(t) for t in self.tokens], self.anonymous)
+
+    def prepare(self) -> None:
+        """Create the data dir (and nothing else): called by the commands that serve or work."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+
+    def masked(self) -> dict[str, Any]:
+        """The effective settings as JSON-able values, token hashes masked."""
+        values = self.model_dump(mode="json")
+        values["tokens"] = [line.rsplit(":", 1)[0] + ":****" for line in self.tokens]
+        values["effective_read_roots"] = [str(r) for r in self.read_locations]
+        values["effective_write_roots"] = [str(r) for r in self.write_locations]
+        values["anonymous_access"] = self.anonymous
+        return values
+
+
+def load(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Settings from flags (`overrides`; None means not given), environment and an optional config file."""
+    path = config or os.environ.get(CONFIG_ENV)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if not path:
+        return Settings(**given)
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise SettingsError(f"config file {file}: not found")
+    key = {".toml": "toml_file", ".json": "json_file"}.get(file.suffix.lower())
+    if key is None:
+        raise SettingsError(f"config file {file}: use a .toml or .json file")
+    cls = type("Settings", (Settings,), {"model_config": {**Settings.model_config, key: file}})
+    return cls(**given)
+
+
+class SettingsError(Exception):
+    """Settings that cannot be used; the message lists every problem, one per line."""
+
+
+def describe(error: ValidationError) -> str:
+    """One line per invalid setting, naming it; values are never echoed (they may be secrets)."""
+    lines = []
+    for item in error.errors():
+        name = ".".join(str(p) for p in item["loc"]) or "settings"
+        lines.append(f"setting {name}: {item['msg']}")
+    return "\n".join(lines)

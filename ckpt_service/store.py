@@ -1,0 +1,319 @@
+"""The job store: SQLite in WAL mode under the data dir, shared by the API, the workers and job processes.
+
+Every state change is one short transaction. Claims run under BEGIN IMMEDIATE, so two workers never
+take the same job; updates from a job's process are fenced on (job id, attempt) so a late write from
+an attempt that was given up on changes nothing.
+
+    queued ──claim──> running ──finish──> succeeded | failed | cancelled
+      ^                 │
+      └──── requeue ────┘   (worker died or lease expired, attempts left)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from . import migrations
+from .errors import Conflict, NotFound, QueueFull, StoreError
+from .jobs import TERMINAL, JobRecord
+
+TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
+_CALLBACK_PENDING = "callback_state = CASE WHEN callback_url IS NOT NULL THEN 'pending' END"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+class JobStore:
+    """Thread-safe: one SQLite connection per thread. Open it with `JobStore(path)`; it migrates on open."""
+
+    def __init__(self, path: str | os.PathLike[str], migrate: bool = True) -> None:
+        self.path = str(path)
+        self._local = threading.local()
+        if migrate:
+            self.migrate()
+
+    # -- connections and transactions --------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise StoreError(f"job store {self.path}: cannot open ({exc})") from None
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA busy_timeout = 30000")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        return conn
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect()
+        return conn
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE … COMMIT; rolled back on any error. sqlite errors become StoreError."""
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"job store {self.path}: {exc}") from None
+        try:
+            yield conn
+        except sqlite3.Error as exc:
+            conn.execute("ROLLBACK")
+            raise StoreError(f"job store {self.path}: {exc}") from None
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        try:
+            return self.conn.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"job store {self.path}: {exc}") from None
+
+    def migrate(self) -> tuple[int, int]:
+        conn = self.conn
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return migrations.migrate(conn, self.path)
+        except sqlite3.Error as exc:
+            raise StoreError(f"job store {self.path}: {exc}") from None
+
+    def ping(self) -> None:
+        self.query("SELECT 1")
+
+    # -- jobs: submit, read, cancel ----------------------------------------------------------------
+
+    def create_job(self, *, kind: str, spec: dict[str, Any], target: str | None, callback_url: str | None,
+                   submitted_by: str, max_attempts: int, queue_limit: int,
+                   idempotency: tuple[str, str] | None = None) -> tuple[JobRecord, bool]:
+        """Queue a job; returns (job, created). With an idempotency (key, request hash) seen before, the
+        earlier job comes back (created False); the same key with another request is a Conflict."""
+        now = time.time()
+        with self.transaction() as conn:
+            if idempotency:
+                row = conn.execute("SELECT request_hash, job_id FROM idempotency WHERE principal = ? AND key = ?",
+                                   (submitted_by, idempotency[0])).fetchone()
+                if row is not None:
+                    if row["request_hash"] != idempotency[1]:
+                        raise Conflict("Idempotency-Key was already used for a different request; use a new key")
+                    return self._get(conn, row["job_id"]), False
+            depth = conn.execute("SELECT COUNT(*) FROM jobs WHERE state = 'queued'").fetchone()[0]
+            if depth >= queue_limit:
+                raise QueueFull(f"the queue is full ({depth} jobs waiting); retry later")
+            if target is not None:
+                busy = conn.execute("SELECT id FROM jobs WHERE target = ? AND state IN ('queued', 'running')",
+                                    (target,)).fetchone()
+                if busy is not None:
+                    raise Conflict(f"target {target} is being written by job {busy['id']}; wait for it or cancel it")
+            job_id = new_id("job")
+            conn.execute(
+                "INSERT INTO jobs (id, kind, state, spec, max_attempts, target, callback_url, submitted_by, "
+                "created_at, updated_at) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, kind, json.dumps(spec), max_attempts, target, callback_url, submitted_by, now, now))
+            if idempotency:
+                conn.execute("INSERT INTO idempotency (principal, key, request_hash, job_id, created_at) "
+                             "VALUES (?, ?, ?, ?, ?)", (submitted_by, idempotency[0], idempotency[1], job_id, now))
+            return self._get(conn, job_id), True
+
+    @staticmethod
+    def _get(conn: sqlite3.Connection, job_id: str) -> JobRecord:
+        row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        return JobRecord.from_row(row)
+
+    def get(self, job_id: str) -> JobRecord:
+        rows = self.query("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        if not rows:
+            raise NotFound(f"no job {job_id}")
+        return JobRecord.from_row(rows[0])
+
+    def list_jobs(self, state: str | None = None, kind: str | None = None, limit: int = 50,
+                  before: int | None = None) -> tuple[list[JobRecord], int | None]:
+        """Newest first; returns (jobs, seq to pass as `before` for the next page, or None)."""
+        where, params = ["1 = 1"], []
+        for column, value in (("state", state), ("kind", kind)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if before is not None:
+            where.append("seq < ?")
+            params.append(before)
+        rows = self.query(f"SELECT * FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?",
+                          (*params, limit + 1))
+        more = rows[limit]["seq"] if len(rows) > limit else None
+        next_before = rows[limit - 1]["seq"] if more is not None else None
+        return [JobRecord.from_row(r) for r in rows[:limit]], next_before
+
+    def request_cancel(self, job_id: str) -> JobRecord:
+        """A queued job is cancelled at once; a running one is flagged (its worker stops it)."""
+        now = time.time()
+        with self.transaction() as conn:
+            job = self._get(conn, job_id)
+            if job.state == "queued":
+                conn.execute(f"UPDATE jobs SET state = 'cancelled', cancel_requested = 1, finished_at = ?, "
+                             f"updated_at = ?, {_CALLBACK_PENDING} WHERE id = ?", (now, now, job_id))
+            elif job.state == "running":
+                conn.execute("UPDATE jobs SET cancel_requested = 1, updated_at = ? WHERE id = ?", (now, job_id))
+            elif job.state != "cancelled":
+                raise Conflict(f"job {job_id} already {job.state}; nothing to cancel")
+            return self._get(conn, job_id)
+
+    # -- jobs: the worker side ---------------------------------------------------------------------
+
+    def claim(self, worker: str, lease_seconds: float) -> JobRecord | None:
+        """Take the oldest queued job for `worker` (attempt + 1), or None."""
+        now = time.time()
+        with self.transaction() as conn:
+            row = conn.execute("SELECT id FROM jobs WHERE state = 'queued' ORDER BY seq LIMIT 1").fetchone()
+            if row is None:
+                return None
+            conn.execute("UPDATE jobs SET state = 'running', attempt = attempt + 1, worker = ?, lease_until = ?, "
+                         "heartbeat_at = ?, attempt_started_at = ?, started_at = COALESCE(started_at, ?), "
+                         "pid = NULL, progress = NULL, updated_at = ? WHERE id = ?",
+                         (worker, now + lease_seconds, now, now, now, now, row["id"]))
+            return self._get(conn, row["id"])
+
+    def heartbeat(self, job_id: str, worker: str, attempt: int, lease_seconds: float) -> tuple[bool, bool]:
+        """Extend the lease; returns (still ours, cancel requested)."""
+        now = time.time()
+        with self.transaction() as conn:
+            cur = conn.execute("UPDATE jobs SET lease_until = ?, heartbeat_at = ? WHERE id = ? AND worker = ? "
+                               "AND attempt = ? AND state = 'running'",
+                               (now + lease_seconds, now, job_id, worker, attempt))
+            row = conn.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return cur.rowcount == 1, bool(row and row["cancel_requested"])
+
+    def set_pid(self, job_id: str, attempt: int, pid: int) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE jobs SET pid = ? WHERE id = ? AND attempt = ? AND state = 'running'",
+                         (pid, job_id, attempt))
+
+    def set_progress(self, job_id: str, attempt: int, progress: dict[str, Any]) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE jobs SET progress = ?, updated_at = ? WHERE id = ? AND attempt = ? "
+                         "AND state = 'running'", (json.dumps(progress), time.time(), job_id, attempt))
+
+    def finish(self, conn: sqlite3.Connection, job_id: str, attempt: int, state: str,
+               result: dict[str, Any] | None = None, error: tuple[str, str] | None = None) -> bool:
+        """Inside a transaction: end attempt `attempt` of a running job. False if it is no longer ours."""
+        assert state in TERMINAL
+        now = time.time()
+        error_type, message = error or (None, None)
+        cur = conn.execute(
+            f"UPDATE jobs SET state = ?, result = ?, error_type = ?, error_message = ?, finished_at = ?, "
+            f"updated_at = ?, lease_until = NULL, {_CALLBACK_PENDING} WHERE id = ? AND attempt = ? "
+            "AND state = 'running'",
+            (state, json.dumps(result) if result is not None else None, error_type, message, now, now, job_id,
+             attempt))
+        return cur.rowcount == 1
+
+    def finish_now(self, job_id: str, attempt: int, state: str, result: dict[str, Any] | None = None,
+                   error: tuple[str, str] | None = None) -> bool:
+        with self.transaction() as conn:
+            return self.finish(conn, job_id, attempt, state, result, error)
+
+    def requeue_or_fail(self, job_id: str, attempt: int, reason: str) -> str | None:
+        """After a job process died: cancelled if that was asked for, queued again while attempts are left,
+        failed with `reason` after that. Returns the new state, or None if the attempt was not current."""
+        now = time.time()
+        with self.transaction() as conn:
+            job = self._get(conn, job_id)
+            if job.state != "running" or job.attempt != attempt:
+                return None
+            if job.cancel_requested:
+                self.finish(conn, job_id, attempt, "cancelled")
+                return "cancelled"
+            if job.attempt < job.max_attempts:
+                conn.execute("UPDATE jobs SET state = 'queued', worker = NULL, lease_until = NULL, pid = NULL, "
+                             "error_type = 'WorkerLost', error_message = ?, updated_at = ? WHERE id = ?",
+                             (reason, now, job_id))
+                return "queued"
+            self.finish(conn, job_id, attempt, "failed",
+                        error=("WorkerLost", f"{reason} (attempt {attempt} of {job.max_attempts}); giving up"))
+            return "failed"
+
+    def release(self, job_id: str, attempt: int) -> bool:
+        """Graceful shutdown: put a running job back in the queue without using up an attempt."""
+        with self.transaction() as conn:
+            cur = conn.execute("UPDATE jobs SET state = 'queued', attempt = attempt - 1, worker = NULL, "
+                               "lease_until = NULL, pid = NULL, updated_at = ? WHERE id = ? AND attempt = ? "
+                               "AND state = 'running' AND cancel_requested = 0", (time.time(), job_id, attempt))
+        return cur.rowcount == 1
+
+    def running(self) -> list[JobRecord]:
+        return [JobRecord.from_row(r) for r in self.query("SELECT * FROM jobs WHERE state = 'running'")]
+
+    # -- callbacks ---------------------------------------------------------------------------------
+
+    def claim_callbacks(self, owner: str, hold_seconds: float, limit: int = 8) -> list[JobRecord]:
+        """Take finished jobs whose callback is due (or whose sender died) for `owner` to deliver."""
+        now = time.time()
+        with self.transaction() as conn:
+            rows = conn.execute("SELECT id FROM jobs WHERE callback_state = 'pending' OR (callback_state = "
+                                "'sending' AND callback_until < ?) LIMIT ?", (now, limit)).fetchall()
+            ids = [r["id"] for r in rows]
+            for job_id in ids:
+                conn.execute("UPDATE jobs SET callback_state = 'sending', callback_owner = ?, callback_until = ? "
+                             "WHERE id = ?", (owner, now + hold_seconds, job_id))
+            return [self._get(conn, job_id) for job_id in ids]
+
+    def callback_done(self, job_id: str, delivered: bool) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE jobs SET callback_state = ? WHERE id = ?", ("sent" if delivered else "failed",
+                                                                            job_id))
+
+    # -- workers and metrics -----------------------------------------------------------------------
+
+    def register_worker(self, worker: str, host: str, pid: int, slots: int) -> None:
+        now = time.time()
+        with self.transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO workers (id, host, pid, slots, started_at, seen_at) "
+                         "VALUES (?, ?, ?, ?, ?, ?)", (worker, host, pid, slots, now, now))
+
+    def touch_worker(self, worker: str) -> None:
+        with self.transaction() as conn:
+            conn.execute("UPDATE workers SET seen_at = ? WHERE id = ?", (time.time(), worker))
+
+    def remove_worker(self, worker: str) -> None:
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM workers WHERE id = ?", (worker,))
+
+    def live_workers(self, within_seconds: float) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM workers WHERE seen_at >= ?", (time.time() - within_seconds,))
+
+    def forget_workers(self, older_than_seconds: float) -> None:
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM workers WHERE seen_at < ?", (time.time() - older_than_seconds,))
+
+    def count_by_state(self) -> dict[str, int]:
+        return {r["state"]: r["n"] for r in self.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}
+
+    def finished_stats(self) -> list[sqlite3.Row]:
+        """(kind, state, seconds, bytes) of every finished job that ran, for the metrics histograms."""
+        return self.query(
+            f"SELECT kind, state, finished_at - started_at AS seconds, "
+            f"COALESCE(json_extract(progress, '$.total_bytes'), 0) AS bytes FROM jobs "
+            f"WHERE state IN {TERMINAL_SQL} AND started_at IS NOT NULL")

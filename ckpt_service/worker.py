@@ -1,0 +1,260 @@
+"""Workers: claim queued jobs from the store and run each in its own OS process.
+
+`WorkerPool` has N job slots. Its scheduler thread claims jobs while slots are free, requeues the jobs
+of dead workers (lease expired, or a worker process on this host that no longer exists) after
+cleaning their targets, and hands due callbacks to senders. Each claimed job gets a `JobRunner`
+thread that starts `python -m ckpt_service.worker_main`, heartbeats the lease, and stops the process
+when the job is cancelled or the lease was lost. A job process that dies without recording an
+outcome is retried (up to the job's `max_attempts`) or failed with the reason.
+
+`ckptctl serve` runs a pool inside the API server; `ckptctl worker` runs one alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from . import callbacks, logs
+from .errors import ServiceError
+from .executor import clean_target
+from .jobs import JobRecord
+from .settings import Settings
+from .store import JobStore
+
+KILL_WAIT = 10.0
+
+
+def describe_exit(pid: int, code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        hint = " (out of memory, or killed by an operator)" if -code == signal.SIGKILL else ""
+        return f"job process {pid} was killed by {name}{hint}"
+    return f"job process {pid} exited with status {code} without recording a result"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class JobRunner(threading.Thread):
+    """Runs and watches one attempt of one job. Lives as long as the job process (see PR_SET_PDEATHSIG)."""
+
+    def __init__(self, pool: WorkerPool, job: JobRecord) -> None:
+        super().__init__(name=f"job-{job.id}", daemon=True)
+        self.pool, self.job, self.attempt = pool, job, job.attempt
+        self.releasing = threading.Event()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        s = self.pool.settings
+        return [sys.executable, "-m", "ckpt_service.worker_main", str(s.db_path), self.job.id, str(self.attempt),
+                "--parent", str(os.getpid()), "--nice", str(s.job_nice), "--progress-seconds",
+                str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second),
+                "--log-level", s.log_level]
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            logs.event("job.runner_error", job_id=self.job.id, attempt=self.attempt, exc_info=True)
+            self._kill()
+        finally:
+            self.pool.runner_done(self)
+
+    def _run(self) -> None:
+        store, s, job = self.pool.store, self.pool.settings, self.job
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True)
+        store.set_pid(job.id, self.attempt, self.proc.pid)
+        logs.event("job.process_started", job_id=job.id, attempt=self.attempt, pid=self.proc.pid,
+                   worker=self.pool.id)
+        why = None
+        while why is None:
+            try:
+                self.proc.wait(timeout=s.heartbeat_seconds)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if self.releasing.is_set():
+                why = "release"
+                break
+            try:
+                owned, cancel = store.heartbeat(job.id, self.pool.id, self.attempt, s.lease_seconds)
+            except ServiceError:
+                logs.event("job.heartbeat_failed", job_id=job.id, exc_info=True)
+                continue
+            if not owned and self.proc.poll() is None and not self._ended_by_job():
+                why = "lost"
+            elif owned and cancel:
+                why = "cancel"
+            elif not owned:
+                break  # the job process recorded its outcome and is exiting
+        if why is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=KILL_WAIT)  # it has recorded its outcome; let it exit
+        self._kill()
+        self._settle(why)
+
+    def _ended_by_job(self) -> bool:
+        current = self.pool.store.get(self.job.id)
+        return current.attempt == self.attempt and current.terminal
+
+    def _settle(self, why: str | None) -> None:
+        store, job = self.pool.store, self.job
+        target, overwrite = job.target, bool(job.spec.get("options", {}).get("overwrite"))
+        if why == "lost":
+            logs.event("job.lease_lost", job_id=job.id, attempt=self.attempt)
+            return
+        if why == "release":
+            clean_target(target, overwrite)
+            if store.release(job.id, self.attempt):
+                logs.event("job.released", job_id=job.id, attempt=self.attempt)
+                return
+            why = None  # it was being cancelled, or had just finished: settle it as usual
+        current = store.get(job.id)
+        if current.state != "running" or current.attempt != self.attempt:
+            return  # the job process recorded its outcome
+        if why == "cancel" or current.cancel_requested:
+            removed = clean_target(target, overwrite)
+            if store.finish_now(job.id, self.attempt, "cancelled"):
+                logs.event("job.cancelled", job_id=job.id, attempt=self.attempt, removed=removed)
+            return
+        assert self.proc is not None
+        reason = describe_exit(self.proc.pid, self.proc.returncode)
+        removed = clean_target(target, overwrite)
+        state = store.requeue_or_fail(job.id, self.attempt, reason)
+        logs.event("job.process_died", job_id=job.id, attempt=self.attempt, reason=reason, now=state, removed=removed)
+
+    def _kill(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=KILL_WAIT)
+
+
+class WorkerPool:
+    """N job slots over one store. `start()`/`stop()` for a server; `run_until(event)` for `ckptctl worker`."""
+
+    def __init__(self, settings: Settings, store: JobStore | None = None, slots: int | None = None) -> None:
+        self.settings = settings
+        self.store = store or JobStore(settings.db_path)
+        self.slots = settings.workers if slots is None else slots
+        self.host = socket.gethostname()
+        self.id = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._runners: dict[str, JobRunner] = {}
+        self._thread: threading.Thread | None = None
+
+    # -- life cycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.store.register_worker(self.id, self.host, os.getpid(), self.slots)
+        self._thread = threading.Thread(target=self._loop, name="ckpt-scheduler", daemon=True)
+        self._thread.start()
+        logs.event("worker.started", worker=self.id, slots=self.slots)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop claiming; put running jobs back in the queue (their processes are stopped, targets cleaned)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            runners = list(self._runners.values())
+        for runner in runners:
+            runner.releasing.set()
+        deadline = time.monotonic() + timeout
+        for runner in runners:
+            runner.join(max(0.1, deadline - time.monotonic()))
+        with contextlib.suppress(ServiceError):
+            self.store.remove_worker(self.id)
+        logs.event("worker.stopped", worker=self.id, released=len(runners))
+
+    def run_until(self, stop: threading.Event) -> None:
+        self.start()
+        try:
+            while not stop.wait(1.0):
+                if not self.alive():
+                    raise RuntimeError("the scheduler thread died; see the log")
+        finally:
+            self.stop()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def busy(self) -> int:
+        with self._lock:
+            return len(self._runners)
+
+    def runner_done(self, runner: JobRunner) -> None:
+        with self._lock:
+            self._runners.pop(runner.job.id, None)
+
+    # -- the scheduler loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        s = self.settings
+        next_chores = 0.0
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() >= next_chores:
+                    next_chores = time.monotonic() + s.heartbeat_seconds
+                    self.store.touch_worker(self.id)
+                    self.reap()
+                    callbacks.deliver_due(self.store, self.id, s.callback_timeout, s.callback_attempts)
+                self.fill_slots()
+            except ServiceError:
+                logs.event("worker.store_error", worker=self.id, exc_info=True)
+            except Exception:
+                logs.event("worker.loop_error", worker=self.id, exc_info=True)
+            self._stop.wait(s.poll_seconds)
+
+    def fill_slots(self) -> None:
+        while not self._stop.is_set() and self.busy() < self.slots:
+            job = self.store.claim(self.id, self.settings.lease_seconds)
+            if job is None:
+                return
+            logs.event("job.claimed", job_id=job.id, attempt=job.attempt, worker=self.id)
+            runner = JobRunner(self, job)
+            with self._lock:
+                self._runners[job.id] = runner
+            runner.start()
+
+    def dead_reason(self, job: JobRecord, now: float) -> str | None:
+        """Why the worker running `job` counts as dead, or None while it is alive."""
+        if job.worker == self.id:
+            return None
+        host, _, rest = (job.worker or "").partition(":")
+        pid = rest.split(":", 1)[0]
+        if host == self.host and pid.isdigit() and not pid_alive(int(pid)):
+            return f"worker {job.worker} is gone (process {pid} no longer exists)"
+        if job.lease_until is not None and job.lease_until < now:
+            return f"worker {job.worker} stopped heartbeating (lease expired)"
+        return None
+
+    def reap(self) -> None:
+        now = time.time()
+        for job in self.store.running():
+            reason = self.dead_reason(job, now)
+            if reason is None:
+                continue
+            removed = clean_target(job.target, bool(job.spec.get("options", {}).get("overwrite")))
+            state = self.store.requeue_or_fail(job.id, job.attempt, reason)
+            if state is not None:
+                logs.event("job.worker_lost", job_id=job.id, attempt=job.attempt, reason=reason, now=state,
+                           removed=removed)

@@ -1,0 +1,54 @@
+"""Entry point of a job process: `python -m ckpt_service.worker_main DB JOB_ID ATTEMPT --parent PID`.
+
+The process asks the kernel to kill it when its parent (the worker that watches it) dies, lowers its
+own priority so the API stays responsive, runs the job and records the outcome itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it exits; elsewhere a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent and os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ckpt_service.worker_main")
+    parser.add_argument("db")
+    parser.add_argument("job_id")
+    parser.add_argument("attempt", type=int)
+    parser.add_argument("--parent", type=int, default=0)
+    parser.add_argument("--nice", type=int, default=0)
+    parser.add_argument("--progress-seconds", type=float, default=0.5)
+    parser.add_argument("--max-bytes-per-second", type=int, default=0)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    if args.nice:
+        with contextlib.suppress(OSError):
+            os.nice(args.nice)
+
+    from . import logs
+    from .executor import run_job
+    from .store import JobStore
+
+    logs.setup(args.log_level)
+    store = JobStore(args.db, migrate=False)
+    return run_job(store, args.job_id, args.attempt, args.progress_seconds, args.max_bytes_per_second)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
