@@ -13,9 +13,10 @@ from typing import Literal
 
 from . import dtypes, storage
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
-from .errors import OptionError, TargetError
+from .errors import OptionError, TargetError, VerifyError
 from .formats import load_index
 from .index import CheckpointIndex
+from .output import open_output
 from .transforms import KeyOptions, apply
 from .verify import VerifyReport, find_tie, verify_indexes
 
@@ -106,31 +107,25 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
             ties = _drop_tied(view, options.drop_tied, copier)
             metadata["tied_weights"] = json.dumps(ties)
             report.append("dropped tied " + ", ".join(f"{a} (= {b})" for a, b in ties.items()))
-        with storage.atomic_output(target, options.overwrite) as tmp:
+        single = options.to == "torch" or target.endswith(".safetensors")
+        with open_output(target, options.overwrite, options.to, single_file=single) as out:
             if options.to == "torch":
                 from .writers.torchsave import write_torch
 
-                outputs = write_torch(view, tmp, copier, cast_to=options.dtype)
-                outputs = [(storage.basename(target), outputs[0][1])]
+                write_torch(view, out, copier, cast_to=options.dtype)
             else:
                 from .writers.safetensors import write_safetensors
 
-                single = target.endswith(".safetensors")
-                outputs = write_safetensors(view, tmp, copier, cast_to=options.dtype,
-                                            max_shard_size=options.max_shard_size, single_file=single,
-                                            metadata=metadata)
-                if single:
-                    outputs = [(storage.basename(target), outputs[0][1])]
-            result = ConvertResult(target, outputs, report, skipped)
+                write_safetensors(view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
+                                  metadata=metadata)
+            result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped)
             if options.verify:
-                written = load_index(tmp, options.to, reader=reader)
+                written = load_index(out.root, options.to, reader=reader, complete=False)
                 written.tensors = {".".join(t.path): t for t in written.tensors.values()}
                 written.objects = {".".join(o.path): o for o in written.objects.values()}
                 result.verify = verify_indexes(view, written, reader, cast_ok=options.dtype is not None,
                                                memory_limit=options.memory_limit)
                 if not result.verify.ok:
-                    from .errors import VerifyError
-
                     raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
         return result
     except OSError as exc:

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from . import dtypes, storage
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
-from .errors import FormatError, OptionError
+from .errors import FormatError, OptionError, VerifyError
 from .formats import load_index
 from .index import CheckpointIndex, TensorEntry
 from .layouts import make_layout
+from .output import open_output
 from .transforms import KeyOptions, _parts, apply
 from .verify import VerifyReport, verify_indexes
 from .writers.dcp import Piece, write_dcp
@@ -111,16 +112,15 @@ def reshard(source: str, target: str, options: ReshardOptions,
         empty = sum(1 for pieces in plan if not pieces)
         if empty:
             report.append(f"{empty} of {options.world_size} ranks hold no tensor data at all")
-        with storage.atomic_output(target, options.overwrite) as tmp:
-            outputs = write_dcp(view, tmp, copier, plan, cast_for)
-            result = ReshardResult(target, options.world_size, outputs, report)
+        with open_output(target, options.overwrite, "dcp") as out:
+            write_dcp(view, out, copier, plan, cast_for)
+            result = ReshardResult(target, options.world_size, [(n, f["bytes"]) for n, f in out.files.items()],
+                                   report)
             if options.verify:
-                written = load_index(tmp, "dcp", reader=reader)
-                cast = options.dtype is not None
-                result.verify = verify_indexes(view, written, reader, cast_ok=cast, memory_limit=options.memory_limit)
+                written = load_index(out.root, "dcp", reader=reader, complete=False)
+                result.verify = verify_indexes(view, written, reader, cast_ok=options.dtype is not None,
+                                               memory_limit=options.memory_limit)
                 if not result.verify.ok:
-                    from .errors import VerifyError
-
                     raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
         return result
     finally:

@@ -6,17 +6,22 @@ is mmapped or read whole unless it is small metadata.
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import threading
-import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
-from .errors import SourceError, TargetError
+from .errors import CkptError, SourceError, TargetError
+
+#: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
+#: cost few requests; larger reads go straight through.
+MIN_REQUEST = 1024 * 1024
+_CACHE_BLOCKS = 32
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
+           "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
 
 def is_local(uri: str) -> bool:
@@ -33,8 +38,52 @@ def _fs(protocol: str) -> Any:
 
     try:
         return fsspec.filesystem(protocol)
-    except ImportError as exc:
-        raise SourceError(f"{protocol}:// needs an extra package: {exc}") from None
+    except ImportError:
+        extra = _EXTRAS.get(protocol)
+        hint = f"pip install 'ckpt-service[{extra}]'" if extra == "s3" else (f"install {extra}" if extra else
+                                                                             "install its fsspec package")
+        raise SourceError(f"{protocol}:// URIs need an extra package: {hint}") from None
+    except ValueError:
+        raise SourceError(f"{protocol}:// is not a storage protocol fsspec knows") from None
+
+
+@contextmanager
+def translate_errors(uri: str, writing: bool = False) -> Iterator[None]:
+    """Turn storage exceptions into one-line errors that say what failed, in plain words."""
+    kind = TargetError if writing else SourceError
+    try:
+        yield
+    except CkptError:
+        raise
+    except FileNotFoundError as exc:
+        text = str(exc)
+        if "bucket" in text.lower() or "NoSuchBucket" in text:
+            raise kind(f"{uri}: no such bucket; create it or fix the URI") from None
+        raise kind(f"{uri}: no such file or prefix") from None
+    except PermissionError:
+        raise kind(f"{uri}: access denied; check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE) and the "
+                   "bucket policy") from None
+    except OSError as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        if "Could not connect" in text or "EndpointConnectionError" in text or "Connect" in type(exc).__name__:
+            raise kind(f"{uri}: storage endpoint unreachable ({_endpoint()}); check AWS_ENDPOINT_URL or the "
+                       "network") from None
+        if "SlowDown" in text or "Throttl" in text or "503" in text:
+            raise kind(f"{uri}: the storage service kept throttling requests; retry later") from None
+        raise kind(f"{uri}: storage error ({text})") from None
+    except Exception as exc:  # botocore and aiohttp raise their own types
+        name = type(exc).__name__
+        if "Credential" in name:
+            raise kind(f"{uri}: no credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile") \
+                from None
+        if "Connect" in name or "Timeout" in name:
+            raise kind(f"{uri}: storage endpoint unreachable ({_endpoint()}); check AWS_ENDPOINT_URL or the "
+                       "network") from None
+        raise
+
+
+def _endpoint() -> str:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
 
 
 def filesystem(uri: str) -> tuple[Any, str]:
@@ -62,14 +111,16 @@ def exists(uri: str) -> bool:
     if is_local(uri):
         return os.path.exists(local_path(uri))
     fs, path = filesystem(uri)
-    return bool(fs.exists(path))
+    with translate_errors(uri):
+        return bool(fs.exists(path))
 
 
 def isdir(uri: str) -> bool:
     if is_local(uri):
         return os.path.isdir(local_path(uri))
     fs, path = filesystem(uri)
-    return bool(fs.isdir(path))
+    with translate_errors(uri):
+        return bool(fs.isdir(path))
 
 
 def listdir(uri: str) -> list[str]:
@@ -77,14 +128,17 @@ def listdir(uri: str) -> list[str]:
     if is_local(uri):
         return sorted(os.listdir(local_path(uri)))
     fs, path = filesystem(uri)
-    return sorted(basename(p) for p in fs.ls(path, detail=False))
+    with translate_errors(uri):
+        own = path.split("://", 1)[-1].rstrip("/")
+        return sorted(basename(p) for p in fs.ls(path, detail=False) if p.rstrip("/") != own)
 
 
 def size(uri: str) -> int:
     if is_local(uri):
         return os.path.getsize(local_path(uri))
     fs, path = filesystem(uri)
-    return int(fs.size(path))
+    with translate_errors(uri):
+        return int(fs.size(path))
 
 
 def read_all(uri: str) -> bytes:
@@ -94,7 +148,8 @@ def read_all(uri: str) -> bytes:
             with open(local_path(uri), "rb") as fh:
                 return fh.read()
         fs, path = filesystem(uri)
-        return bytes(fs.cat_file(path))
+        with translate_errors(uri):
+            return bytes(fs.cat_file(path))
     except FileNotFoundError:
         raise SourceError(f"{uri}: no such file") from None
     except IsADirectoryError:
@@ -107,6 +162,10 @@ class RangeReader:
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self.requested = 0  # bytes asked for by the engine (remote files)
+        self.fetched = 0  # bytes transferred from remote storage
+        self.requests = 0
 
     def fd(self, path: str) -> int:
         """A shared read-only descriptor of a local file (kept open until `close`)."""
@@ -129,12 +188,48 @@ class RangeReader:
         if is_local(uri):
             data = os.pread(self.fd(local_path(uri)), length, offset)
         else:
-            fs, path = filesystem(uri)
-            data = fs.cat_file(path, start=offset, end=offset + length)
+            data = self._remote(uri, offset, length)
         if len(data) != length:
             raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted bytes "
                               f"{offset}..{offset + length}); it is truncated: re-copy or re-upload it")
         return data
+
+    def _fetch(self, uri: str, start: int, end: int) -> bytes:
+        fs, path = filesystem(uri)
+        with translate_errors(uri):
+            data = bytes(fs.cat_file(path, start=start, end=end))
+        with self._lock:
+            self.fetched += len(data)
+            self.requests += 1
+        return data
+
+    def _remote(self, uri: str, offset: int, length: int) -> bytes:
+        """Ranged read; small reads go through an LRU of aligned `MIN_REQUEST` blocks."""
+        with self._lock:
+            self.requested += length
+        if length >= MIN_REQUEST:
+            return self._fetch(uri, offset, offset + length)
+        out = bytearray()
+        block = offset // MIN_REQUEST
+        while len(out) < length:
+            key = (uri, block)
+            with self._lock:
+                data = self._blocks.get(key)
+                if data is not None:
+                    self._blocks.move_to_end(key)
+            if data is None:
+                data = self._fetch(uri, block * MIN_REQUEST, (block + 1) * MIN_REQUEST)
+                with self._lock:
+                    self._blocks[key] = data
+                    while len(self._blocks) > _CACHE_BLOCKS:
+                        self._blocks.popitem(last=False)
+            lo = offset + len(out) - block * MIN_REQUEST
+            piece = data[lo: lo + length - len(out)]
+            if not piece:
+                break
+            out += piece
+            block += 1
+        return bytes(out)
 
     def readinto(self, uri: str, offset: int, view: memoryview) -> None:
         length = len(view)
@@ -170,40 +265,10 @@ def check_target(uri: str, overwrite: bool) -> None:
         raise TargetError(f"{uri}: already exists; pass --overwrite to replace it, or choose another target")
 
 
-@contextmanager
-def atomic_output(uri: str, overwrite: bool = False) -> Iterator[str]:
-    """Yield a temporary sibling path; on success move it to `uri`, on failure remove it.
+def is_incomplete(uri: str) -> bool:
+    """True for an output prefix that ckpt-service started and did not finish (marker, no manifest)."""
+    if is_local(uri) or not isdir(uri):
+        return False
+    names = listdir(uri)
+    return ".ckpt-writing" in names and "ckpt-manifest.json" not in names
 
-    Works for a file or a folder target. Readers never see a half-written output.
-    """
-    check_target(uri, overwrite)
-    if not is_local(uri):
-        raise TargetError(f"{uri}: writing to object storage is not supported yet; write to a local path")
-    target = os.path.abspath(local_path(uri))
-    parent_dir = os.path.dirname(target)
-    try:
-        os.makedirs(parent_dir, exist_ok=True)
-    except OSError as exc:
-        raise TargetError(f"{parent_dir}: cannot create the output folder ({exc.strerror})") from None
-    tmp = os.path.join(parent_dir, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        yield tmp
-        if os.path.exists(target):
-            _remove(target)
-        os.replace(tmp, target)
-    except OSError as exc:
-        _remove(tmp)
-        if exc.errno == errno.ENOSPC:
-            raise TargetError(f"{target}: disk full while writing; free space or choose another target "
-                              "(nothing was left behind)") from None
-        raise TargetError(f"{target}: cannot write ({exc.strerror or exc})") from None
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)

@@ -79,7 +79,7 @@ def _walk_local_headers(head: bytes, base: int, limit: int) -> tuple[list[Member
         flags, method, comp, uncomp, name_len, extra_len = (fields[2], fields[3], fields[7], fields[8],
                                                             fields[9], fields[10])
         name_end = pos + _LOCAL.size + name_len
-        if flags & 0x08 or method != 0 or name_end + extra_len > len(head):
+        if method != 0 or name_end + extra_len > len(head) or (flags & 0x08 and comp == 0):
             return members, False
         name = head[pos + _LOCAL.size: name_end].decode("utf-8", "replace")
         comp, uncomp, _ = _zip64_sizes(head[name_end: name_end + extra_len], comp, uncomp)
@@ -88,6 +88,9 @@ def _walk_local_headers(head: bytes, base: int, limit: int) -> tuple[list[Member
         if "/data/" in name or name.startswith("data/"):
             return members, True
         pos = data_start + comp
+        if flags & 0x08:  # a data descriptor follows the data (ckpt-service writes sizes up front too)
+            zip64 = comp >= 0xFFFFFFFF
+            pos += 24 if zip64 else 16
         if pos >= limit:
             break
     return members, bool(members) and any(m.name.endswith("data.pkl") for m in members)

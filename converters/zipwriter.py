@@ -1,5 +1,7 @@
 """A streaming writer for torch.save archives: uncompressed zip, storages aligned to 64 bytes, zip64
-when needed, CRC computed while the bytes stream through (the header is patched afterwards)."""
+when needed. It never seeks: sizes are known up front and go in the local headers, the CRC is computed
+while the bytes stream through and written in a data descriptor after them (general purpose bit 3),
+so the same code writes to a local file or straight into an object-store upload."""
 
 from __future__ import annotations
 
@@ -11,70 +13,73 @@ from typing import BinaryIO
 
 _ALIGN = 64
 _U32 = 0xFFFFFFFF
+_FLAGS = 0x08  # CRC-32 in a data descriptor after the data
 
 
 class ZipWriter:
-    """Writes one torch.save archive into `fh` starting at its current position."""
+    """Writes one torch.save archive into `fh` (sequential writes only), from its current position."""
 
-    def __init__(self, fh: BinaryIO, archive: str = "archive") -> None:
+    def __init__(self, fh: BinaryIO, archive: str = "archive", start: int | None = None) -> None:
         self.fh = fh
-        self.base = fh.tell()
+        self.base = fh.tell() if start is None else start
+        self.pos = 0  # bytes written so far, relative to the archive start
         self.archive = archive
         self.entries: list[tuple[bytes, int, int, int, bool]] = []  # name, offset, size, crc, zip64
 
-    def _header(self, name: bytes, size: int, crc: int, at: int) -> bytes:
+    def _write(self, data: bytes | memoryview) -> None:
+        self.fh.write(data)
+        self.pos += len(memoryview(data).cast("B"))
+
+    def _header(self, name: bytes, size: int, at: int) -> bytes:
         zip64 = size >= _U32
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
-        data_at = at + 30 + len(name) + len(extra)
+        data_at = self.base + at + 30 + len(name) + len(extra)
         pad = (-(data_at + 4)) % _ALIGN
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         sizes = (_U32, _U32) if zip64 else (size, size)
-        return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, crc, *sizes,
+        return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, _FLAGS, 0, 0, 0x21, 0, *sizes,
                            len(name), len(extra)) + name + extra
 
     def write_member(self, name: str, chunks: Iterable[bytes | memoryview], size: int) -> None:
-        """Stream a member of known `size`; its CRC is patched into the header afterwards."""
+        """Stream a member of known `size`."""
         bname = f"{self.archive}/{name}".encode()
-        at = self.fh.tell() - self.base
-        header = self._header(bname, size, 0, at)
-        self.fh.write(header)
+        at = self.pos
+        self._write(self._header(bname, size, at))
         crc, written = 0, 0
         for chunk in chunks:
-            crc = zlib.crc32(chunk, crc)
-            written += len(chunk)
-            self.fh.write(chunk)
+            view = memoryview(chunk).cast("B")
+            crc = zlib.crc32(view, crc)
+            written += len(view)
+            self._write(view)
         if written != size:
             raise ValueError(f"member {name}: wrote {written} bytes, expected {size}")
-        end = self.fh.tell()
-        self.fh.seek(self.base + at + 14)
-        self.fh.write(struct.pack("<I", crc))
-        self.fh.seek(end)
-        self.entries.append((bname, at, size, crc, size >= _U32 or at >= _U32))
+        zip64 = size >= _U32
+        self._write(struct.pack("<IIQQ" if zip64 else "<IIII", 0x08074B50, crc, size, size))
+        self.entries.append((bname, at, size, crc, zip64 or at >= _U32))
 
     def add(self, name: str, data: bytes) -> None:
         self.write_member(name, [data], len(data))
 
     def add_torch_records(self) -> None:
         for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"),
-                            ("version", b"3"), (".data/serialization_id", uuid.uuid4().hex.encode() * 2)):
-            self.add(name, value[:40] if name.endswith("serialization_id") else value)
+                            ("version", b"3"), (".data/serialization_id", uuid.uuid4().hex.encode()[:40])):
+            self.add(name, value)
 
     def close(self) -> int:
         """Write the central directory; return the archive's total length."""
-        cd_start = self.fh.tell() - self.base
+        cd_start = self.pos
         for name, at, size, crc, zip64 in self.entries:
             extra = struct.pack("<HHQQQ", 1, 24, size, size, at) if zip64 else b""
             sizes = (_U32, _U32, _U32) if zip64 else (size, size, at)
-            self.fh.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if zip64 else 20, 0, 0, 0, 0x21,
-                                      crc, sizes[0], sizes[1], len(name), len(extra), 0, 0, 0, 0, sizes[2])
-                          + name + extra)
-        cd_end = self.fh.tell() - self.base
+            self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if zip64 else 20, _FLAGS, 0, 0, 0x21,
+                                    crc, sizes[0], sizes[1], len(name), len(extra), 0, 0, 0, 0, sizes[2])
+                        + name + extra)
+        cd_end = self.pos
         cd_size, count = cd_end - cd_start, len(self.entries)
         if cd_start >= _U32 or count >= 0xFFFF or any(e[4] for e in self.entries):
-            self.fh.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size,
-                                      cd_start))
-            self.fh.write(struct.pack("<IIQI", 0x07064B50, 0, cd_end, 1))
-            self.fh.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32, _U32, 0))
+            self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start))
+            self._write(struct.pack("<IIQI", 0x07064B50, 0, cd_end, 1))
+            self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32, _U32, 0))
         else:
-            self.fh.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, cd_start, 0))
-        return self.fh.tell() - self.base
+            self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, cd_start, 0))
+        return self.pos

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from typing import Protocol
 
@@ -43,6 +44,10 @@ def _dcp_subfolders(uri: str, names: list[str]) -> list[str]:
 def detect(uri: str) -> str:
     """Name the format of the checkpoint at `uri`, or raise an error that says what to point at."""
     if not storage.exists(uri):
+        if not storage.is_local(uri):
+            bucket = uri.split("://", 1)[0] + "://" + uri.split("://", 1)[1].split("/", 1)[0]
+            if not storage.exists(bucket):
+                raise SourceError(f"{uri}: no such bucket {bucket}; create it or fix the URI")
         raise SourceError(f"{uri}: does not exist; check the path")
     name = storage.basename(uri)
     if not storage.isdir(uri):
@@ -88,10 +93,30 @@ def open_reader(uri: str, fmt: str | None = None, reader: storage.RangeReader | 
     return reader_class(name)(uri, reader or storage.RangeReader())
 
 
+def check_complete(uri: str) -> None:
+    """Refuse an output prefix whose upload never finished, or whose files differ from its manifest."""
+    if storage.is_local(uri) or not storage.isdir(uri):
+        return
+    names = storage.listdir(uri)
+    if "ckpt-manifest.json" not in names:
+        if ".ckpt-writing" in names:
+            raise SourceError(f"{uri}: incomplete output (an upload started but never finished: no "
+                              "ckpt-manifest.json); re-run the job that writes it")
+        return
+    manifest = json.loads(storage.read_all(storage.join(uri, "ckpt-manifest.json")))
+    for name, info in manifest.get("files", {}).items():
+        path = storage.join(uri, name)
+        if not storage.exists(path) or storage.size(path) != info.get("bytes"):
+            raise SourceError(f"{path}: missing or not the size ckpt-manifest.json records; the output is damaged, "
+                              "re-run the job that wrote it")
+
+
 def load_index(uri: str, fmt: str | None = None, locate: bool = True,
-               reader: storage.RangeReader | None = None) -> CheckpointIndex:
+               reader: storage.RangeReader | None = None, complete: bool = True) -> CheckpointIndex:
     """Read the index of the checkpoint at `uri` (metadata only; tensor bytes stay where they are)."""
     uri = uri.rstrip("/") if len(uri) > 1 else uri
+    if complete:
+        check_complete(uri)
     index = open_reader(uri, fmt, reader).index(locate=locate)
     if not index.tensors and not index.objects:
         raise FormatError(f"{uri}: the checkpoint holds no entries")

@@ -7,7 +7,6 @@ writes; `.metadata` is the same pickle `dcp.save` makes (built with `picklewrite
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from typing import Any
 from .. import dtypes, picklewriter
 from ..copier import Copier
 from ..index import CheckpointIndex, TensorEntry
+from ..output import Output
 from ..picklewriter import Call, Global, Obj, Pairs
 from ..tensorio import Box
 from ..zipwriter import ZipWriter
@@ -54,14 +54,14 @@ def _planner_path(path: tuple[str, ...]) -> tuple[Any, ...]:
                  for i, p in enumerate(path))
 
 
-def _record(fh: Any, pickled: bytes, members: list[tuple[str, Any, int]]) -> tuple[int, int]:
-    start = fh.tell()
-    zw = ZipWriter(fh, archive="archive")
+def _record(fh: Any, start: int, pickled: bytes, members: list[tuple[str, Any, int]]) -> int:
+    """Write one torch.save archive at `start`; return its length."""
+    zw = ZipWriter(fh, archive="archive", start=start)
     zw.add("data.pkl", pickled)
     for name, chunks, size in members:
         zw.write_member(name, chunks, size)
     zw.add_torch_records()
-    return start, zw.close()
+    return zw.close()
 
 
 def object_blob(value: Any) -> bytes:
@@ -76,13 +76,11 @@ def object_blob(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def write_dcp(index: CheckpointIndex, out_dir: str, copier: Copier, plan: list[list[Piece]],
-              cast_for: Callable[[TensorEntry], str | None]) -> list[tuple[str, int]]:
+def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[list[Piece]],
+              cast_for: Callable[[TensorEntry], str | None]) -> None:
     """Write rank R's pieces into `__R_0.distcp`; non-tensor entries go to rank 0; then `.metadata`."""
-    os.makedirs(out_dir, exist_ok=True)
     storage_data = Pairs()
     chunks: dict[str, list[Box]] = {name: [] for name in index.tensors}
-    written: list[tuple[str, int]] = []
 
     def index_key(fqn: str, offsets: tuple[int, ...] | None, i: int | None) -> Obj:
         state = {"fqn": fqn, "offset": None if offsets is None else _size(offsets), "index": i}
@@ -92,33 +90,34 @@ def write_dcp(index: CheckpointIndex, out_dir: str, copier: Copier, plan: list[l
         return Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                    {"relative_path": rel, "offset": offset, "length": length, "transform_descriptors": None})
 
-    def write_rank(rank: int) -> tuple[list[tuple[Obj, Obj, Box | None]], tuple[str, int]]:
+    def write_rank(rank: int) -> list[tuple[Obj, Obj, Box | None]]:
         rel = f"__{rank}_0.distcp"
         entries: list[tuple[Obj, Obj, Box | None]] = []
-        with open(os.path.join(out_dir, rel), "wb") as fh:
+        at = 0
+        with out.open(rel) as fh:
             for piece in plan[rank]:
                 nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
                 stream = copier.stream(piece.entry, cast_for(piece.entry), piece.box)
-                start, length = _record(fh, picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1])),
-                                        [("data/0", stream, nbytes)])
-                entries.append((index_key(piece.name, piece.box[0], None), info(rel, start, length), piece.box))
+                pickled = picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1]))
+                length = _record(fh, at, pickled, [("data/0", stream, nbytes)])
+                entries.append((index_key(piece.name, piece.box[0], None), info(rel, at, length), piece.box))
+                at += length
             if rank == 0:
                 for name, obj in index.objects.items():
                     blob = object_blob(load_object(obj, copier.reader))
-                    start = fh.tell()
                     fh.write(blob)
-                    entries.append((index_key(name, None, None), info(rel, start, len(blob)), None))
-            return entries, (rel, fh.tell())
+                    entries.append((index_key(name, None, None), info(rel, at, len(blob)), None))
+                    at += len(blob)
+        return entries
 
     with ThreadPoolExecutor(min(copier.threads, len(plan)), thread_name_prefix="ckpt-rank") as pool:
         results = list(pool.map(write_rank, range(len(plan))))
-    for entries, file_info in results:
+    for entries in results:
         for key, value, box in entries:
             if box is not None:
                 key.state["index"] = len(chunks[key.state["fqn"]])
                 chunks[key.state["fqn"]].append(box)
             storage_data.append((key, value))
-        written.append(file_info)
     sd_meta: dict[str, Any] = {}
     for name, entry in index.tensors.items():
         dtype = cast_for(entry) or entry.dtype
@@ -131,7 +130,5 @@ def write_dcp(index: CheckpointIndex, out_dir: str, copier: Copier, plan: list[l
     metadata = Obj(Global(_MD, "Metadata"), {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                              "storage_data": storage_data, "storage_meta": storage_meta,
                                              "version": "1.0.0"})
-    with open(os.path.join(out_dir, ".metadata"), "wb") as fh:
+    with out.open(".metadata") as fh:
         fh.write(picklewriter.dumps(metadata))
-    written.append((".metadata", os.path.getsize(os.path.join(out_dir, ".metadata"))))
-    return written

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .. import dtypes
 from ..copier import Copier, pwrite_all
 from ..index import CheckpointIndex, TensorEntry
+from ..output import Output
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -51,11 +52,20 @@ def header_bytes(items: list[Planned], metadata: dict[str, str]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def write_file(path: str, items: list[Planned], copier: Copier, cast_to: str | None,
-               metadata: dict[str, str], pool: ThreadPoolExecutor) -> int:
-    """Write one safetensors file: the header, then every tensor at its offset, several at a time."""
+def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cast_to: str | None,
+               metadata: dict[str, str], pool: ThreadPoolExecutor) -> None:
+    """One safetensors file: the header, then each tensor. Locally the tensors are written at their
+    offsets by several threads at once; to object storage they stream in order."""
     header = header_bytes(items, metadata)
     total = len(header) + sum(item.nbytes for item in items)
+    if not out.local:
+        with out.open(name) as fh:
+            fh.write(header)
+            for item in items:
+                for block in copier.stream(item.entry, cast_to):
+                    fh.write(block)
+        return
+    path = out.path(name)
     with open(path, "wb") as fh:
         fd = fh.fileno()
         pwrite_all(fd, header, 0)
@@ -67,32 +77,29 @@ def write_file(path: str, items: list[Planned], copier: Copier, cast_to: str | N
         for future in futures:
             future.result()
         os.ftruncate(fd, total)
-    return total
+    out.record(name, total)
 
 
-def write_safetensors(index: CheckpointIndex, out_dir: str, copier: Copier, *, cast_to: str | None,
-                      max_shard_size: int, single_file: bool = False,
-                      metadata: dict[str, str] | None = None) -> list[tuple[str, int]]:
-    """Write the tensors of `index` under `out_dir` (or to the file `out_dir` when `single_file`)."""
+def write_safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
+                      max_shard_size: int, metadata: dict[str, str] | None = None) -> None:
+    """Write the tensors of `index` as one file (`model.safetensors`, or the target itself when it is a
+    `.safetensors` file) or as HF shards plus `model.safetensors.index.json`."""
     meta = {"format": "pt", **(metadata or {})}
     items = [Planned(name, entry, copier.out_dtype(entry, cast_to)) for name, entry in index.tensors.items()]
     with ThreadPoolExecutor(copier.threads, thread_name_prefix="ckpt-write") as pool:
-        if single_file:
-            return [(out_dir, write_file(out_dir, items, copier, cast_to, meta, pool))]
-        os.makedirs(out_dir, exist_ok=True)
+        if out.single_file:
+            write_file(out, "", items, copier, cast_to, meta, pool)
+            return
         shards = plan_shards(items, max_shard_size)
         if len(shards) == 1:
-            path = os.path.join(out_dir, SINGLE_NAME)
-            return [(SINGLE_NAME, write_file(path, shards[0], copier, cast_to, meta, pool))]
-        written: list[tuple[str, int]] = []
+            write_file(out, SINGLE_NAME, shards[0], copier, cast_to, meta, pool)
+            return
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            written.append((name, write_file(os.path.join(out_dir, name), shard, copier, cast_to, meta, pool)))
+            write_file(out, name, shard, copier, cast_to, meta, pool)
             weight_map.update({item.name: name for item in shard})
     index_doc = {"metadata": {"total_size": sum(i.nbytes for i in items), **(metadata or {})},
                  "weight_map": weight_map}
-    with open(os.path.join(out_dir, INDEX_NAME), "w") as fh:
-        json.dump(index_doc, fh, indent=2)
-    written.append((INDEX_NAME, os.path.getsize(os.path.join(out_dir, INDEX_NAME))))
-    return written
+    with out.open(INDEX_NAME) as fh:
+        fh.write(json.dumps(index_doc, indent=2).encode())

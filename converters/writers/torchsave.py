@@ -7,6 +7,7 @@ from typing import Any
 from .. import dtypes, picklewriter
 from ..copier import Copier
 from ..index import CheckpointIndex
+from ..output import Output
 from ..zipwriter import ZipWriter
 from .objects import load_object
 
@@ -34,8 +35,7 @@ def _lists(node: Any, key: str = "") -> Any:
     return node
 
 
-def write_torch(index: CheckpointIndex, path: str, copier: Copier, *, cast_to: str | None
-                ) -> list[tuple[str, int]]:
+def write_torch(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None) -> None:
     """Nest entries by their paths: a flat {fqn: tensor} dict for a model, `model`/`optim` dicts for both."""
     pairs: list[tuple[tuple[str, ...], Any]] = []
     storages = []
@@ -46,12 +46,11 @@ def write_torch(index: CheckpointIndex, path: str, copier: Copier, *, cast_to: s
     for obj in index.objects.values():
         pairs.append((obj.path, load_object(obj, copier.reader)))
     root = nest(pairs)
-    with open(path, "wb") as fh:
-        zw = ZipWriter(fh, archive="archive")
+    with out.open() as fh:
+        zw = ZipWriter(fh, archive="archive", start=0)
         zw.add("data.pkl", picklewriter.dumps(root))
         for key, entry, dtype in storages:
             zw.write_member(f"data/{key}", copier.stream(entry, cast_to),
                             dtypes.numel(entry.shape) * dtypes.itemsize(dtype))
         zw.add_torch_records()
-        size = zw.close()
-    return [(path, size)]
+        zw.close()
