@@ -81,11 +81,13 @@ def _drop_tied(index: CheckpointIndex, names: list[str], copier: Copier) -> dict
 
 
 def convert(source: str, target: str, options: ConvertOptions | None = None,
-            on_progress: Callable[[Progress], None] | None = None) -> ConvertResult:
+            on_progress: Callable[[Progress], None] | None = None,
+            reader: storage.RangeReader | None = None) -> ConvertResult:
     """Convert the checkpoint at `source` into `target` (a folder, or a `.safetensors`/`.pt` file)."""
     options = options or ConvertOptions()
     storage.check_target(target, options.overwrite)
-    reader = storage.RangeReader()
+    own_reader = reader is None
+    reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
         view, report = apply(index, options.keys)
@@ -127,11 +129,15 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
                                                memory_limit=options.memory_limit)
                 if not result.verify.ok:
                     raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
+        if reader.fetched:
+            report.append(f"fetched {reader.fetched} bytes in {reader.requests} requests for {reader.requested} "
+                          "bytes needed from remote storage")
         return result
     except OSError as exc:
         raise TargetError(f"{target}: {exc.strerror or exc}") from None
     finally:
-        reader.close()
+        if own_reader:
+            reader.close()
 
 
 def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,

@@ -76,10 +76,12 @@ def check_optimizer_names(view: CheckpointIndex) -> None:
 
 
 def reshard(source: str, target: str, options: ReshardOptions,
-            on_progress: Callable[[Progress], None] | None = None) -> ReshardResult:
+            on_progress: Callable[[Progress], None] | None = None,
+            reader: storage.RangeReader | None = None) -> ReshardResult:
     storage.check_target(target, options.overwrite)
     layout = make_layout(options.layout, options.dim_rules)
-    reader = storage.RangeReader()
+    own_reader = reader is None
+    reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
         view, report = apply(index, options.keys)
@@ -122,6 +124,10 @@ def reshard(source: str, target: str, options: ReshardOptions,
                                                memory_limit=options.memory_limit)
                 if not result.verify.ok:
                     raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
+        if reader.fetched:
+            report.append(f"fetched {reader.fetched} bytes in {reader.requests} requests for {reader.requested} "
+                          "bytes needed from remote storage")
         return result
     finally:
-        reader.close()
+        if own_reader:
+            reader.close()
