@@ -235,14 +235,17 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
                                                "rank-files-sharded, hf-dcp, torch-full, ...")] = "fsdp2-dcp",
            dtype: Annotated[str, typer.Option(help="float32 or bfloat16 parameters.")] = "float32",
            tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings")] = False,
-           model_only: Annotated[bool, typer.Option("--model-only", help="No optimizer state.")] = False) -> None:
+           model_only: Annotated[bool, typer.Option("--model-only", help="No optimizer state.")] = False,
+           no_train: Annotated[bool, typer.Option("--no-train", help="Initialise each rank's shards in place and "
+                                                  "skip the step (FSDP2, model only): for large checkpoints "
+                                                  "without the memory of a full model per rank.")] = False) -> None:
     """Train a small model one step with real FSDP on CPU (gloo) and save its checkpoint."""
     from .sample import make_sample
 
     with errors():
         try:
             make_sample(target, world_size=world_size, layout=layout, size=size, dtype=dtype,
-                        tie_embeddings=tie_embeddings, with_optim=not model_only)
+                        tie_embeddings=tie_embeddings, with_optim=not (model_only or no_train), train=not no_train)
         except ValueError as exc:
             fail(str(exc))
     out.print(f"wrote {layout} sample at world size {world_size}: {target}", highlight=False)

@@ -385,3 +385,16 @@ def test_byte_size_presets() -> None:
                 assert n % 2 and n % 3, cfg
     cfg = config_for_size("small")
     assert sum(p.numel() for p in SampleModel(cfg).parameters()) == cfg.num_params()
+
+
+def test_untrained_sample_is_a_valid_fsdp2_checkpoint(tmp_path: Path) -> None:
+    """`train=False` (`ckptctl sample --no-train`) initialises shards in place: a real DCP checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "untrained"
+    make_sample(out, world_size=2, layout="fsdp2-dcp", size="tiny", with_optim=False, train=False)
+    dcp_to_torch_save(str(out), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert "tok_emb.weight" in full and full["tok_emb.weight"].std() > 0
+    with pytest.raises(ValueError, match="train=False"):
+        make_sample(tmp_path / "bad", layout="fsdp2-dcp", size="tiny", train=False)

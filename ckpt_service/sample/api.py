@@ -34,6 +34,7 @@ def make_samples(
     reference: PathLike | None = None,
     extra_step_reference: PathLike | None = None,
     seed: int = 0,
+    train: bool = True,
 ) -> None:
     """Train once and save several layouts of the same state: ``outs`` maps layout -> output folder.
 
@@ -50,6 +51,10 @@ def make_samples(
         raise ValueError(f"layouts of one call must share an FSDP flavour; split them: {groups}")
     _check_common(world_size, dtype)
     cfg = config_for_size(size, tie_embeddings)
+    if not train and (reference is not None or extra_step_reference is not None or with_optim
+                      or engines != {"fsdp2"}):
+        raise ValueError("train=False makes FSDP2 model-only checkpoints without references "
+                         "(with_optim=False, no reference)")
 
     finals = {f"out:{layout}": Path(out) for layout, out in outs.items()}
     if reference is not None:
@@ -83,6 +88,7 @@ def make_samples(
         engine=engines.pop(),
         compile_prefix=compile_prefix,
         with_optim=with_optim,
+        train=train,
     )
     run_staged(job, finals, set_paths, expected)
 
@@ -100,6 +106,7 @@ def make_sample(
     reference: PathLike | None = None,
     seed: int = 0,
     extra_step_reference: PathLike | None = None,
+    train: bool = True,
 ) -> None:
     """Train :class:`SampleModel` one AdamW step under real FSDP on CPU and save it as ``layout`` in ``out``.
 
@@ -125,6 +132,7 @@ def make_sample(
         reference=reference,
         extra_step_reference=extra_step_reference,
         seed=seed,
+        train=train,
     )
 
 

@@ -51,6 +51,7 @@ class Job:
     outs: dict[str, str] = field(default_factory=dict)  # layout -> output folder (make)
     compile_prefix: bool = False
     with_optim: bool = True
+    train: bool = True  # False: init the shards in place (meta device), no step: big benchmark checkpoints
     ckpt_dir: str | None = None  # load
     reference: str | None = None  # after the first step (make) / after loading (load)
     step_reference: str | None = None  # after the step on the shared batch
@@ -220,8 +221,33 @@ def worker(rank: int, job: Job) -> None:
         dist.destroy_process_group()
 
 
+def _untrained(rank: int, job: Job) -> nn.Module:
+    """FSDP2 model whose shards are initialised in place: no rank ever holds the full model."""
+    with torch.device("meta"):
+        model = build_model(job.cfg, job.seed, DTYPES[job.dtype])
+    model = shard(model, job.engine, job.world_size)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(job.seed * 7919 + 31 * rank + 7)
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local.normal_(0.0, 0.02, generator=g)
+        for buffer in model.buffers():
+            buffer.fill_(1.0)
+    return model
+
+
 def _make(rank: int, job: Job) -> None:
     log("start")
+    if not job.train:
+        model = _untrained(rank, job)
+        optim = torch.optim.AdamW(model.parameters(), lr=LR)
+        trained = Trained(model, optim, model, job.engine, rank, job.world_size, False)
+        for layout, out in job.outs.items():
+            save_layout(layout, trained, Path(out))
+            dist.barrier()
+        log("saved untrained shards")
+        return
     model = shard(build_model(job.cfg, job.seed, DTYPES[job.dtype]), job.engine, job.world_size)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     log("built and sharded")
