@@ -185,3 +185,23 @@ def test_from_pretrained_loads_an_export(tmp_path: Path) -> None:
     config.save_pretrained(out)
     loaded = transformers.LlamaForCausalLM.from_pretrained(out)
     assert_same_tensors(loaded.state_dict(), model.state_dict())
+
+
+def test_hf_pytorch_model_bin_shards(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    """HF `pytorch_model-0000i-of-0000N.bin` + `pytorch_model.bin.index.json` (read with the allow-list)."""
+    ref = fsdp2["fsdp2-dcp"].ref()["model"]
+    names = sorted(ref)
+    folder = tmp_path / "hf-bin"
+    folder.mkdir()
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:]), 1):
+        file = f"pytorch_model-{i:05d}-of-00002.bin"
+        torch.save({k: ref[k] for k in part}, folder / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    info = json.loads(ckptctl("inspect", folder, "--json").stdout)
+    assert info["format"] == "torch" and info["tensors"] == len(ref)
+    ckptctl("export", folder, tmp_path / "out")
+    assert_same_tensors(load_export(tmp_path / "out"), ref)
+    forced = ckptctl("inspect", folder, "--from", "dcp", check=False)
+    assert forced.returncode == 2 and ".metadata" in forced.stderr
