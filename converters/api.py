@@ -13,12 +13,12 @@ from typing import Literal
 
 from . import dtypes, storage
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
-from .errors import OptionError, TargetError, VerifyError
+from .errors import OptionError, TargetError
 from .formats import load_index
 from .index import CheckpointIndex
 from .output import open_output
 from .transforms import KeyOptions, apply
-from .verify import VerifyReport, find_tie, verify_indexes
+from .verify import VerifyReport, find_tie, verify_indexes, verify_output
 
 OutputFormat = Literal["safetensors", "torch"]
 DEFAULT_SHARD_SIZE = 5 * 1000**3
@@ -122,16 +122,9 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
                                   metadata=metadata)
             result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped)
             if options.verify:
-                written = load_index(out.root, options.to, reader=reader, complete=False)
-                written.tensors = {".".join(t.path): t for t in written.tensors.values()}
-                written.objects = {".".join(o.path): o for o in written.objects.values()}
-                result.verify = verify_indexes(view, written, reader, cast_ok=options.dtype is not None,
-                                               memory_limit=options.memory_limit)
-                if not result.verify.ok:
-                    raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
-        if reader.fetched:
-            report.append(f"fetched {reader.fetched} bytes in {reader.requests} requests for {reader.requested} "
-                          "bytes needed from remote storage")
+                result.verify = verify_output(view, out.root, options.to, reader, cast_ok=options.dtype is not None,
+                                              memory_limit=options.memory_limit, target=target)
+        report.extend(reader.fetch_note())
         return result
     except OSError as exc:
         raise TargetError(f"{target}: {exc.strerror or exc}") from None

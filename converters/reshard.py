@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 from . import dtypes, storage
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
-from .errors import FormatError, OptionError, VerifyError
+from .errors import FormatError, OptionError
 from .formats import load_index
 from .index import CheckpointIndex, TensorEntry
 from .layouts import make_layout
 from .output import open_output
 from .transforms import KeyOptions, _parts, apply
-from .verify import VerifyReport, verify_indexes
+from .verify import VerifyReport, verify_output
 from .writers.dcp import Piece, write_dcp
 from .writers.objects import load_object
 
@@ -119,14 +119,9 @@ def reshard(source: str, target: str, options: ReshardOptions,
             result = ReshardResult(target, options.world_size, [(n, f["bytes"]) for n, f in out.files.items()],
                                    report)
             if options.verify:
-                written = load_index(out.root, "dcp", reader=reader, complete=False)
-                result.verify = verify_indexes(view, written, reader, cast_ok=options.dtype is not None,
-                                               memory_limit=options.memory_limit)
-                if not result.verify.ok:
-                    raise VerifyError(f"{target}: verification failed, output removed: {result.verify.summary()}")
-        if reader.fetched:
-            report.append(f"fetched {reader.fetched} bytes in {reader.requests} requests for {reader.requested} "
-                          "bytes needed from remote storage")
+                result.verify = verify_output(view, out.root, "dcp", reader, cast_ok=options.dtype is not None,
+                                              memory_limit=options.memory_limit, target=target)
+        report.extend(reader.fetch_note())
         return result
     finally:
         if own_reader:

@@ -107,38 +107,31 @@ def parent(uri: str) -> str:
     return uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else "."
 
 
-def exists(uri: str) -> bool:
-    if is_local(uri):
-        return os.path.exists(local_path(uri))
+def _remote_call(uri: str, method: str, **kwargs: Any) -> Any:
+    """`fs.<method>(uri)` on the URI's filesystem, with storage errors in plain words."""
     fs, path = filesystem(uri)
     with translate_errors(uri):
-        return bool(fs.exists(path))
+        return getattr(fs, method)(path, **kwargs)
+
+
+def exists(uri: str) -> bool:
+    return os.path.exists(local_path(uri)) if is_local(uri) else bool(_remote_call(uri, "exists"))
 
 
 def isdir(uri: str) -> bool:
-    if is_local(uri):
-        return os.path.isdir(local_path(uri))
-    fs, path = filesystem(uri)
-    with translate_errors(uri):
-        return bool(fs.isdir(path))
+    return os.path.isdir(local_path(uri)) if is_local(uri) else bool(_remote_call(uri, "isdir"))
 
 
 def listdir(uri: str) -> list[str]:
     """Names (not paths) of the entries of a folder, sorted."""
     if is_local(uri):
         return sorted(os.listdir(local_path(uri)))
-    fs, path = filesystem(uri)
-    with translate_errors(uri):
-        own = path.split("://", 1)[-1].rstrip("/")
-        return sorted(basename(p) for p in fs.ls(path, detail=False) if p.rstrip("/") != own)
+    own = uri.split("://", 1)[-1].rstrip("/")
+    return sorted(basename(p) for p in _remote_call(uri, "ls", detail=False) if p.rstrip("/") != own)
 
 
 def size(uri: str) -> int:
-    if is_local(uri):
-        return os.path.getsize(local_path(uri))
-    fs, path = filesystem(uri)
-    with translate_errors(uri):
-        return int(fs.size(path))
+    return os.path.getsize(local_path(uri)) if is_local(uri) else int(_remote_call(uri, "size"))
 
 
 def read_all(uri: str) -> bytes:
@@ -147,9 +140,7 @@ def read_all(uri: str) -> bytes:
         if is_local(uri):
             with open(local_path(uri), "rb") as fh:
                 return fh.read()
-        fs, path = filesystem(uri)
-        with translate_errors(uri):
-            return bytes(fs.cat_file(path))
+        return bytes(_remote_call(uri, "cat_file"))
     except FileNotFoundError:
         raise SourceError(f"{uri}: no such file") from None
     except IsADirectoryError:
@@ -230,6 +221,13 @@ class RangeReader:
             out += piece
             block += 1
         return bytes(out)
+
+    def fetch_note(self) -> list[str]:
+        """A report line on remote traffic, when there was any."""
+        if not self.fetched:
+            return []
+        return [f"fetched {self.fetched} bytes in {self.requests} requests for {self.requested} bytes needed "
+                "from remote storage"]
 
     def readinto(self, uri: str, offset: int, view: memoryview) -> None:
         length = len(view)

@@ -134,3 +134,18 @@ def find_tie(index: CheckpointIndex, name: str, reader: RangeReader) -> str | No
         if _compare(reader, target, other, 64 * 1024 * 1024, 0.0, 0.0, False)[0]:
             return other.name
     return None
+
+
+def verify_output(view: CheckpointIndex, root: str, fmt: str, reader: RangeReader, *, cast_ok: bool,
+                  memory_limit: int, target: str) -> VerifyReport:
+    """Read back what a conversion just wrote at `root` and compare it with its source; raise if it differs."""
+    from .errors import VerifyError
+    from .formats import load_index
+
+    written = load_index(root, fmt, reader=reader, complete=False)
+    written.tensors = {".".join(t.path): t for t in written.tensors.values()}
+    written.objects = {".".join(o.path): o for o in written.objects.values()}
+    report = verify_indexes(view, written, reader, cast_ok=cast_ok, memory_limit=memory_limit)
+    if not report.ok:
+        raise VerifyError(f"{target}: verification failed, output removed: {report.summary()}")
+    return report
