@@ -16,7 +16,7 @@ CheckpointId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za
 
 
 @router.post("", status_code=201, response_model=CheckpointView,
-             responses=errors(401, 403, 409, 413, 422, 503), summary="Register a checkpoint")
+             responses=errors(400, 401, 403, 409, 413, 422, 503), summary="Register a checkpoint")
 def register(body: RegisterRequest, request: Request, _: Writer) -> CheckpointView:
     """Inspect the URI (metadata only) and record it with a name, tags and metadata."""
     return request.app.state.service.register(body)
@@ -28,7 +28,8 @@ def list_checkpoints(request: Request, _: Reader,
                      tag: Annotated[str | None, Query(max_length=64)] = None,
                      format: Annotated[str | None, Query(max_length=32)] = None,
                      limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                     cursor: Annotated[str | None, Query(max_length=64)] = None) -> CheckpointPage:
+                     cursor: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None
+                     ) -> CheckpointPage:
     items, next_cursor = request.app.state.service.checkpoints(name, tag, format, limit, cursor)
     return CheckpointPage(items=items, next_cursor=next_cursor)
 

@@ -18,10 +18,10 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
-@router.post("", status_code=202, response_model=JobView, responses=errors(401, 403, 409, 413, 422, 429, 503),
-             summary="Submit a job")
+@router.post("", status_code=202, response_model=JobView,
+             responses=errors(400, 401, 403, 409, 413, 422, 429, 503), summary="Submit a job")
 def submit(spec: JobSpec, request: Request, response: Response, principal: Writer,
-           idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200,
+           idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", pattern=r"^[\x21-\x7e]{1,200}$",
                                                          description="Retries with the same key return the "
                                                                      "same job.")] = None) -> JobView:
     """Validate, authorise and queue a job. Returns 202 with the job; with a repeated `Idempotency-Key`,
@@ -36,8 +36,9 @@ def submit(spec: JobSpec, request: Request, response: Response, principal: Write
 @router.get("", response_model=JobPage, responses=errors(401, 403, 422, 503), summary="List jobs")
 def list_jobs(request: Request, _: Reader, state: State | None = None,
               kind: Kind | None = None, limit: Annotated[int, Query(ge=1, le=200)] = 50,
-              cursor: Annotated[str | None, Query(max_length=32, description="next_cursor of the previous "
-                                                                             "page")] = None) -> JobPage:
+              cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,18}$", description="next_cursor of the "
+                                                                                       "previous page")] = None
+              ) -> JobPage:
     """Newest first."""
     items, next_cursor = request.app.state.service.jobs(state, kind, limit, cursor)
     return JobPage(items=items, next_cursor=next_cursor)

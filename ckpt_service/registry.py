@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import Conflict, NotFound
+from .jobs import Format
 from .store import JobStore, new_id
 
 MAX_LINEAGE = 500
@@ -29,7 +30,7 @@ class RegisterRequest(BaseModel):
     tags: list[Tag] = Field(default_factory=list, max_length=32)
     metadata: dict[Annotated[str, Field(max_length=64)], MetaValue] = Field(default_factory=dict, max_length=64,
                                                                            description="Free-form: run id, step…")
-    source_format: str | None = Field(None, max_length=32)
+    source_format: Format | None = None
 
 
 class CheckpointView(BaseModel):

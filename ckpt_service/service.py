@@ -137,11 +137,6 @@ class CkptService:
 
     def register(self, request: RegisterRequest) -> CheckpointView:
         uri = roots.check(request.uri, self.settings.read_locations, field="uri", purpose="read")
-        if request.source_format is not None:
-            from converters.formats import READERS
-
-            if request.source_format not in READERS:
-                raise InvalidRequest(f"source_format: choose one of {', '.join(READERS)}", "source_format")
         return self.registry.register(request, uri, self._summary(uri, request.source_format))
 
     def checkpoint(self, checkpoint_id: str, tensors: bool = False) -> CheckpointView:
