@@ -35,6 +35,12 @@ def readyz(request: Request) -> JSONResponse:
         ready = ready and alive
     else:
         checks["workers"] = "none in this process"
+    if checks["store"] == "ok":
+        try:
+            live = request.app.state.service.store.live_workers(2 * request.app.state.settings.lease_seconds)
+            checks["workers_seen"] = len(live)
+        except ServiceError:
+            checks["workers_seen"] = None
     status = "ready" if ready else "unavailable"
     return JSONResponse(Ready(status=status, checks=checks).model_dump(), status_code=200 if ready else 503)
 

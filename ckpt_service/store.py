@@ -163,8 +163,7 @@ class JobStore:
             params.append(before)
         rows = self.query(f"SELECT * FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?",
                           (*params, limit + 1))
-        more = rows[limit]["seq"] if len(rows) > limit else None
-        next_before = rows[limit - 1]["seq"] if more is not None else None
+        next_before = rows[limit - 1]["seq"] if len(rows) > limit else None
         return [JobRecord.from_row(r) for r in rows[:limit]], next_before
 
     def request_cancel(self, job_id: str) -> JobRecord:

@@ -177,3 +177,19 @@ def test_health_ready_and_metrics(env: tuple[Server, Tokens, Path, Path]) -> Non
         assert name in text, name
     events = [e for e in server.log_events() if e.get("job_id")]
     assert {"job.claimed", "job.started", "job.succeeded"} <= {e["event"] for e in events}
+
+
+def test_delete_and_purge_need_the_right_root_and_scope(env: tuple[Server, Tokens, Path, Path]) -> None:
+    server, tokens, source, out = env
+    target = out / "purge-me"
+    with server.client(tokens.write) as client:
+        done = client.wait(client.submit(job_spec("export", source, target))["id"], timeout=60)
+    checkpoint_id = done["result"]["checkpoint_id"]
+    with server.http(tokens.admin) as http:
+        source_id = http.get(f"/v1/checkpoints/{checkpoint_id}/lineage").json()["ancestors"][0]["checkpoint"]["id"]
+        outside = http.delete(f"/v1/checkpoints/{source_id}", params={"purge": "true"})
+        assert outside.status_code == 403 and source.exists()  # the source is readable, not writable
+        purged = http.delete(f"/v1/checkpoints/{checkpoint_id}", params={"purge": "true"})
+        assert purged.status_code == 200 and not target.exists()
+        assert http.get(f"/v1/checkpoints/{checkpoint_id}").status_code == 404
+        assert http.get(f"/v1/checkpoints/{source_id}/lineage").status_code == 200

@@ -6,6 +6,7 @@ clean target and completes exactly once; the job that was still queued runs once
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from ckpt_service.store import JobStore
@@ -58,3 +59,27 @@ def test_sigkill_mid_job_then_restart_completes_each_job_once(fsdp2: dict, tmp_p
     assert [(e["job_id"], e["now"]) for e in lost] == [(slow["id"], "queued")]
     rows = store.query("SELECT COUNT(*) AS n FROM checkpoints WHERE uri = ?", (str(slow_target.resolve()),))
     assert rows[0]["n"] == 1
+
+
+def test_sigterm_puts_the_running_job_back_without_using_an_attempt(fsdp2: dict, tmp_path: Path) -> None:
+    source = fsdp2["fsdp2-dcp"].path
+    out = tmp_path / "out"
+    out.mkdir()
+    server = make_server(tmp_path / "data", read_roots=[source.parent], write_roots=[out], workers=1,
+                         extra_env={"CKPT_JOB_MAX_BYTES_PER_SECOND": "150000"})
+    target = out / "released.safetensors"
+    server.start()
+    try:
+        with server.client() as client:
+            job = client.submit(job_spec("convert", source, target, only="all"))
+            running = wait_for(lambda: (j := client.job(job["id"]))["state"] == "running"
+                               and (j["progress"] or {}).get("done_bytes") and j, 30, "the job to run")
+    finally:
+        server.stop()  # SIGTERM: graceful
+    assert server.proc is not None and server.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises it
+    assert not pid_alive(running["pid"])
+    back = JobStore(server.data_dir / "ckpt.db").get(job["id"])
+    assert (back.state, back.attempt) == ("queued", 0)
+    assert leftovers(target) == []
+    released = [e for e in server.log_events() if e["event"] == "job.released"]
+    assert [e["job_id"] for e in released] == [job["id"]]
