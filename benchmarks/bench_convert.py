@@ -1,0 +1,756 @@
+"""Benchmark ckpt-service conversions against `cp -r` and the PyTorch/Accelerate tools (issue 6).
+
+    python benchmarks/bench_convert.py --size 3GB --repeats 3 --out bench-out/results.json
+
+Makes (or reuses, cached under --work-dir) a real FSDP2 DCP checkpoint of the model alone, fp32, world
+size 4, plus the same state written by HuggingFaceStorageWriter, with the project's sample generator. Each
+case runs as its own process, --repeats times, interleaved (repeat 1 of every case, then repeat 2, ...);
+wall time covers process start to exit plus `sync`; peak RSS is read from /proc every 20 ms over the whole
+process tree (the larger of the summed VmRSS and the largest single VmHWM). Every output is compared with the
+source tensor by tensor (all tensors for small checkpoints, a deterministic sample above --check-budget);
+a wrong output marks its row FAILED. Prints a table and writes it as JSON with the targets of issue 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata as importlib_metadata
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD_SIZE = 4
+RESHARD_WORLD_SIZE = 3
+DCP_PEERS = ("dcp_to_torch", "accelerate", "dcp-save_file")  # peers that read the same DCP input as ours
+OURS_CONVERSIONS = ("export", "export-bf16", "convert-torch", "reshard")
+
+
+# --- cases -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One command to time: ``argv(src, out)`` runs it; ``check`` says how its output is verified."""
+
+    name: str
+    kind: str  # "floor", "ours" or "peer"
+    source: str  # "dcp" or "hf-dcp": which sample it reads
+    check: str  # "dcp", "dcp-ws3", "safetensors", "safetensors-bf16", "torch" or "inspect"
+    out_name: str  # the output path inside the run folder
+    argv: Callable[[Path, Path], list[str]]
+    needs: str | None = None  # a module that must be importable, else the case is skipped
+
+
+def _tool(name: str, module: str) -> list[str]:
+    """The console script installed beside this interpreter, else ``python -m module``."""
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+def _ckptctl(*args: str) -> list[str]:
+    return [*_tool("ckptctl", "ckpt_service.cli"), *args]
+
+
+def _peer(name: str, src: Path, out: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--peer", name, str(src), str(out)]
+
+
+CASES: tuple[Case, ...] = (
+    Case("cp", "floor", "dcp", "dcp", "copy", lambda s, o: ["cp", "-r", str(s), str(o)]),
+    Case("export", "ours", "dcp", "safetensors", "export", lambda s, o: _ckptctl("export", str(s), str(o), "-q")),
+    Case("export-bf16", "ours", "dcp", "safetensors-bf16", "export",
+         lambda s, o: _ckptctl("export", str(s), str(o), "-q", "--dtype", "bfloat16")),
+    Case("convert-torch", "ours", "dcp", "torch", "model.pt",
+         lambda s, o: _ckptctl("convert", str(s), str(o), "--to", "torch", "-q")),
+    Case("reshard", "ours", "dcp", "dcp-ws3", "reshard",
+         lambda s, o: _ckptctl("reshard", str(s), str(o), "--world-size", str(RESHARD_WORLD_SIZE), "-q")),
+    Case("inspect", "ours", "dcp", "inspect", "none", lambda s, o: _ckptctl("inspect", str(s))),
+    Case("dcp_to_torch", "peer", "dcp", "torch", "model.pt",
+         lambda s, o: [sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", str(s),
+                       str(o)]),
+    Case("accelerate", "peer", "dcp", "safetensors", "merged",
+         lambda s, o: [*_tool("accelerate", "accelerate.commands.accelerate_cli"), "merge-weights", str(s), str(o)],
+         needs="accelerate"),
+    Case("dcp-save_file", "peer", "dcp", "safetensors", "saved", lambda s, o: _peer("dcp-save_file", s, o)),
+    Case("consolidate", "peer", "hf-dcp", "safetensors", "consolidated", lambda s, o: _peer("consolidate", s, o)),
+)
+CASE_NAMES = tuple(c.name for c in CASES)
+
+
+# --- peers run in their own process (`--peer NAME SRC OUT`) -------------------------------------------
+
+
+def peer_dcp_save_file(src: str, out: str) -> None:
+    """Load the whole DCP checkpoint into memory, then write it with safetensors' save_file."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = _load_state_dict_from_keys(checkpoint_id=src)
+    Path(out).mkdir(parents=True)
+    save_file(state, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+
+
+def peer_consolidate(src: str, out: str) -> None:
+    """DCP's own consolidation of HuggingFaceStorageWriter shards into one safetensors file."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+    names: set[str] = set()
+    for path in sorted(Path(src).glob("*.safetensors")):
+        names.update(safetensors_header(path))
+    Path(out).mkdir(parents=True)
+    consolidate_safetensors_files(src, out, fqn_to_index_mapping=dict.fromkeys(sorted(names), 1))
+
+
+PEERS: dict[str, Callable[[str, str], None]] = {"dcp-save_file": peer_dcp_save_file,
+                                                "consolidate": peer_consolidate}
+
+
+# --- samples ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampleSet:
+    label: str
+    dcp: Path
+    hf: Path
+    made_s: float | None  # seconds to make it, None when reused
+
+
+def size_label(size: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", size.strip())
+
+
+def sample_set(work: Path, size: str, train: bool = True) -> SampleSet:
+    """The cached fsdp2-dcp + hf-dcp pair of ``size`` (one generator run, so the same state), made if missing.
+
+    ``train=False`` initialises each rank's shards in place and skips the step (the generator's ``--no-train``):
+    no rank holds the full model, so sizes the trained path cannot fit in memory can be made.
+    """
+    label = size_label(size) + ("" if train else "-no-train")
+    base = work / "samples" / label
+    marker = base / "bench-sample.json"
+    if marker.exists():
+        return SampleSet(label, base / "fsdp2-dcp", base / "hf-dcp", None)
+    from ckpt_service.sample import make_samples
+
+    partial = base.with_name(label + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
+    partial.mkdir(parents=True)
+    how = "trained one step" if train else "untrained"
+    print(f"making the {size} sample (FSDP2, world size {WORLD_SIZE}, fp32, model only, {how}) in {base} ...",
+          flush=True)
+    start = time.perf_counter()
+    make_samples({"fsdp2-dcp": partial / "fsdp2-dcp", "hf-dcp": partial / "hf-dcp"}, world_size=WORLD_SIZE,
+                 size=size, dtype="float32", with_optim=False, **({} if train else {"train": False}))
+    made = time.perf_counter() - start
+    info = {"size": size, "world_size": WORLD_SIZE, "trained": train, "seconds": made}
+    (partial / marker.name).write_text(json.dumps(info) + "\n")
+    partial.rename(base)
+    return SampleSet(label, base / "fsdp2-dcp", base / "hf-dcp", made)
+
+
+# --- measuring one run -----------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    wall_s: float
+    peak_rss_mb: float
+    returncode: int
+    log: Path
+
+
+def _status_kb(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process in KiB from /proc, (0, 0) once it is gone or has no memory left."""
+    rss = hwm = 0
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    rss = int(line.split()[1])
+                elif line.startswith(b"VmHWM:"):
+                    hwm = int(line.split()[1])
+    except OSError:
+        pass
+    return rss, hwm
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every live descendant, from /proc/PID/task/TID/children (Linux)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(c) for c in children.read_text().split()]
+    return found
+
+
+class TreeRssPoller(threading.Thread):
+    """Peak memory of a process tree, read from /proc every ``interval`` seconds.
+
+    The peak is the larger of the summed VmRSS of the tree at one poll and the largest VmHWM (the
+    kernel's own high-water mark of one process, so a spike between polls still counts). ru_maxrss is
+    not used: the kernel folds the spawning process's high-water mark into it at exec, so a child of
+    this (torch-loaded) process would report this process's size.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.02, rescan: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval, self.rescan = pid, interval, rescan
+        self.peak_kb = 0
+        self.stop = threading.Event()
+
+    def poll(self, pids: list[int]) -> None:
+        readings = [_status_kb(pid) for pid in pids]
+        self.peak_kb = max(self.peak_kb, sum(r for r, _ in readings), *(h for _, h in readings))
+
+    def run(self) -> None:
+        pids, scanned = _descendants(self.pid), time.monotonic()
+        while not self.stop.is_set():
+            if time.monotonic() - scanned >= self.rescan:
+                pids, scanned = _descendants(self.pid), time.monotonic()
+            self.poll(pids)
+            self.stop.wait(self.interval)
+
+
+def sync_output(mode: str, out: Path) -> None:
+    """``sync`` (all file systems, what `sync` does) or fsync of every file written under ``out``."""
+    if mode == "all":
+        os.sync()
+        return
+    if not out.exists():
+        return
+    paths = [out] if out.is_file() else [*(p for p in out.rglob("*") if p.is_file()), out]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def run_once(argv: list[str], out: Path, log: Path, sync_mode: str, timeout: float) -> RunResult:
+    """Run ``argv`` in a fresh process; time it to exit plus sync; peak RSS of its tree."""
+    env = {**os.environ, "COLUMNS": "200"}
+    with open(log, "wb") as sink:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        poller = TreeRssPoller(proc.pid)  # Popen returns after the exec: nothing of this process is counted
+        poller.start()
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        proc.wait()
+        killer.cancel()
+        sync_output(sync_mode, out)
+        wall = time.perf_counter() - start
+    poller.stop.set()
+    poller.join()
+    return RunResult(wall, poller.peak_kb * 1024 / 1e6, proc.returncode, log)
+
+
+# --- checking outputs ------------------------------------------------------------------------------
+
+
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (torch dtype name, shape) from a safetensors file's JSON header."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {name: (SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"]), tuple(v["shape"])) for name, v in header.items()}
+
+
+@dataclass
+class Reference:
+    """Names/dtypes/shapes of every source tensor, and the values of the ones to compare."""
+
+    meta: dict[str, tuple[str, tuple[int, ...]]]
+    values: dict[str, Any]  # name -> torch.Tensor
+    total_bytes: int
+
+    @property
+    def complete(self) -> bool:
+        return len(self.values) == len(self.meta)
+
+
+def _dcp_meta(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {name: (str(m.properties.dtype).removeprefix("torch."), tuple(m.size)) for name, m in entries.items()
+            if isinstance(m, TensorStorageMetadata)}
+
+
+def _dcp_load(path: Path, names: set[str]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _load_state_dict_from_keys(names, checkpoint_id=str(path))
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    import torch
+
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * getattr(torch, dtype).itemsize
+
+
+def pick_sample(meta: dict[str, tuple[str, tuple[int, ...]]], budget: int) -> set[str]:
+    """Every tensor if they fit in ``budget`` bytes; else the largest one, then others in a fixed hashed order."""
+    sizes = {name: _nbytes(*m) for name, m in meta.items()}
+    if sum(sizes.values()) <= budget:
+        return set(sizes)
+    largest = max(sizes, key=lambda n: (sizes[n], n))
+    chosen, used = {largest}, sizes[largest]
+    for name in sorted(sizes, key=lambda n: (zlib.crc32(n.encode()), n)):
+        if name not in chosen and used + sizes[name] <= budget:
+            chosen.add(name)
+            used += sizes[name]
+    return chosen
+
+
+def load_reference(dcp: Path, budget: int) -> Reference:
+    meta = _dcp_meta(dcp)
+    values = _dcp_load(dcp, pick_sample(meta, budget))
+    return Reference(meta, values, sum(_nbytes(*m) for m in meta.values()))
+
+
+def _compare_meta(got: dict[str, tuple[str, tuple[int, ...]]], ref: Reference, dtype: str | None) -> str | None:
+    """A problem with the names/dtypes/shapes of an output, or None."""
+    missing, extra = sorted(set(ref.meta) - set(got)), sorted(set(got) - set(ref.meta))
+    if missing or extra:
+        return f"missing {missing[:3]} ({len(missing)}), extra {extra[:3]} ({len(extra)})"
+    for name, (want_dtype, shape) in ref.meta.items():
+        want = dtype if dtype and want_dtype.startswith(("float", "bfloat")) else want_dtype
+        if got[name] != (want, shape):
+            return f"{name}: {got[name]} instead of {(want, shape)}"
+    return None
+
+
+def _compare_values(load: Callable[[str], Any], ref: Reference, dtype: str | None) -> str | None:
+    import torch
+
+    for name, want in ref.values.items():
+        if dtype is not None and want.is_floating_point():
+            want = want.to(getattr(torch, dtype))
+        got = load(name)
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
+            return f"{name}: values differ (max |diff| {diff})"
+    return None
+
+
+def _checked(ref: Reference) -> str:
+    return f"{len(ref.values)}/{len(ref.meta)} tensors equal" + ("" if ref.complete else " (sampled)")
+
+
+def check_safetensors(out: Path, ref: Reference, dtype: str | None = None) -> tuple[bool, str]:
+    from safetensors import safe_open
+
+    files = sorted(out.glob("*.safetensors"))
+    where: dict[str, Path] = {}
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in files:
+        header = safetensors_header(path)
+        if set(header) & set(meta):
+            return False, f"{path.name} repeats tensors of another file"
+        meta.update(header)
+        where.update(dict.fromkeys(header, path))
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if {k: out / v for k, v in weight_map.items()} != where:
+            return False, "model.safetensors.index.json does not match the files"
+    problem = _compare_meta(meta, ref, dtype)
+    if problem is None:
+        handles: dict[Path, Any] = {}
+
+        def load(name: str) -> Any:
+            if where[name] not in handles:
+                handles[where[name]] = safe_open(str(where[name]), "pt")
+            return handles[where[name]].get_tensor(name)
+
+        problem = _compare_values(load, ref, dtype)
+    return problem is None, problem or f"{len(files)} file(s), {_checked(ref)}"
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_torch(out: Path, ref: Reference) -> tuple[bool, str]:
+    import torch
+
+    state = _flatten(torch.load(out, mmap=True, weights_only=True, map_location="cpu"))
+    meta = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
+    problem = _compare_meta(meta, ref, None) or _compare_values(state.__getitem__, ref, None)
+    return problem is None, problem or _checked(ref)
+
+
+def check_dcp(out: Path, ref: Reference, files: int | None) -> tuple[bool, str]:
+    shards = sorted(out.glob("*.distcp"))
+    if files is not None and len(shards) != files:
+        return False, f"{len(shards)} .distcp files, expected {files}"
+    loaded = _dcp_load(out, set(ref.values))
+    problem = _compare_meta(_dcp_meta(out), ref, None) or _compare_values(loaded.__getitem__, ref, None)
+    return problem is None, problem or f"{len(shards)} shard files, {_checked(ref)}"
+
+
+def check_inspect(log: Path, ref: Reference) -> tuple[bool, str]:
+    text = log.read_text(errors="replace")
+    fields = dict(re.findall(r"^\s*(\w+): (\S+)", text, flags=re.MULTILINE))
+    want = {"tensors": str(len(ref.meta)), "total_bytes": str(ref.total_bytes), "world_size": str(WORLD_SIZE)}
+    wrong = {k: fields.get(k) for k, v in want.items() if fields.get(k) != v}
+    return not wrong, f"reported {wrong}, expected {want}" if wrong else "tensors, bytes and world size match"
+
+
+def check_output(case: Case, out: Path, log: Path, ref: Reference, src: Path) -> tuple[bool, str]:
+    try:
+        if case.check == "inspect":
+            return check_inspect(log, ref)
+        if not out.exists():
+            return False, f"no output at {out}"
+        if case.check == "safetensors":
+            return check_safetensors(out, ref)
+        if case.check == "safetensors-bf16":
+            return check_safetensors(out, ref, "bfloat16")
+        if case.check == "torch":
+            return check_torch(out, ref)
+        if case.check == "dcp-ws3":
+            return check_dcp(out, ref, RESHARD_WORLD_SIZE)
+        return check_dcp(out, ref, len(list(src.glob("*.distcp"))))
+    except Exception as exc:  # an unreadable output is a wrong output
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+# --- running the cases -----------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    case: str
+    size: str
+    kind: str
+    command: list[str]
+    wall_s: list[float] = field(default_factory=list)
+    rss_mb: list[float] = field(default_factory=list)
+    status: str = "ok"  # ok, FAILED or SKIPPED
+    note: str = ""
+    min_s: float | None = None
+    median_s: float | None = None
+    peak_rss_mb: float | None = None
+    ratio_cp: float | None = None
+    ratio_best_peer: float | None = None
+    best_peer: str | None = None
+    ratio_consolidate: float | None = None
+
+    def summarize(self) -> None:
+        if self.wall_s:
+            self.min_s, self.median_s = min(self.wall_s), statistics.median(self.wall_s)
+            self.peak_rss_mb = max(self.rss_mb)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _fail(row: Row, note: str) -> None:
+    if row.status != "FAILED":
+        row.status, row.note = "FAILED", note
+
+
+def run_case(case: Case, row: Row, samples: SampleSet, ref: Reference, args: argparse.Namespace, rep: int) -> None:
+    src = samples.hf if case.source == "hf-dcp" else samples.dcp
+    run_dir = args.work_dir / "runs" / samples.label / case.name
+    _remove(run_dir)
+    run_dir.mkdir(parents=True)
+    out, log = run_dir / case.out_name, args.work_dir / "logs" / f"{samples.label}-{case.name}-{rep}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    os.sync()  # what earlier runs left dirty is not this run's to pay for
+    result = run_once(case.argv(src, out), out, log, args.sync, args.timeout)
+    row.wall_s.append(round(result.wall_s, 4))
+    row.rss_mb.append(round(result.peak_rss_mb, 1))
+    if result.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        _fail(row, f"exit {result.returncode} (repeat {rep}; {log}): {tail[0][:200]}")
+    else:
+        ok, note = check_output(case, out, log, ref, src)
+        if not ok:
+            _fail(row, f"repeat {rep}: {note}")
+        elif row.status == "ok":
+            row.note = note
+    _remove(run_dir)
+    print(f"  {samples.label:>6} {case.name:<14} repeat {rep}: {result.wall_s:7.2f} s, "
+          f"{result.peak_rss_mb:8.1f} MB, {row.status}", flush=True)
+
+
+def skipped(case: Case) -> str | None:
+    if case.needs and find_spec(case.needs) is None:
+        return f"{case.needs} is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def run_size(size: str, cases: list[Case], args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
+    samples = sample_set(args.work_dir, size, train=not args.no_train)
+    print(f"loading the reference tensors of {samples.dcp} ...", flush=True)
+    ref = load_reference(samples.dcp, args.check_budget)
+    rows = {c.name: Row(c.name, size, c.kind, c.argv(Path("SRC"), Path("OUT"))) for c in cases}
+    for case in cases:
+        if note := skipped(case):
+            rows[case.name].status, rows[case.name].note = "SKIPPED", note
+    for rep in range(1, args.repeats + 1):
+        for case in cases:
+            if rows[case.name].status != "SKIPPED":
+                run_case(case, rows[case.name], samples, ref, args, rep)
+    info = {"label": samples.label, "dcp": str(samples.dcp), "hf_dcp": str(samples.hf), "tensors": len(ref.meta),
+            "total_bytes": ref.total_bytes, "checked_tensors": len(ref.values), "sample_made_s": samples.made_s,
+            "trained": not args.no_train}
+    return list(rows.values()), info
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """ours/cp and ours/best-peer (median over median), per size."""
+    for row in rows:
+        row.summarize()
+    for size in {r.size for r in rows}:
+        by_name = {r.case: r for r in rows if r.size == size and r.status == "ok" and r.median_s}
+        cp = by_name.get("cp")
+        peers = [by_name[p] for p in DCP_PEERS if p in by_name]
+        best = min(peers, key=lambda r: r.median_s or 0.0) if peers else None
+        cons = by_name.get("consolidate")
+        for row in by_name.values():
+            if cp and row.case != "cp":
+                row.ratio_cp = row.median_s / cp.median_s
+            if row.case in OURS_CONVERSIONS and best:
+                row.ratio_best_peer, row.best_peer = row.median_s / best.median_s, best.case
+            if row.case.startswith("export") and cons:
+                row.ratio_consolidate = row.median_s / cons.median_s
+
+
+# --- targets, table, JSON --------------------------------------------------------------------------
+
+
+OPS: dict[str, Callable[[float, float], bool]] = {"<=": lambda v, x: v <= x, "<": lambda v, x: v < x,
+                                                  ">=": lambda v, x: v >= x}
+
+
+def _target(name: str, size: str, value: float | None, op: str, limit: float) -> dict[str, Any]:
+    met = None if value is None else OPS[op](value, limit)
+    return {"target": name, "size": size, "value": value, "rule": op, "limit": limit, "met": met}
+
+
+def targets(rows: list[Row]) -> list[dict[str, Any]]:
+    """The targets of issue 6, per size (value and met are None where a case did not run or failed)."""
+    found: list[dict[str, Any]] = []
+    for size in dict.fromkeys(r.size for r in rows):
+        get = {r.case: r for r in rows if r.size == size and r.status == "ok"}.get
+        export, bf16, reshard, inspect = get("export"), get("export-bf16"), get("reshard"), get("inspect")
+        speedup = 1 / export.ratio_best_peer if export and export.ratio_best_peer else None
+        found += [
+            _target("export median / cp median", size, export and export.ratio_cp, "<=", 1.5),
+            _target("fastest DCP peer median / export median", size, speedup, ">=", 3.0),
+            _target("export median / consolidate_safetensors_files median", size,
+                    export and export.ratio_consolidate, "<", 1.0),
+            _target("export bf16 median / cp median", size, bf16 and bf16.ratio_cp, "<=", 2.0),
+            _target("reshard 4->3 median / cp median", size, reshard and reshard.ratio_cp, "<=", 2.0),
+            _target("inspect median wall s", size, inspect and inspect.median_s, "<", 0.5),
+        ]
+        for case in OURS_CONVERSIONS:
+            row = get(case)
+            found.append(_target(f"{case} peak RSS MB", size, row and row.peak_rss_mb, "<", 400.0))
+    return found
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Row], goals: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="ckpt-service conversions vs cp -r and peers (wall includes sync; RSS of the process tree)")
+    for col in ("case", "size", "kind", "min s", "median s", "peak RSS MB", "/cp", "/best peer", "/consolidate",
+                "check"):
+        table.add_column(col, justify="right" if col[0] in "m/p" else "left")
+    for r in rows:
+        peer = f"{_fmt(r.ratio_best_peer, '.2f')} ({r.best_peer})" if r.best_peer else "-"
+        table.add_row(r.case, r.size, r.kind, _fmt(r.min_s, ".2f"), _fmt(r.median_s, ".2f"),
+                      _fmt(r.peak_rss_mb, ".0f"), _fmt(r.ratio_cp, ".2f"), peer, _fmt(r.ratio_consolidate, ".2f"),
+                      f"{r.status}: {r.note[:120]}" if r.note else r.status)
+    console = Console(width=max(160, shutil.get_terminal_size().columns))
+    console.print(table)
+    for g in goals:
+        label, color = {True: ("met", "green"), False: ("MISSED", "red"), None: ("n/a", "yellow")}[g["met"]]
+        mark = f"[{color}]{label:<6}[/]"
+        value = "-" if g["value"] is None else f"{g['value']:.3g}"
+        console.print(f"  {mark}  {g['size']:>6}  {g['target']}: {value} (target {g['rule']} {g['limit']:g})")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib_metadata.version(dist)
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return {"cores": os.cpu_count(), "ram_gib": round(pages * page_size / 2**30, 1), "platform": platform.platform(),
+            "python": platform.python_version(), "hostname": platform.node()}
+
+
+def engine_sources() -> dict[str, str]:
+    """path -> sha1 of the engine's and the CLI's sources: other work may change them while a run is going."""
+    hashes: dict[str, str] = {}
+    for path in sorted([*ROOT.glob("converters/**/*.py"), *ROOT.glob("ckpt_service/**/*.py")]):
+        with contextlib.suppress(OSError):
+            hashes[str(path.relative_to(ROOT))] = hashlib.sha1(path.read_bytes()).hexdigest()
+    return hashes
+
+
+def changed_sources(before: dict[str, str]) -> list[str]:
+    after = engine_sources()
+    return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured and the engine/CLI paths with uncommitted changes, at the start of the run."""
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return proc.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty_paths": git("status", "--porcelain", "--", "converters", "ckpt_service").splitlines()}
+
+
+def write_json(path: Path, rows: list[Row], sizes: dict[str, Any], goals: list[dict[str, Any]],
+               args: argparse.Namespace, git: dict[str, Any]) -> None:
+    doc = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": [Path(sys.executable).name, *sys.argv],
+        "machine": machine(),
+        "git": git,
+        "versions": {d: _version(d) for d in ("torch", "ckpt-service", "safetensors", "accelerate")},
+        "repeats": args.repeats, "sync": args.sync, "check_budget_bytes": args.check_budget,
+        "rss_method": "max over /proc polls every 20 ms of (summed VmRSS of the tree, largest VmHWM); MB = 1e6 B",
+        "sizes": sizes,
+        "rows": [asdict(r) for r in rows],
+        "targets": goals,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="3GB", help="Checkpoint size (fp32 parameter bytes), e.g. 3GB.")
+    p.add_argument("--sizes", help="Comma-separated sizes, e.g. 3GB,6GB (overrides --size).")
+    p.add_argument("--no-train", action="store_true", help="Make the sample untrained, shards initialised in place "
+                   "(no full model on any rank: for sizes whose training does not fit in memory).")
+    p.add_argument("--repeats", type=int, default=3, help="Runs of each case (default 3).")
+    p.add_argument("--cases", default=",".join(CASE_NAMES), help=f"Comma-separated subset of {','.join(CASE_NAMES)}.")
+    p.add_argument("--work-dir", type=Path, default=ROOT / "bench-out", help="Samples cache, outputs, logs.")
+    p.add_argument("--out", type=Path, default=None, help="JSON results (default WORK_DIR/results.json).")
+    p.add_argument("--check-budget", default="512MB", help="Compare every tensor below this checkpoint size, "
+                   "else a deterministic sample of about this many bytes.")
+    p.add_argument("--sync", choices=("all", "output"), default="all",
+                   help="After each command: `sync` everything (default) or fsync the output's files only.")
+    p.add_argument("--timeout", type=float, default=1800.0, help="Seconds before a run is killed.")
+    p.add_argument("--peer", nargs=3, metavar=("NAME", "SRC", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peer:
+        return args
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if unknown := sorted(set(names) - set(CASE_NAMES)):
+        p.error(f"unknown case(s) {unknown}: choose from {', '.join(CASE_NAMES)}")
+    args.case_list = [c for c in CASES if c.name in names]
+    args.size_list = [s.strip() for s in (args.sizes or args.size).split(",") if s.strip()]
+    args.work_dir = args.work_dir.resolve()
+    args.out = (args.out or args.work_dir / "results.json").resolve()
+    from ckpt_service.units import parse_size
+
+    args.check_budget = parse_size(args.check_budget)
+    for size in args.size_list:
+        parse_size(size)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def iter_sizes(args: argparse.Namespace) -> Iterator[tuple[list[Row], dict[str, Any]]]:
+    for size in args.size_list:
+        print(f"== {size}", flush=True)
+        yield run_size(size, args.case_list, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.peer:
+        name, src, out = args.peer
+        PEERS[name](src, out)
+        return 0
+    git, sources = git_state(), engine_sources()
+    rows: list[Row] = []
+    sizes: dict[str, Any] = {}
+    for size_rows, info in iter_sizes(args):
+        rows += size_rows
+        sizes[info["label"]] = info
+    add_ratios(rows)
+    goals = targets(rows)
+    print_table(rows, goals)
+    git["changed_during_run"] = changed_sources(sources)
+    if git["changed_during_run"]:
+        print(f"warning: changed during the run (rows may mix versions): {', '.join(git['changed_during_run'])}")
+    write_json(args.out, rows, sizes, goals, args, git)
+    print(f"wrote {args.out}")
+    return 1 if any(r.status == "FAILED" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
