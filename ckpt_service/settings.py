@@ -185,6 +185,7 @@ def describe(error: ValidationError) -> str:
     """One line per invalid setting, naming it; values are never echoed (they may be secrets)."""
     lines = []
     for item in error.errors():
-        name = ".".join(str(p) for p in item["loc"]) or "settings"
-        lines.append(f"setting {name}: {item['msg']}")
+        name = ".".join(str(p) for p in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"setting {name}: {message}" if name else message)
     return "\n".join(lines)

@@ -205,6 +205,15 @@ class JobStore:
             row = conn.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return cur.rowcount == 1, bool(row and row["cancel_requested"])
 
+    def take_over(self, job_id: str, attempt: int, old_worker: str, new_worker: str, lease_seconds: float) -> bool:
+        """Claim a dead worker's running job for cleaning it up; only one reaper wins."""
+        now = time.time()
+        with self.transaction() as conn:
+            cur = conn.execute("UPDATE jobs SET worker = ?, lease_until = ?, heartbeat_at = ? WHERE id = ? "
+                               "AND attempt = ? AND worker = ? AND state = 'running'",
+                               (new_worker, now + lease_seconds, now, job_id, attempt, old_worker))
+        return cur.rowcount == 1
+
     def set_pid(self, job_id: str, attempt: int, pid: int) -> None:
         with self.transaction() as conn:
             conn.execute("UPDATE jobs SET pid = ? WHERE id = ? AND attempt = ? AND state = 'running'",

@@ -118,15 +118,16 @@ class JobRunner(threading.Thread):
         if why == "lost":
             logs.event("job.lease_lost", job_id=job.id, attempt=self.attempt)
             return
-        if why == "release":
+        current = store.get(job.id)
+        if current.state != "running" or current.attempt != self.attempt:
+            return  # the job process recorded its outcome
+        # From here the job is still running under this attempt and its process is gone, so nobody else
+        # can claim it or write its target: cleaning is safe.
+        if why == "release" and not current.cancel_requested:
             clean_target(target, overwrite)
             if store.release(job.id, self.attempt):
                 logs.event("job.released", job_id=job.id, attempt=self.attempt)
                 return
-            why = None  # it was being cancelled, or had just finished: settle it as usual
-        current = store.get(job.id)
-        if current.state != "running" or current.attempt != self.attempt:
-            return  # the job process recorded its outcome
         if why == "cancel" or current.cancel_requested:
             removed = clean_target(target, overwrite)
             if store.finish_now(job.id, self.attempt, "cancelled"):
@@ -237,8 +238,9 @@ class WorkerPool:
 
     def dead_reason(self, job: JobRecord, now: float) -> str | None:
         """Why the worker running `job` counts as dead, or None while it is alive."""
-        if job.worker == self.id:
-            return None
+        if job.worker == self.id:  # reap() and fill_slots() share the scheduler thread: no race here
+            with self._lock:
+                return None if job.id in self._runners else "left running by this worker without a job process"
         host, _, rest = (job.worker or "").partition(":")
         pid = rest.split(":", 1)[0]
         if host == self.host and pid.isdigit() and not pid_alive(int(pid)):
@@ -251,8 +253,9 @@ class WorkerPool:
         now = time.time()
         for job in self.store.running():
             reason = self.dead_reason(job, now)
-            if reason is None:
-                continue
+            if reason is None or not self.store.take_over(job.id, job.attempt, job.worker or "", self.id,
+                                                          self.settings.lease_seconds):
+                continue  # alive, or another worker reaped it first
             removed = clean_target(job.target, bool(job.spec.get("options", {}).get("overwrite")))
             state = self.store.requeue_or_fail(job.id, job.attempt, reason)
             if state is not None:
