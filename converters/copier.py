@@ -50,6 +50,15 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+@dataclass(frozen=True)
+class SourceRange:
+    """Bytes to copy file-to-file inside the kernel: `length` bytes of local `path` from `offset`."""
+
+    path: str
+    offset: int
+    length: int
+
+
 class Copier:
     """Streams tensors as raw bytes; holds at most `slab_bytes` (plus its cast copy) per thread."""
 
@@ -81,6 +90,36 @@ class Copier:
             self.progress.add(len(view))
             yield cast(view, entry.dtype, out_dtype) if out_dtype != entry.dtype else view
         self.progress.add(tensors=1)
+
+    def pieces(self, entry: TensorEntry, cast_to: str | None = None, box: Box | None = None,
+               in_kernel: bool = False) -> Iterator[memoryview | SourceRange]:
+        """Like `stream`, but when `in_kernel` allows and nothing needs reshaping or casting, yield
+        `SourceRange`s for the writer to copy with `copy_file_range` instead of bytes."""
+        if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
+            ranges = direct_ranges(entry, box)
+            if ranges is not None and all(is_local(uri) for uri, _, _ in ranges):
+                for uri, offset, length in ranges:
+                    yield SourceRange(local_path(uri), offset, length)
+                    self.progress.add(length)
+                self.progress.add(tensors=1)
+                return
+        yield from self.stream(entry, cast_to, box)
+
+    def copy_range(self, piece: SourceRange, fd: int, dst: int, crc: int = 0) -> int:
+        """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (read from the page
+        cache through a mapping, not copied)."""
+        crc = self.reader.crc32(piece.path, piece.offset, piece.length, crc)
+        src, end = piece.offset, piece.offset + piece.length
+        src_fd = self.reader.fd(piece.path)
+        while src < end:
+            n = os.copy_file_range(src_fd, fd, min(_COPY_STEP, end - src), src, dst)
+            if n == 0:
+                from .errors import SourceError
+
+                raise SourceError(f"{piece.path}: file is shorter than the checkpoint metadata says; it is "
+                                  "truncated: re-copy or re-upload it")
+            src, dst = src + n, dst + n
+        return crc
 
     def _buffer(self, nbytes: int) -> memoryview:
         """This thread's reusable slab buffer (valid until its next `stream` step): no page faults per slab."""

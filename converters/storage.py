@@ -6,8 +6,10 @@ is mmapped or read whole unless it is small metadata.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ from .errors import CkptError, SourceError, TargetError
 #: cost few requests; larger reads go straight through.
 MIN_REQUEST = 1024 * 1024
 _CACHE_BLOCKS = 32
+_CRC_WINDOW = 64 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
@@ -154,6 +157,7 @@ class RangeReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._maps: dict[str, mmap.mmap] = {}
         self.requested = 0  # bytes asked for by the engine (remote files)
         self.fetched = 0  # bytes transferred from remote storage
         self.requests = 0
@@ -165,12 +169,7 @@ class RangeReader:
             with self._lock:
                 fd = self._fds.get(path)
                 if fd is None:
-                    try:
-                        fd = os.open(path, os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise SourceError(f"{path}: data file is missing; the checkpoint is incomplete "
-                                          "(re-copy or re-upload it)") from None
-                    self._fds[path] = fd
+                    fd = self._fds[path] = self._open(path)
         return fd
 
     def read(self, uri: str, offset: int, length: int) -> bytes:
@@ -245,11 +244,51 @@ class RangeReader:
         else:
             view[:] = self.read(uri, offset, length)
 
+    def crc32(self, path: str, offset: int, length: int, crc: int = 0) -> int:
+        """CRC-32 of a local file range, read through a mapping of the page cache (no copy into Python).
+
+        Pages are dropped from this process after each window, so its memory stays flat; local files only
+        (remote files are never mapped)."""
+        if length == 0:
+            return crc
+        mapping = self._maps.get(path)
+        if mapping is None:
+            fd = self.fd(path)
+            with self._lock:
+                mapping = self._maps.get(path)
+                if mapping is None:
+                    mapping = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        end = offset + length
+        if end > len(mapping):
+            raise SourceError(f"{path}: file is shorter than the checkpoint metadata says (wanted bytes up to "
+                              f"{end}); it is truncated: re-copy or re-upload it")
+        view = memoryview(mapping)
+        try:
+            while offset < end:
+                stop = min(end, offset + _CRC_WINDOW)
+                crc = zlib.crc32(view[offset:stop], crc)
+                page = offset - offset % mmap.PAGESIZE
+                mapping.madvise(mmap.MADV_DONTNEED, page, stop - page)
+                offset = stop
+        finally:
+            view.release()
+        return crc
+
+    def _open(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise SourceError(f"{path}: data file is missing; the checkpoint is incomplete (re-copy or re-upload "
+                              "it)") from None
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            for mapping in self._maps.values():
+                mapping.close()
+            self._maps.clear()
 
     def __enter__(self) -> RangeReader:
         return self

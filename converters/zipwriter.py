@@ -8,8 +8,8 @@ from __future__ import annotations
 import struct
 import uuid
 import zlib
-from collections.abc import Iterable
-from typing import BinaryIO
+from collections.abc import Callable, Iterable
+from typing import Any, BinaryIO
 
 _ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -40,13 +40,22 @@ class ZipWriter:
         return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, _FLAGS, 0, 0, 0x21, 0, *sizes,
                            len(name), len(extra)) + name + extra
 
-    def write_member(self, name: str, chunks: Iterable[bytes | memoryview], size: int) -> None:
-        """Stream a member of known `size`."""
+    def write_member(self, name: str, chunks: Iterable[Any], size: int,
+                     copy_range: Callable[[Any, int, int, int], int] | None = None) -> None:
+        """Stream a member of known `size`. Chunks are bytes, or (with `copy_range`) source ranges that
+        `copy_range(chunk, fd, offset, crc)` copies into this file in the kernel, returning the running CRC."""
         bname = f"{self.archive}/{name}".encode()
         at = self.pos
         self._write(self._header(bname, size, at))
         crc, written = 0, 0
         for chunk in chunks:
+            if copy_range is not None and not isinstance(chunk, bytes | bytearray | memoryview):
+                self.fh.flush()
+                crc = copy_range(chunk, self.fh.fileno(), self.base + self.pos, crc)
+                written += chunk.length
+                self.pos += chunk.length
+                self.fh.seek(self.base + self.pos)
+                continue
             view = memoryview(chunk).cast("B")
             crc = zlib.crc32(view, crc)
             written += len(view)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,7 @@ def test_convert_torch_keeps_model_and_optimizer(layout: str, fsdp1: dict[str, S
     target = tmp_path / "full.pt"
     ckptctl("convert", sample.path, target, "--to", "torch", "--only", "all", "--clean-keys", "--verify")
     got = torch.load(target, weights_only=True)
+    assert zipfile.ZipFile(target).testzip() is None  # every CRC-32 is right
     ref = sample.ref()
     assert_same_tensors(got["model"], ref["model"])
     assert sorted(got["optim"]["state"]) == sorted(ref["optim"]["state"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,12 @@ def check_rank_files(folder: Path, world_size: int) -> None:
         assert (chunk.offsets[0], chunk.sizes[0]) == (start, length), (index.fqn, rank)
         assert tuple(chunk.sizes[1:]) == tuple(meta.size[1:])
     assert sorted(p.name for p in folder.glob("*.distcp")) == sorted(f"__{r}_0.distcp" for r in range(world_size))
+    # every record is a valid zip whose CRC-32s match its bytes (written in the kernel or streamed)
+    for info in md.storage_data.values():
+        with (folder / info.relative_path).open("rb") as fh:
+            fh.seek(info.offset)
+            record = zipfile.ZipFile(io.BytesIO(fh.read(info.length)))
+        assert record.testzip() is None
 
 
 def load_at(folder: Path, world_size: int, tmp_path: Path, **kwargs: object) -> tuple[dict, dict]:

@@ -54,12 +54,13 @@ def _planner_path(path: tuple[str, ...]) -> tuple[Any, ...]:
                  for i, p in enumerate(path))
 
 
-def _record(fh: Any, start: int, pickled: bytes, members: list[tuple[str, Any, int]]) -> int:
+def _record(fh: Any, start: int, pickled: bytes, members: list[tuple[str, Any, int]],
+            copy_range: Callable[..., int] | None = None) -> int:
     """Write one torch.save archive at `start`; return its length."""
     zw = ZipWriter(fh, archive="archive", start=start)
     zw.add("data.pkl", pickled)
     for name, chunks, size in members:
-        zw.write_member(name, chunks, size)
+        zw.write_member(name, chunks, size, copy_range)
     zw.add_torch_records()
     return zw.close()
 
@@ -97,9 +98,9 @@ def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[li
         with out.open(rel) as fh:
             for piece in plan[rank]:
                 nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
-                stream = copier.stream(piece.entry, cast_for(piece.entry), piece.box)
+                stream = copier.pieces(piece.entry, cast_for(piece.entry), piece.box, in_kernel=out.local)
                 pickled = picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1]))
-                length = _record(fh, at, pickled, [("data/0", stream, nbytes)])
+                length = _record(fh, at, pickled, [("data/0", stream, nbytes)], copier.copy_range)
                 entries.append((index_key(piece.name, piece.box[0], None), info(rel, at, length), piece.box))
                 at += length
             if rank == 0:

@@ -50,7 +50,7 @@ def write_torch(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to:
         zw = ZipWriter(fh, archive="archive", start=0)
         zw.add("data.pkl", picklewriter.dumps(root))
         for key, entry, dtype in storages:
-            zw.write_member(f"data/{key}", copier.stream(entry, cast_to),
-                            dtypes.numel(entry.shape) * dtypes.itemsize(dtype))
+            zw.write_member(f"data/{key}", copier.pieces(entry, cast_to, in_kernel=out.local),
+                            dtypes.numel(entry.shape) * dtypes.itemsize(dtype), copier.copy_range)
         zw.add_torch_records()
         zw.close()
