@@ -21,7 +21,7 @@ from converters.errors import CkptError
 from .summary import summarize
 from .units import human, parse_size
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Convert, reshard, export and verify sharded PyTorch checkpoints, offline and streaming.")
 out = Console()
 err = Console(stderr=True)
