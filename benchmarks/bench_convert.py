@@ -536,7 +536,7 @@ def run_size(size: str, cases: list[Case], args: argparse.Namespace) -> tuple[li
     samples = sample_set(args.work_dir, size, train=not args.no_train)
     print(f"loading the reference tensors of {samples.dcp} ...", flush=True)
     ref = load_reference(samples.dcp, args.check_budget)
-    rows = {c.name: Row(c.name, size, c.kind, c.argv(Path("SRC"), Path("OUT"))) for c in cases}
+    rows = {c.name: Row(c.name, samples.label, c.kind, c.argv(Path("SRC"), Path("OUT"))) for c in cases}
     for case in cases:
         if note := skipped(case):
             rows[case.name].status, rows[case.name].note = "SKIPPED", note
