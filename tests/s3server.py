@@ -1,0 +1,197 @@
+"""A real S3-compatible server for the object-storage tests: `python -m moto.server` on loopback.
+
+`MotoServer` starts the server as a subprocess on a free port, waits (bounded) until it answers and stops
+it; the `s3` fixture points the AWS environment (and so `ckptctl` subprocesses) at it, gives each test a
+fresh bucket and clears the cached filesystem instances before and after the test.
+
+Import the fixtures into a test module by their function names (the fixtures are named `s3_server`/`s3`):
+
+    from .s3server import S3, s3_fixture, s3_server_fixture  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+START_TIMEOUT = 30.0
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (bound and released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class MotoServer:
+    """`python -m moto.server -H 127.0.0.1 -p PORT` as a subprocess; `extra_env` goes into its environment."""
+
+    def __init__(self, extra_env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.extra_env = extra_env or {}
+        self.log_path = Path(log_dir or tempfile.gettempdir()) / f"moto-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = START_TIMEOUT) -> MotoServer:
+        env = {**os.environ, **self.extra_env}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.proc.returncode}: {self.log()[-2000:]}")
+            try:
+                # the dashboard is not an AWS action: it does not count towards INITIAL_NO_AUTH_ACTION_COUNT
+                with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"moto server did not answer on {self.endpoint} within {timeout:.0f}s: {self.log()[-2000:]}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def __enter__(self) -> MotoServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def aws_env(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> dict[str, str]:
+    """The environment that points boto3/s3fs (and `ckptctl`) at `endpoint`, ignoring any user AWS config."""
+    return {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": REGION,
+            "AWS_ENDPOINT_URL": endpoint, "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
+
+
+def clear_fs_caches() -> None:
+    """Forget cached filesystem instances (they hold clients built from the environment of their time)."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from converters import storage
+
+    storage._fs.cache_clear()
+    for cls in (fsspec.AbstractFileSystem, *_s3fs_classes()):
+        cls.clear_instance_cache()
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]
+
+
+def _s3fs_classes() -> list[Any]:
+    try:
+        import s3fs
+    except ImportError:
+        return []
+    return [s3fs.S3FileSystem]
+
+
+@dataclass
+class S3:
+    """A fresh bucket on the session's server, with boto3 helpers to put and look at objects."""
+
+    endpoint: str
+    bucket: str
+    client: Any
+
+    def uri(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
+
+    def upload(self, folder: Path, prefix: str) -> str:
+        """Upload every file of `folder` (hidden ones too) under `prefix`; returns the prefix's URI."""
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                self.client.upload_file(str(path), self.bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+        return self.uri(prefix)
+
+    def keys(self, prefix: str) -> list[str]:
+        """Names under `prefix/` (relative to it), sorted."""
+        out: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{prefix}/"):
+            out += [obj["Key"][len(prefix) + 1:] for obj in page.get("Contents", [])]
+        return sorted(out)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+
+    def files(self, prefix: str) -> dict[str, bytes]:
+        return {name: self.get(f"{prefix}/{name}") for name in self.keys(prefix)}
+
+
+def boto3_client(endpoint: str, service: str = "s3", access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY,
+                 attempts: int = 3) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(service, endpoint_url=endpoint, region_name=REGION, aws_access_key_id=access_key,
+                        aws_secret_access_key=secret_key,
+                        config=Config(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=5,
+                                      read_timeout=30))
+
+
+@pytest.fixture(scope="session", name="s3_server")
+def s3_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto server for the whole session (no authentication: any credentials work)."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    server = MotoServer(log_dir=str(tmp_path_factory.mktemp("moto"))).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(name="s3")
+def s3_fixture(s3_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """AWS environment pointing at the session's server (for this process and `ckptctl` subprocesses), and a
+    fresh bucket."""
+    for name in AWS_UNSET:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in aws_env(s3_server.endpoint).items():
+        monkeypatch.setenv(name, value)
+    clear_fs_caches()
+    client = boto3_client(s3_server.endpoint)
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    try:
+        yield S3(s3_server.endpoint, bucket, client)
+    finally:
+        clear_fs_caches()
