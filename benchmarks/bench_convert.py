@@ -178,6 +178,8 @@ def sample_set(work: Path, size: str, train: bool = True) -> SampleSet:
 class RunResult:
     wall_s: float
     peak_rss_mb: float
+    cpu_s: float  # user + system seconds of the tool and its reaped children
+    load1: float  # the machine's 1-minute load average when the run started (others' work shows here)
     returncode: int
     log: Path
 
@@ -254,8 +256,9 @@ def sync_output(mode: str, out: Path) -> None:
 
 
 def run_once(argv: list[str], out: Path, log: Path, sync_mode: str, timeout: float) -> RunResult:
-    """Run ``argv`` in a fresh process; time it to exit plus sync; peak RSS of its tree."""
+    """Run ``argv`` in a fresh process; time it to exit plus sync; peak RSS and CPU time of its tree."""
     env = {**os.environ, "COLUMNS": "200"}
+    load1 = os.getloadavg()[0]
     with open(log, "wb") as sink:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -263,13 +266,15 @@ def run_once(argv: list[str], out: Path, log: Path, sync_mode: str, timeout: flo
         poller.start()
         killer = threading.Timer(timeout, proc.kill)
         killer.start()
-        proc.wait()
+        _, status, usage = os.wait4(proc.pid, 0)  # CPU times are sound here (unlike ru_maxrss, see above)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         killer.cancel()
         sync_output(sync_mode, out)
         wall = time.perf_counter() - start
     poller.stop.set()
     poller.join()
-    return RunResult(wall, poller.peak_kb * 1024 / 1e6, proc.returncode, log)
+    cpu = usage.ru_utime + usage.ru_stime
+    return RunResult(wall, poller.peak_kb * 1024 / 1e6, cpu, load1, proc.returncode, log)
 
 
 # --- checking outputs ------------------------------------------------------------------------------
@@ -473,11 +478,14 @@ class Row:
     command: list[str]
     wall_s: list[float] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    load1: list[float] = field(default_factory=list)
     status: str = "ok"  # ok, FAILED or SKIPPED
     note: str = ""
     min_s: float | None = None
     median_s: float | None = None
     peak_rss_mb: float | None = None
+    median_cpu_s: float | None = None
     ratio_cp: float | None = None
     ratio_best_peer: float | None = None
     best_peer: str | None = None
@@ -487,6 +495,7 @@ class Row:
         if self.wall_s:
             self.min_s, self.median_s = min(self.wall_s), statistics.median(self.wall_s)
             self.peak_rss_mb = max(self.rss_mb)
+            self.median_cpu_s = statistics.median(self.cpu_s)
 
 
 def _remove(path: Path) -> None:
@@ -512,6 +521,8 @@ def run_case(case: Case, row: Row, samples: SampleSet, ref: Reference, args: arg
     result = run_once(case.argv(src, out), out, log, args.sync, args.timeout)
     row.wall_s.append(round(result.wall_s, 4))
     row.rss_mb.append(round(result.peak_rss_mb, 1))
+    row.cpu_s.append(round(result.cpu_s, 3))
+    row.load1.append(round(result.load1, 2))
     if result.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
         _fail(row, f"exit {result.returncode} (repeat {rep}; {log}): {tail[0][:200]}")
@@ -523,7 +534,8 @@ def run_case(case: Case, row: Row, samples: SampleSet, ref: Reference, args: arg
             row.note = note
     _remove(run_dir)
     print(f"  {samples.label:>6} {case.name:<14} repeat {rep}: {result.wall_s:7.2f} s, "
-          f"{result.peak_rss_mb:8.1f} MB, {row.status}", flush=True)
+          f"{result.peak_rss_mb:8.1f} MB, cpu {result.cpu_s:6.2f} s, load {result.load1:4.1f}, {row.status}",
+          flush=True)
 
 
 def skipped(case: Case) -> str | None:
@@ -612,14 +624,14 @@ def print_table(rows: list[Row], goals: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="ckpt-service conversions vs cp -r and peers (wall includes sync; RSS of the process tree)")
-    for col in ("case", "size", "kind", "min s", "median s", "peak RSS MB", "/cp", "/best peer", "/consolidate",
-                "check"):
-        table.add_column(col, justify="right" if col[0] in "m/p" else "left")
+    for col in ("case", "size", "kind", "min s", "median s", "peak RSS MB", "CPU s", "/cp", "/best peer",
+                "/consolidate", "check"):
+        table.add_column(col, justify="right" if col[0] in "mpC/" else "left")
     for r in rows:
         peer = f"{_fmt(r.ratio_best_peer, '.2f')} ({r.best_peer})" if r.best_peer else "-"
-        table.add_row(r.case, r.size, r.kind, _fmt(r.min_s, ".2f"), _fmt(r.median_s, ".2f"),
-                      _fmt(r.peak_rss_mb, ".0f"), _fmt(r.ratio_cp, ".2f"), peer, _fmt(r.ratio_consolidate, ".2f"),
-                      f"{r.status}: {r.note[:120]}" if r.note else r.status)
+        numbers = (_fmt(r.min_s, ".2f"), _fmt(r.median_s, ".2f"), _fmt(r.peak_rss_mb, ".0f"),
+                   _fmt(r.median_cpu_s, ".2f"), _fmt(r.ratio_cp, ".2f"), peer, _fmt(r.ratio_consolidate, ".2f"))
+        table.add_row(r.case, r.size, r.kind, *numbers, f"{r.status}: {r.note[:120]}" if r.note else r.status)
     console = Console(width=max(160, shutil.get_terminal_size().columns))
     console.print(table)
     for g in goals:
