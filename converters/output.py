@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -75,9 +76,18 @@ class Output:
             return
         fs, _ = storage.filesystem(self.uri)
         target = self.uri if self.single_file else storage.join(self.uri, name)
-        with storage.translate_errors(target, writing=True), fs.open(target, "wb", block_size=UPLOAD_BLOCK) as raw:
+        with storage.translate_errors(target, writing=True):
+            raw = fs.open(target, "wb", block_size=UPLOAD_BLOCK)
             stream = _Checksummed(raw)
-            yield stream
+            try:
+                yield stream
+            except BaseException:
+                # never commit a half-written file: abort the (multipart) upload instead of closing it
+                with contextlib.suppress(Exception):
+                    raw.discard()
+                raw.closed = True  # discarded: closing (or garbage collection) must not upload anything
+                raise
+            raw.close()
         self.record(name, stream.size, stream.crc)
 
     def record(self, name: str, size: int, crc: int | None = None) -> None:
@@ -97,13 +107,19 @@ def _remove_local(path: str) -> None:
         os.remove(path)
 
 
-def _remove_remote(uri: str) -> None:
+def _remove_remote(uri: str, settle: float = 0.0) -> None:
+    """Remove what was uploaded under `uri`. After an interrupt, an upload already handed to fsspec's I/O
+    thread may still land: with `settle`, look again for that long and remove late arrivals too."""
     fs, _ = storage.filesystem(uri)
-    try:
-        if fs.exists(uri):
-            fs.rm(uri, recursive=True)
-    except OSError:
-        pass
+    deadline = time.monotonic() + settle
+    while True:
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache()
+            if fs.exists(uri):
+                fs.rm(uri, recursive=True)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.25)
 
 
 @contextmanager
@@ -162,5 +178,5 @@ def _remote(out: Output, overwrite: bool, kind: str) -> Iterator[Output]:
                 fs.pipe_file(storage.join(out.uri, MANIFEST), out.manifest(kind))
                 fs.rm(storage.join(out.uri, WRITING))
     except BaseException:
-        _remove_remote(out.uri)
+        _remove_remote(out.uri, settle=2.0)
         raise

@@ -20,8 +20,8 @@ from .errors import CkptError, SourceError, TargetError
 
 #: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
 #: cost few requests; larger reads go straight through.
-MIN_REQUEST = 1024 * 1024
-_CACHE_BLOCKS = 32
+MIN_REQUEST = 256 * 1024
+_CACHE_BLOCKS = 256  # 64 MiB at most
 _CRC_WINDOW = 64 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
@@ -40,7 +40,10 @@ def _fs(protocol: str) -> Any:
     import fsspec
 
     try:
-        return fsspec.filesystem(protocol)
+        try:  # listings must be fresh: another process may finish an upload while this one runs
+            return fsspec.filesystem(protocol, use_listings_cache=False)
+        except TypeError:
+            return fsspec.filesystem(protocol)
     except ImportError:
         extra = _EXTRAS.get(protocol)
         hint = f"pip install 'ckpt-service[{extra}]'" if extra == "s3" else (f"install {extra}" if extra else
@@ -298,7 +301,8 @@ class RangeReader:
 
 
 def check_target(uri: str, overwrite: bool) -> None:
-    if exists(uri) and not overwrite:
+    """Refuse to write over an existing output, unless asked, or unless it is one we never finished."""
+    if exists(uri) and not overwrite and not is_incomplete(uri):
         raise TargetError(f"{uri}: already exists; pass --overwrite to replace it, or choose another target")
 
 
