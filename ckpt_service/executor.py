@@ -17,8 +17,9 @@ from typing import Any
 from converters import storage
 from converters.errors import CkptError
 
-from . import logs
-from .jobs import DEFAULT_CLEAN, DEFAULT_ONLY, JobSpec
+from . import logs, roots
+from .errors import ServiceError
+from .jobs import DEFAULT_CLEAN, DEFAULT_ONLY, WRITING_KINDS, JobSpec
 from .registry import Registry
 from .store import JobStore
 
@@ -183,9 +184,20 @@ def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: A
     return True
 
 
+def recheck_roots(spec: JobSpec, read: list[roots.Location], write: list[roots.Location]) -> None:
+    """Check the roots again where the job runs: a symlink swapped in since the job was queued is caught."""
+    roots.check(spec.source, read, field="source", purpose="read")
+    if spec.target is not None:
+        writing = spec.kind in WRITING_KINDS
+        roots.check(spec.target, write if writing else read, field="target", purpose="write" if writing else "read")
+
+
 def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float = 0.5,
-            max_bytes_per_second: int = 0) -> int:
-    """Run attempt `attempt` of `job_id` to the end and record it. Returns 0, or 3 when the job was not ours."""
+            max_bytes_per_second: int = 0,
+            allowed: tuple[list[roots.Location], list[roots.Location]] | None = None) -> int:
+    """Run attempt `attempt` of `job_id` to the end and record it. Returns 0, or 3 when the job was not ours.
+
+    `allowed` (read roots, write roots) makes the job check its paths again before it starts."""
     job = store.get(job_id)
     if job.state != "running" or job.attempt != attempt:
         logs.event("job.not_current", job_id=job_id, attempt=attempt, state=job.state)
@@ -196,6 +208,8 @@ def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float 
     logs.event("job.started", job_id=job_id, attempt=attempt, kind=spec.kind, source=spec.source,
                target=spec.target, pid=os.getpid())
     try:
+        if allowed is not None:
+            recheck_roots(spec, *allowed)
         value = engine_call(spec)(writer)
         writer.flush()
         ok = _succeed(store, spec, job_id, attempt, value)
@@ -206,7 +220,7 @@ def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float 
         report = {**exc.report.to_dict(), "summary": exc.report.summary()}
         store.finish_now(job_id, attempt, "failed", result=report, error=("VerifyError", f"checkpoints differ: {exc}"))
         logs.event("job.failed", job_id=job_id, attempt=attempt, error_type="VerifyError")
-    except CkptError as exc:
+    except (CkptError, ServiceError) as exc:
         store.finish_now(job_id, attempt, "failed", error=(type(exc).__name__, str(exc)))
         logs.event("job.failed", job_id=job_id, attempt=attempt, error_type=type(exc).__name__, error=str(exc))
     except Exception as exc:  # a bug, or an OS error the engine did not wrap: fail the job, keep the trace in the log

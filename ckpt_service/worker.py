@@ -13,6 +13,7 @@ outcome is retried (up to the job's `max_attempts`) or failed with the reason.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -64,7 +65,8 @@ class JobRunner(threading.Thread):
         return [sys.executable, "-m", "ckpt_service.worker_main", str(s.db_path), self.job.id, str(self.attempt),
                 "--parent", str(os.getpid()), "--nice", str(s.job_nice), "--progress-seconds",
                 str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second),
-                "--log-level", s.log_level]
+                "--read-roots", json.dumps([str(r) for r in s.read_locations]),
+                "--write-roots", json.dumps([str(r) for r in s.write_locations]), "--log-level", s.log_level]
 
     def run(self) -> None:
         try:

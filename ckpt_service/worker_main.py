@@ -1,4 +1,4 @@
-"""Entry point of a job process: `python -m ckpt_service.worker_main DB JOB_ID ATTEMPT --parent PID`.
+"""Entry point of a job process: `python -m ckpt_service.worker_main DB JOB_ID ATTEMPT --parent PID …`.
 
 The process asks the kernel to kill it when its parent (the worker that watches it) dies, lowers its
 own priority so the API stays responsive, runs the job and records the outcome itself.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nice", type=int, default=0)
     parser.add_argument("--progress-seconds", type=float, default=0.5)
     parser.add_argument("--max-bytes-per-second", type=int, default=0)
+    parser.add_argument("--read-roots", default=None, help="JSON list: check the job's paths again")
+    parser.add_argument("--write-roots", default=None, help="JSON list")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     die_with_parent(args.parent)
@@ -41,13 +44,17 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.nice(args.nice)
 
-    from . import logs
+    from . import logs, roots
     from .executor import run_job
     from .store import JobStore
 
     logs.setup(args.log_level)
+    allowed = None
+    if args.read_roots is not None and args.write_roots is not None:
+        allowed = ([roots.parse_root(r) for r in json.loads(args.read_roots)],
+                   [roots.parse_root(r) for r in json.loads(args.write_roots)])
     store = JobStore(args.db, migrate=False)
-    return run_job(store, args.job_id, args.attempt, args.progress_seconds, args.max_bytes_per_second)
+    return run_job(store, args.job_id, args.attempt, args.progress_seconds, args.max_bytes_per_second, allowed)
 
 
 if __name__ == "__main__":

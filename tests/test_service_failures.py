@@ -7,6 +7,7 @@ of the tiny sample runs for a few seconds and can be interrupted while it writes
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -41,10 +42,10 @@ def source(fsdp2: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def server(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    out = tmp_path_factory.mktemp("fail-out")
-    server = make_server(tmp_path_factory.mktemp("fail-data"), read_roots=[source.parent], write_roots=[out],
+    out, swap = tmp_path_factory.mktemp("fail-out"), tmp_path_factory.mktemp("fail-swap")
+    server = make_server(tmp_path_factory.mktemp("fail-data"), read_roots=[source.parent, swap], write_roots=[out],
                          workers=1, extra_env=SLOW)
-    server.out = out  # type: ignore[attr-defined]
+    server.out, server.swap = out, swap  # type: ignore[attr-defined]
     yield server.start()
     server.stop()
 
@@ -114,3 +115,22 @@ def test_killed_job_fails_with_the_reason_after_max_attempts(source: Path, tmp_p
             assert client.wait(after["id"], timeout=30)["state"] == "succeeded"
     finally:
         server.stop()
+
+
+def test_a_symlink_swapped_in_after_queueing_is_refused_when_the_job_starts(server: Server, source: Path,
+                                                                           tmp_path: Path) -> None:
+    out: Path = server.out  # type: ignore[attr-defined]
+    inside: Path = server.swap / "ckpt"  # type: ignore[attr-defined]
+    outside = tmp_path / "outside"
+    shutil.copytree(source, inside)
+    shutil.copytree(source, outside)
+    with server.client() as client:
+        blocker = client.submit(slow_convert(source, out / "blocker.safetensors"))
+        running_with_progress(server, blocker["id"])
+        job = client.submit(job_spec("inspect", inside))  # checked and queued while `inside` is a real folder
+        shutil.rmtree(inside)
+        inside.symlink_to(outside)
+        client.cancel(blocker["id"])
+        final = client.wait(job["id"], timeout=30)
+    assert final["state"] == "failed" and final["error"]["type"] == "OutsideRoots", final
+    assert "outside the storage roots" in final["error"]["message"]
