@@ -85,7 +85,11 @@ class Server:
             except httpx.TransportError:
                 return False
 
-        wait_for(up, timeout, "the server to answer /healthz", interval=0.1)
+        try:
+            wait_for(up, timeout, "the server to answer /healthz", interval=0.1)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self, timeout: float = 20.0) -> None:
