@@ -239,9 +239,23 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
            no_train: Annotated[bool, typer.Option("--no-train", help="Initialise each rank's shards in place and "
                                                   "skip the step (FSDP2, model only): for large checkpoints "
                                                   "without the memory of a full model per rank.")] = False) -> None:
-    """Train a small model one step with real FSDP on CPU (gloo) and save its checkpoint."""
+    """Train a small model one step with real FSDP on CPU (gloo) and save its checkpoint.
+
+    A TARGET that already holds a checkpoint is kept as it is (so the command can be re-run)."""
+    import os
+
     from .sample import make_sample
 
+    if os.path.isdir(target) and os.listdir(target):
+        from converters.errors import CkptError
+        from converters.formats import detect
+
+        try:
+            detect(target)
+        except CkptError:
+            fail(f"{target}: exists and is not a checkpoint; choose an empty or new folder")
+        out.print(f"{target} already holds a checkpoint; keeping it", highlight=False)
+        return
     with errors():
         try:
             make_sample(target, world_size=world_size, layout=layout, size=size, dtype=dtype,
