@@ -117,53 +117,38 @@ def _slabs(prefix: tuple[int, ...], shape: tuple[int, ...], item: int, budget: i
 
 
 def cast(data: memoryview | bytes, src: str, dst: str) -> memoryview:
-    """Cast raw bytes between float32, float64, float16 and bfloat16, rounding as torch's `.to()` does.
+    """Cast raw bytes between floating dtypes, rounding exactly as torch's `.to()` does.
 
-    numpy does the work (round to nearest even; NaN stays NaN; overflow gives inf) in blocks of
-    `_CAST_BLOCK` elements, so the temporaries stay small and casting needs no torch import.
+    numpy with ml_dtypes' bfloat16/float8 types does the work (round to nearest even, NaN stays NaN,
+    overflow gives inf) in blocks of `_CAST_BLOCK` elements, so temporaries stay small and casting needs
+    no torch import. Like torch, float64 goes through float32 on its way to a 16-bit type.
     """
     if not data:
         return memoryview(b"")
-    if src not in _FLOATS or dst not in _FLOATS:
-        import torch
-
-        tensor = torch.frombuffer(data, dtype=getattr(torch, src)).to(getattr(torch, dst))
-        return memoryview(tensor.view(torch.uint8).numpy())
     import numpy as np
 
-    source = np.frombuffer(data, dtype=_FLOATS[src])
-    out = np.empty(len(source), dtype=_FLOATS[dst])
-    with np.errstate(over="ignore"):
+    types = _numpy_types()
+    source = np.frombuffer(data, dtype=types[src])
+    out = np.empty(len(source), dtype=types[dst])
+    via_f32 = src == "float64" and dtypes.itemsize(dst) < 4
+    with np.errstate(over="ignore", invalid="ignore"):
         for i in range(0, len(source), _CAST_BLOCK):
-            block = _to_f32(source[i: i + _CAST_BLOCK], src)
-            _from_f32(block, dst, out[i: i + _CAST_BLOCK])
-    return memoryview(out).cast("B")
+            block = source[i: i + _CAST_BLOCK]
+            if via_f32:
+                block = block.astype(np.float32)
+            np.copyto(out[i: i + _CAST_BLOCK], block, casting="unsafe")
+    return memoryview(out.view(np.uint8))
 
 
-_FLOATS = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2"}
 _CAST_BLOCK = 1 << 20
 
 
-def _to_f32(block: Any, src: str) -> Any:
-    if src == "bfloat16":
-        return (block.astype("<u4") << 16).view("<f4")
-    return block.astype("<f4", copy=False)
+def _numpy_types() -> dict[str, Any]:
+    import ml_dtypes
+    import numpy as np
 
-
-def _from_f32(values: Any, dst: str, out: Any) -> None:
-    """Write float32 `values` into `out` (dtype of `dst`); bfloat16 rounds to nearest even like torch."""
-    if dst != "bfloat16":
-        out[...] = values
-        return
-    bits = values.view("<u4")
-    rounded = bits >> 16
-    rounded &= 1
-    rounded += 0x7FFF
-    rounded += bits
-    rounded >>= 16
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    out[...] = rounded
-    out[nan] = ((bits[nan] >> 16) | 0x0040).astype("<u2")
+    return {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+            "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 
 
 def direct_ranges(entry: TensorEntry, box: Box | None = None) -> list[tuple[str, int, int]] | None:
