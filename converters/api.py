@@ -6,7 +6,6 @@ Everything here is a plain library call: the CLI and the service call the same f
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -146,9 +145,3 @@ def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0,
                               memory_limit=memory_limit)
     finally:
         reader.close()
-
-
-def output_size(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-    return os.path.getsize(path)

@@ -109,17 +109,34 @@ class Copier:
         """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (read from the page
         cache through a mapping, not copied)."""
         crc = self.reader.crc32(piece.path, piece.offset, piece.length, crc)
-        src, end = piece.offset, piece.offset + piece.length
+        self._kernel_copy(piece, fd, dst)
+        return crc
+
+    def _kernel_copy(self, piece: SourceRange, fd: int, dst: int) -> None:
+        """`copy_file_range` loop; where the filesystems cannot do it, read and write through a buffer instead."""
         src_fd = self.reader.fd(piece.path)
+        src, end = piece.offset, piece.offset + piece.length
         while src < end:
-            n = os.copy_file_range(src_fd, fd, min(_COPY_STEP, end - src), src, dst)
-            if n == 0:
+            step = min(_COPY_STEP, end - src)
+            n = -1
+            if self._direct:
+                try:
+                    n = os.copy_file_range(src_fd, fd, step, src, dst)
+                except OSError as exc:
+                    if exc.errno not in _NO_COPY_RANGE:
+                        raise
+                    self._direct = False  # this filesystem pair cannot: plain reads from now on
+            if n < 0:
+                view = self._buffer(min(step, self.slab_bytes))
+                self.reader.readinto(piece.path, src, view)
+                pwrite_all(fd, view, dst)
+                n = len(view)
+            elif n == 0:
                 from .errors import SourceError
 
-                raise SourceError(f"{piece.path}: file is shorter than the checkpoint metadata says; it is "
-                                  "truncated: re-copy or re-upload it")
+                raise SourceError(f"{piece.path}: file is shorter than the checkpoint metadata says (wanted bytes "
+                                  f"up to {end}); it is truncated: re-copy or re-upload it")
             src, dst = src + n, dst + n
-        return crc
 
     def _buffer(self, nbytes: int) -> memoryview:
         """This thread's reusable slab buffer (valid until its next `stream` step): no page faults per slab."""
@@ -131,34 +148,10 @@ class Copier:
     def write_at(self, fd: int, offset: int, entry: TensorEntry, cast_to: str | None = None,
                  box: Box | None = None) -> None:
         """Write the bytes of `entry` (or `entry[box]`) into the local file `fd` at `offset`."""
-        if self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
-            ranges = direct_ranges(entry, box)
-            if ranges is not None and all(is_local(uri) for uri, _, _ in ranges):
-                try:
-                    at = offset
-                    for uri, src, length in ranges:
-                        self._copy_range(uri, src, length, fd, at)
-                        at += length
-                    self.progress.add(tensors=1)
-                    return
-                except OSError as exc:
-                    if exc.errno not in _NO_COPY_RANGE:
-                        raise
-                    self._direct = False  # this filesystem pair cannot: use plain reads from now on
-        for block in self.stream(entry, cast_to, box):
-            pwrite_all(fd, block, offset)
-            offset += len(block)
-
-    def _copy_range(self, uri: str, src: int, length: int, fd: int, dst: int) -> None:
-        src_fd = self.reader.fd(local_path(uri))
-        end = src + length
-        while src < end:
-            n = os.copy_file_range(src_fd, fd, min(_COPY_STEP, end - src), src, dst)
-            if n == 0:
-                from .errors import SourceError
-
-                raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted bytes up to "
-                                  f"{end}); it is truncated: re-copy or re-upload it")
-            src, dst = src + n, dst + n
-            self.progress.add(n)
-
+        for piece in self.pieces(entry, cast_to, box, in_kernel=True):
+            if isinstance(piece, SourceRange):
+                self._kernel_copy(piece, fd, offset)
+                offset += piece.length
+            else:
+                pwrite_all(fd, piece, offset)
+                offset += len(piece)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes
+from .errors import FormatError
 
 OPTIM_CONTAINERS = ("optim", "optimizer", "optimizer_state_dict", "optim_state_dict")
 OPTIM_SECTIONS = ("state", "param_groups")
@@ -111,8 +112,6 @@ def is_optimizer_key(name: str) -> bool:
 
 def check_tiling(entry: TensorEntry, where: str) -> None:
     """Raise if the chunks of `entry` do not cover its shape exactly once (by element count and bounds)."""
-    from .errors import FormatError
-
     total = 0
     for chunk in entry.chunks:
         if len(chunk.offsets) != len(entry.shape) or any(

@@ -16,6 +16,7 @@ from typing import Any
 from .. import dtypes, storage
 from ..errors import FormatError, UnsafePickleError
 from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
+from ..layouts import chunk_bounds
 from ..torchzip import Archive, read_archive
 from ..unpickle import BASE_ALLOWED, Stub, TensorRef, stub
 from .torchsave import flatten, tensor_entry
@@ -74,13 +75,6 @@ ALLOWED: dict[str, Any] = {
     "__builtin__.getattr": _safe_getattr,
     "builtins.getattr": _safe_getattr,
 }
-
-
-def _chunk_bounds(dim_size: int, world: int, rank: int) -> tuple[int, int]:
-    """(offset, size) of `rank`'s piece of `dim_size` rows under torch.chunk semantics."""
-    step = -(-dim_size // world) if dim_size else 0
-    start = min(rank * step, dim_size)
-    return start, max(0, min(step, dim_size - start))
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -209,7 +203,7 @@ class RankFilesReader:
         if not placement.qualname.endswith(".Shard"):
             raise FormatError(f"{where}: unsupported DTensor placement {placement.qualname}")
         dim = int(_fields(placement).get("dim", placement.args[0] if placement.args else 0))
-        start, size = _chunk_bounds(shape[dim], world, rank)
+        start, size = chunk_bounds(shape[dim], world, rank)
         sizes = tuple(size if d == dim else s for d, s in enumerate(shape))
         offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
         if size == 0:
