@@ -136,21 +136,31 @@ class KeyMapper:
         return value
 
 
-def _selected(path: tuple[str, ...], only: Only) -> bool:
-    optimizer = _parts(path).optimizer
-    return only == "all" or (only == "optim") == optimizer
+def _kind(path: tuple[str, ...], has_model_root: bool) -> str:
+    """"optim", "model", or "other": training state beside the model (dataloader, lr_scheduler, …)
+    under a top-level name of its own, recognised only when the model's weights sit at the top or in
+    a model container (so a checkpoint made only of nested modules stays all model)."""
+    if _parts(path).optimizer:
+        return "optim"
+    if has_model_root and len(path) > 1 and path[0] not in MODEL_CONTAINERS and path[0] not in OPTIM_CONTAINERS:
+        return "other"
+    return "model"
 
 
 def apply(index: CheckpointIndex, options: KeyOptions) -> tuple[CheckpointIndex, list[str]]:
     """A view of `index` with the selected entries under their output names, and a report of what changed."""
-    entries: list[TensorEntry | ObjectEntry] = [e for e in (*index.tensors.values(), *index.objects.values())
-                                                if _selected(e.path, options.only)]
-    mapper = KeyMapper(index, options, any(_parts(e.path).optimizer for e in entries))
+    everything: list[TensorEntry | ObjectEntry] = [*index.tensors.values(), *index.objects.values()]
+    has_model_root = any(len(e.path) == 1 or e.path[0] in MODEL_CONTAINERS for e in everything)
+    kinds = {id(e): _kind(e.path, has_model_root) for e in everything}
+    wanted = {"model": {"model"}, "optim": {"optim"}, "all": {"model", "optim", "other"}}[options.only]
+    entries = [e for e in everything if kinds[id(e)] in wanted]
+    others = sorted({e.path[0] for e in everything if kinds[id(e)] == "other" and "other" not in wanted})
+    mapper = KeyMapper(index, options, any(kinds[id(e)] == "optim" for e in entries))
     out = replace(index, tensors={}, objects={}, notes=list(index.notes))
     sources: dict[str, str] = {}
     dropped = 0
     for entry in entries:
-        path = mapper.path(entry.path)
+        path = entry.path if kinds[id(entry)] == "other" else mapper.path(entry.path)
         name = ".".join(path)
         if options.include and not any(fnmatch.fnmatchcase(name, g) for g in options.include):
             dropped += 1
@@ -173,4 +183,6 @@ def apply(index: CheckpointIndex, options: KeyOptions) -> tuple[CheckpointIndex,
     report += [f"renamed {n} keys with {pattern}" for pattern, n in mapper.rename_counts.items()]
     if dropped:
         report.append(f"left out {dropped} keys by --include/--exclude")
+    if others:
+        report.append(f"left out training state beside the model ({', '.join(others)}); --only all keeps it")
     return out, report

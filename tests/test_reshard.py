@@ -170,3 +170,29 @@ def test_bad_reshard_input(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
     assert proc.returncode == 2 and "ghost.weight" in proc.stderr
     assert not (tmp_path / "b").exists()
     shutil.rmtree(tmp_path / "exists")
+
+
+def test_training_state_beside_the_model_is_kept_by_name(tmp_path: Path) -> None:
+    """torchtitan-style DCP: flat model keys plus optimizer, dataloader, lr_scheduler and train_state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = {"tok.weight": torch.randn(7, 3), "out.weight": torch.randn(5, 3),
+             "optimizer": {"state": {"tok.weight": {"exp_avg": torch.randn(7, 3), "step": torch.tensor(3.0)}},
+                           "param_groups": [{"lr": 0.1, "params": ["tok.weight"]}]},
+             "dataloader": {"position": torch.tensor(17), "shard": "s-3"}, "lr_scheduler": {"last_epoch": 3},
+             "train_state": {"step": 200}}
+    src = tmp_path / "titan"
+    dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    export = ckptctl("export", src, tmp_path / "export")
+    assert "dataloader, lr_scheduler, train_state" in export.stderr  # left out of a model export, by name
+    out = tmp_path / "ws3"
+    ckptctl("reshard", src, out, "--world-size", "3", "--only", "all")
+    dcp_to_torch_save(str(out), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert torch.equal(full["model"]["tok.weight"], state["tok.weight"])
+    want = state["optimizer"]["state"]["tok.weight"]["exp_avg"]
+    assert torch.equal(full["optim"]["state"]["tok.weight"]["exp_avg"], want)
+    assert torch.equal(full["dataloader"]["position"], state["dataloader"]["position"])
+    assert full["dataloader"]["shard"] == "s-3"
+    assert full["lr_scheduler"] == {"last_epoch": 3} and full["train_state"] == {"step": 200}
