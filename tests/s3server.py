@@ -179,18 +179,24 @@ def s3_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto
         server.stop()
 
 
-@pytest.fixture(name="s3")
-def s3_fixture(s3_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    """AWS environment pointing at the session's server (for this process and `ckptctl` subprocesses), and a
-    fresh bucket."""
+def point_at(endpoint: str, monkeypatch: pytest.MonkeyPatch, prefix: str) -> tuple[Any, str]:
+    """Set the AWS environment to `endpoint` (this process and `ckptctl` subprocesses), drop cached
+    filesystems, and create a fresh bucket named `prefix-<random>`: (boto3 client, bucket)."""
     for name in AWS_UNSET:
         monkeypatch.delenv(name, raising=False)
-    for name, value in aws_env(s3_server.endpoint).items():
+    for name, value in aws_env(endpoint).items():
         monkeypatch.setenv(name, value)
     clear_fs_caches()
-    client = boto3_client(s3_server.endpoint)
-    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    client = boto3_client(endpoint)
+    bucket = f"{prefix}-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+@pytest.fixture(name="s3")
+def s3_fixture(s3_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """AWS environment pointing at the session's server, and a fresh bucket."""
+    client, bucket = point_at(s3_server.endpoint, monkeypatch, "ckpt")
     try:
         yield S3(s3_server.endpoint, bucket, client)
     finally:

@@ -49,6 +49,7 @@ from .s3server import (  # noqa: F401  (fixtures s3 and s3_server)
     boto3_client,
     clear_fs_caches,
     free_port,
+    point_at,
     s3_fixture,
     s3_server_fixture,
 )
@@ -275,14 +276,7 @@ def test_bytes_fetched_tiny_checkpoint(s3: S3, dcp: Sample, tmp_path: Path,
 def big_counts(big: Path, s3_server: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Counters of one S3 -> local export of the 50MB checkpoint (its own bucket, environment set by hand)."""
     with pytest.MonkeyPatch.context() as mp:
-        for name in AWS_UNSET:
-            mp.delenv(name, raising=False)
-        for name, value in aws_env(s3_server.endpoint).items():
-            mp.setenv(name, value)
-        clear_fs_caches()
-        client = boto3_client(s3_server.endpoint)
-        bucket = f"big-{uuid.uuid4().hex[:8]}"
-        client.create_bucket(Bucket=bucket)
+        client, bucket = point_at(s3_server.endpoint, mp, "big")
         for path in sorted(big.iterdir()):
             client.upload_file(str(path), bucket, f"big/{path.name}")
         counts = fetch_counts(f"s3://{bucket}/big", str(tmp_path_factory.mktemp("big") / "export"))
