@@ -20,8 +20,10 @@ from ckpt_service import logs
 from ckpt_service.service import CkptService
 from ckpt_service.settings import Settings
 from ckpt_service.store import JobStore
+from ckpt_service.store_check import StoreHealth
 
 from . import errors
+from .events import StreamSlots
 from .limits import BodyLimit
 from .metrics import Metrics, RequestMetrics
 from .routes_checkpoints import router as checkpoints_router
@@ -65,6 +67,8 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     app.state.pool = pool
     app.state.checker = settings.token_checker()
     app.state.metrics = Metrics(service.store, pool)
+    app.state.store_health = StoreHealth(service.store.path, settings.store_check_seconds)
+    app.state.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_principal)
     errors.install(app)
     app.include_router(jobs_router)
     app.include_router(checkpoints_router)

@@ -29,6 +29,8 @@ STATUS: list[tuple[type[BaseException], int, str]] = [
     (se.Conflict, 409, "conflict"),
     (se.PayloadTooLarge, 413, "payload_too_large"),
     (se.QueueFull, 429, "queue_full"),
+    (se.TooManyStreams, 429, "too_many_streams"),
+    (se.StoreDamaged, 503, "store_damaged"),
     (se.SchemaTooNew, 503, "store_schema_too_new"),
     (se.StoreError, 503, "store_unavailable"),
     (se.ServiceError, 500, "service_error"),
@@ -60,7 +62,7 @@ async def _known(request: Request, exc: Exception) -> JSONResponse:
     headers = {}
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(exc, se.QueueFull):
+    if isinstance(exc, se.TooMany):
         headers["Retry-After"] = str(exc.retry_after)
     if status >= 500:
         logs.event("http.error", path=request.url.path, status=status, error=str(exc))

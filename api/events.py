@@ -1,18 +1,24 @@
 """Server-sent events for one job: `state` on every state change, `progress` when progress moves,
 `end` with the final job document, then the stream closes. Comments keep idle connections alive.
 
-The store is read in a worker thread, so a stream never blocks the event loop.
+The store is read in a worker thread, so a stream never blocks the event loop. Open streams are
+counted per token name and in total (`StreamSlots`); a stream holds its slot until its connection ends.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
+from ckpt_service.errors import TooManyStreams
 from ckpt_service.service import CkptService
 
 KEEPALIVE_SECONDS = 15.0
@@ -47,3 +53,52 @@ async def job_events(service: CkptService, job_id: str, poll_seconds: float) -> 
             yield frame("end", document, n + 1)
             return
         await anyio.sleep(poll_seconds)
+
+
+class StreamSlots:
+    """At most `total` open streams, and at most `per_principal` for one token name."""
+
+    def __init__(self, total: int, per_principal: int) -> None:
+        self.total, self.per_principal = total, per_principal
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()
+
+    def open(self) -> int:
+        with self._lock:
+            return sum(self._open.values())
+
+    def take(self, who: str) -> Callable[[], None]:
+        """Take a slot for `who` (TooManyStreams past a cap); returns the call that gives it back (once)."""
+        with self._lock:
+            if self._open[who] >= self.per_principal:
+                raise TooManyStreams(f"token {who!r} already follows {self._open[who]} event streams (the limit, "
+                                     "CKPT_SSE_MAX_STREAMS_PER_PRINCIPAL); close one first")
+            if sum(self._open.values()) >= self.total:
+                raise TooManyStreams(f"this server already serves {self.total} event streams (the limit, "
+                                     "CKPT_SSE_MAX_STREAMS); retry later")
+            self._open[who] += 1
+        given_back = threading.Event()
+
+        def give_back() -> None:
+            with self._lock:
+                if not given_back.is_set():
+                    given_back.set()
+                    self._open[who] -= 1
+                    if self._open[who] <= 0:
+                        del self._open[who]
+
+        return give_back
+
+
+class SlotStream(StreamingResponse):
+    """A streaming response that gives its slot back when the stream ends, however it ends."""
+
+    def __init__(self, content: AsyncIterator[str], give_back: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.give_back = give_back
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.give_back()

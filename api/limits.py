@@ -1,5 +1,10 @@
-"""Request size limit, as plain ASGI middleware: a declared Content-Length over the limit is refused at
-once; a body streamed without one is counted and cut off at the limit (413 either way)."""
+"""Request size limit, as plain ASGI middleware: 413 for any body over the limit, however it is sent.
+
+A declared Content-Length over the limit is refused before anything is read. Otherwise (a smaller
+Content-Length, or a chunked body with none) the body is read here, up to the limit, before the app
+sees the request: past the limit the answer is 413 at once, and the app never runs. Within it the app
+gets the body as one message, then the connection's own messages (so it still sees a disconnect).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,6 @@ import json
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from ckpt_service.errors import PayloadTooLarge
 
 
 class BodyLimit:
@@ -24,18 +27,29 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             await _refuse(send, self.max_bytes)
             return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise PayloadTooLarge(f"request body over {self.max_bytes} bytes")
-            return message
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                await _refuse(send, self.max_bytes)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        await self.app(scope, counted, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 async def _refuse(send: Send, max_bytes: int) -> None:

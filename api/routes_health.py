@@ -1,4 +1,4 @@
-"""/healthz (process alive), /readyz (store reachable, workers alive), /metrics (Prometheus)."""
+"""/healthz (process alive), /readyz (store sound and reachable, workers alive), /metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -23,11 +23,15 @@ async def healthz() -> Health:
 def readyz(request: Request) -> JSONResponse:
     checks: dict[str, object] = {}
     ready = True
-    try:
-        request.app.state.service.store.ping()
-        checks["store"] = "ok"
-    except ServiceError:
-        checks["store"], ready = "unreachable", False
+    problem = request.app.state.store_health.problem()
+    if problem is not None:
+        checks["store"], checks["store_problem"], ready = "damaged", problem, False
+    else:
+        try:
+            request.app.state.service.store.ping()
+            checks["store"] = "ok"
+        except ServiceError:
+            checks["store"], ready = "unreachable", False
     pool = request.app.state.pool
     if pool is not None:
         alive = pool.alive()

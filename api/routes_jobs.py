@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from ckpt_service.jobs import JobSpec, JobView, Kind, State
 
-from .events import job_events
+from .events import SlotStream, job_events
 from .schemas import JobPage, errors
 from .security import Reader, Writer
 
@@ -51,20 +51,22 @@ def get_job(job_id: JobId, request: Request, _: Reader) -> JobView:
 
 @router.post("/{job_id}/cancel", response_model=JobView, responses=errors(401, 403, 404, 409, 422, 503),
              summary="Cancel a job")
-def cancel(job_id: JobId, request: Request, _: Writer) -> JobView:
+def cancel(job_id: JobId, request: Request, principal: Writer) -> JobView:
     """A queued job is cancelled at once; a running job's process is stopped within seconds and its
-    partial output removed (the job shows `cancel_requested` until then)."""
-    return request.app.state.service.cancel(job_id)
+    partial output removed (the job shows `cancel_requested` until then). Only the token name that
+    submitted the job, or an admin, may cancel it (403 otherwise)."""
+    return request.app.state.service.cancel(job_id, principal)
 
 
 @router.get("/{job_id}/events", responses={200: {"content": {"text/event-stream": {}},
                                                  "description": "SSE: state, progress, end"},
-                                           **errors(401, 403, 404, 422, 503)},
+                                           **errors(401, 403, 404, 422, 429, 503)},
             response_class=StreamingResponse, summary="Follow a job")
-async def events(job_id: JobId, request: Request, _: Reader) -> StreamingResponse:
-    """Server-sent events until the job ends: `state` (the job document), `progress`, and `end`."""
+async def events(job_id: JobId, request: Request, principal: Reader) -> StreamingResponse:
+    """Server-sent events until the job ends: `state` (the job document), `progress`, and `end`. Open
+    streams are capped per token and in total (429 past either cap)."""
     service = request.app.state.service
     await anyio.to_thread.run_sync(service.job, job_id)  # 404 before the stream starts
-    return StreamingResponse(job_events(service, job_id, request.app.state.settings.poll_seconds),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    give_back = request.app.state.streams.take(principal.name)
+    return SlotStream(job_events(service, job_id, request.app.state.settings.poll_seconds), give_back,
+                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -40,11 +40,15 @@ def load_settings(config: Path | None, **flags: Any) -> Any:
 
 
 def open_store(settings: Any) -> Any:
+    """The job store, checked (integrity, schema version) and migrated; a clean exit 2 when it cannot be used."""
     from .errors import StoreError
     from .store import JobStore
+    from .store_check import check
 
     try:
         settings.prepare()
+        if settings.db_path.exists():
+            check(settings.db_path)
         return JobStore(settings.db_path)
     except OSError as exc:
         fail(f"data dir {settings.data_dir}: {exc.strerror or exc}")
@@ -116,3 +120,59 @@ def token_create(scope: Annotated[str, typer.Option("--scope", help="read, write
         return
     typer.echo(token)
     typer.echo(f"add to CKPT_TOKENS (the token itself is stored nowhere): {entry.line()}", err=True)
+
+
+store_app = typer.Typer(help="Check, back up and restore the job store (SQLite under the data dir).",
+                        no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+def _store_run(action: Any) -> Any:
+    from .errors import StoreError
+
+    try:
+        return action()
+    except StoreError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"{exc.filename or 'job store'}: {exc.strerror or exc}")
+
+
+@store_app.command("check")
+def store_check(data_dir: DataDir = None, config: Config = None,
+                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Run SQLite's integrity check and the schema checks on the job store (read-only; safe while serving)."""
+    from .store_check import check
+
+    settings = load_settings(config, data_dir=data_dir)
+    report = _store_run(lambda: check(settings.db_path))
+    if as_json:
+        out.print_json(json.dumps({"path": report.path, "ok": True, "version": report.version, "jobs": report.jobs}))
+    else:
+        typer.echo(report.line())
+
+
+@store_app.command("backup")
+def store_backup(dest: Annotated[Path, typer.Argument(help="The backup file to write.")], data_dir: DataDir = None,
+                 config: Config = None,
+                 overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing file.")] = False
+                 ) -> None:
+    """Copy the job store to DEST with SQLite's online backup API (consistent while the service runs)."""
+    from .store_check import backup
+
+    settings = load_settings(config, data_dir=data_dir)
+    report = _store_run(lambda: backup(settings.db_path, dest.absolute(), overwrite))
+    typer.echo(f"backed up {settings.db_path} to {report.path} (schema version {report.version}, {report.jobs} jobs)")
+
+
+@store_app.command("restore")
+def store_restore(backup_file: Annotated[Path, typer.Argument(metavar="BACKUP", help="A file from `ckptctl store "
+                                                               "backup`.")],
+                  data_dir: DataDir = None, config: Config = None) -> None:
+    """Replace the job store with a checked backup (stop the service first); the old files are kept beside it."""
+    from .store_check import restore
+
+    settings = load_settings(config, data_dir=data_dir)
+    report, aside = _store_run(lambda: restore(backup_file.absolute(), settings.db_path))
+    kept = f"; the previous store is at {aside}" if aside else ""
+    typer.echo(f"restored {settings.db_path} from {backup_file} ({report.jobs} jobs){kept}")

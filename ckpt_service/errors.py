@@ -7,9 +7,12 @@
     │   └── OutsideRoots    a URI outside the configured storage roots (HTTP 403)
     ├── NotFound            no such job or checkpoint (HTTP 404)
     ├── Conflict            the request clashes with the current state (HTTP 409)
-    ├── QueueFull           too many queued jobs (HTTP 429)
+    ├── TooMany             over a limit that frees up with time (HTTP 429, with Retry-After)
+    │   ├── QueueFull       too many queued jobs
+    │   └── TooManyStreams  too many open event streams, in total or for one token
     ├── PayloadTooLarge     a request body over the limit (HTTP 413)
-    └── StoreError          the job store is unreachable or damaged (HTTP 503)
+    └── StoreError          the job store is unreachable (HTTP 503)
+        ├── StoreDamaged    its file fails the integrity check; the message says how to restore it
         └── SchemaTooNew    the database was written by a newer ckpt-service
 
 Engine errors (`converters.errors.CkptError`) pass through unchanged; the API maps both trees to
@@ -51,10 +54,18 @@ class Conflict(ServiceError):
     pass
 
 
-class QueueFull(ServiceError):
+class TooMany(ServiceError):
     def __init__(self, message: str, retry_after: int = 5) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class QueueFull(TooMany):
+    pass
+
+
+class TooManyStreams(TooMany):
+    pass
 
 
 class PayloadTooLarge(ServiceError):
@@ -62,6 +73,10 @@ class PayloadTooLarge(ServiceError):
 
 
 class StoreError(ServiceError):
+    pass
+
+
+class StoreDamaged(StoreError):
     pass
 
 

@@ -18,7 +18,7 @@ from converters.errors import CkptError
 
 from . import roots
 from .auth import Principal
-from .errors import Conflict, InvalidRequest, ServiceError
+from .errors import Conflict, Forbidden, InvalidRequest, ServiceError
 from .jobs import APPLIES, WRITING_KINDS, JobRecord, JobSpec, JobView
 from .registry import CheckpointView, LineageView, RegisterRequest, Registry
 from .settings import Settings
@@ -68,6 +68,8 @@ class CkptService:
                                  purpose="write" if writing else "read")
             if writing and roots.overlap(source, target):
                 raise InvalidRequest("target: the output would overlap the source; write it elsewhere", "target")
+        if spec.callback_url is not None:
+            s.callback_policy.check_submitted(str(spec.callback_url))
         normal = spec.model_copy(update={"source": source, "target": target})
         from .executor import engine_call
 
@@ -120,8 +122,16 @@ class CkptService:
         records, next_before = self.store.list_jobs(state, kind, limit, before)
         return [r.view() for r in records], (str(next_before) if next_before is not None else None)
 
-    def cancel(self, job_id: str) -> JobView:
+    def cancel(self, job_id: str, principal: Principal) -> JobView:
+        self.owned(self.store.get(job_id), principal, "cancel")
         return self.store.request_cancel(job_id).view()
+
+    @staticmethod
+    def owned(job: JobRecord, principal: Principal, action: str) -> None:
+        """Changing a job (cancel, retry) is for the token name that submitted it and for admins."""
+        if principal.scope != "admin" and job.submitted_by != principal.name:
+            raise Forbidden(f"job {job.id} was submitted by {job.submitted_by!r}; only that token or an admin "
+                            f"may {action} it")
 
     # -- checkpoints -------------------------------------------------------------------------------
 

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     callback_timeout: float = Field(5.0, gt=0, le=120)
     callback_attempts: int = Field(3, ge=1, le=10)
+    callback_allow: StrList = Field(default_factory=list, description="Hosts, addresses or CIDR networks that "
+                                    "callbacks may reach although not public (e.g. hooks.internal, 10.1.0.0/16).")
+    sse_max_streams: int = Field(100, ge=1, le=100_000, description="Open event streams (GET /v1/jobs/{id}/events) "
+                                 "this API process serves at once; more get 429.")
+    sse_max_streams_per_principal: int = Field(10, ge=1, le=100_000, description="Open event streams per token name.")
+    store_check_seconds: float = Field(60.0, ge=0, le=86400, description="How often /readyz re-runs the job "
+                                       "store's integrity check (PRAGMA quick_check).")
     job_max_bytes_per_second: int = Field(0, ge=0, description="Bandwidth cap per job, in tensor bytes per second "
                                           "(0: none); keeps shared filesystems usable while jobs run.")
     job_nice: int = Field(10, ge=0, le=19, description="Niceness of job processes, so the API stays responsive.")
@@ -93,7 +100,7 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls),
                 JsonConfigSettingsSource(settings_cls))
 
-    @field_validator("read_roots", "write_roots", "tokens", mode="before")
+    @field_validator("read_roots", "write_roots", "tokens", "callback_allow", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split(value)
@@ -110,6 +117,14 @@ class Settings(BaseSettings):
             return [roots.parse_root(text).uri() for text in value]
         except ServiceError as exc:
             raise ValueError(str(exc)) from None
+
+    @field_validator("callback_allow", mode="after")
+    @classmethod
+    def _callback_allow(cls, value: list[str]) -> list[str]:
+        from .netguard import CallbackPolicy
+
+        CallbackPolicy.parse(value)
+        return value
 
     @field_validator("tokens", mode="after")
     @classmethod
@@ -143,6 +158,12 @@ class Settings(BaseSettings):
     def read_locations(self) -> list[roots.Location]:
         found = [roots.parse_root(r) for r in self.read_roots or [str(self.data_dir)]]
         return found + [r for r in self.write_locations if r not in found]
+
+    @cached_property
+    def callback_policy(self) -> Any:
+        from .netguard import CallbackPolicy
+
+        return CallbackPolicy.parse(self.callback_allow)
 
     def token_checker(self) -> auth.TokenChecker:
         return auth.TokenChecker([auth.parse_entry(t) for t in self.tokens], self.anonymous)

@@ -11,6 +11,7 @@ an attempt that was given up on changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -24,6 +25,7 @@ from typing import Any
 from . import migrations
 from .errors import Conflict, NotFound, QueueFull, StoreError
 from .jobs import TERMINAL, JobRecord
+from .store_check import as_store_error
 
 TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
 _CALLBACK_PENDING = "callback_state = CASE WHEN callback_url IS NOT NULL THEN 'pending' END"
@@ -50,9 +52,13 @@ class JobStore:
         except sqlite3.Error as exc:
             raise StoreError(f"job store {self.path}: cannot open ({exc})") from None
         conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA busy_timeout = 30000")
-        conn.execute("PRAGMA foreign_keys = ON")
-        conn.execute("PRAGMA synchronous = NORMAL")
+        try:
+            conn.execute("PRAGMA busy_timeout = 30000")
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.Error as exc:
+            conn.close()
+            raise as_store_error(self.path, exc) from None
         return conn
 
     @property
@@ -75,22 +81,28 @@ class JobStore:
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            raise StoreError(f"job store {self.path}: {exc}") from None
+            raise as_store_error(self.path, exc) from None
         try:
             yield conn
         except sqlite3.Error as exc:
-            conn.execute("ROLLBACK")
-            raise StoreError(f"job store {self.path}: {exc}") from None
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise as_store_error(self.path, exc) from None
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise as_store_error(self.path, exc) from None
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         try:
             return self.conn.execute(sql, params).fetchall()
         except sqlite3.Error as exc:
-            raise StoreError(f"job store {self.path}: {exc}") from None
+            raise as_store_error(self.path, exc) from None
 
     def migrate(self) -> tuple[int, int]:
         conn = self.conn
@@ -98,7 +110,7 @@ class JobStore:
             conn.execute("PRAGMA journal_mode = WAL")
             return migrations.migrate(conn, self.path)
         except sqlite3.Error as exc:
-            raise StoreError(f"job store {self.path}: {exc}") from None
+            raise as_store_error(self.path, exc) from None
 
     def ping(self) -> None:
         self.query("SELECT 1")

@@ -62,7 +62,8 @@ class JobRunner(threading.Thread):
 
     def command(self) -> list[str]:
         s = self.pool.settings
-        return [sys.executable, "-m", "ckpt_service.worker_main", str(s.db_path), self.job.id, str(self.attempt),
+        # -P: the working directory is not put on sys.path (nothing a checkpoint names can import from it)
+        return [sys.executable, "-P", "-m", "ckpt_service.worker_main", str(s.db_path), self.job.id, str(self.attempt),
                 "--parent", str(os.getpid()), "--nice", str(s.job_nice), "--progress-seconds",
                 str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second),
                 "--read-roots", json.dumps([str(r) for r in s.read_locations]),
@@ -79,7 +80,8 @@ class JobRunner(threading.Thread):
 
     def _run(self) -> None:
         store, s, job = self.pool.store, self.pool.settings, self.job
-        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env={**os.environ, "PYTHONSAFEPATH": "1"})
         store.set_pid(job.id, self.attempt, self.proc.pid)
         logs.event("job.process_started", job_id=job.id, attempt=self.attempt, pid=self.proc.pid,
                    worker=self.pool.id)
@@ -219,7 +221,8 @@ class WorkerPool:
                     next_chores = time.monotonic() + s.heartbeat_seconds
                     self.store.touch_worker(self.id)
                     self.reap()
-                    callbacks.deliver_due(self.store, self.id, s.callback_timeout, s.callback_attempts)
+                    callbacks.deliver_due(self.store, self.id, s.callback_timeout, s.callback_attempts,
+                                          s.callback_policy)
                 self.fill_slots()
             except ServiceError:
                 logs.event("worker.store_error", worker=self.id, exc_info=True)

@@ -1,7 +1,8 @@
 """Entry point of a job process: `python -m ckpt_service.worker_main DB JOB_ID ATTEMPT --parent PID …`.
 
-The process asks the kernel to kill it when its parent (the worker that watches it) dies, lowers its
-own priority so the API stays responsive, runs the job and records the outcome itself.
+The process runs with a clean sys.path (no working directory on it), asks the kernel to kill it when
+its parent (the worker that watches it) dies, lowers its own priority so the API stays responsive,
+runs the job and records the outcome itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+def clean_sys_path() -> None:
+    """Drop the working directory ('' or its path) from sys.path, unless PYTHONPATH names it on purpose.
+
+    The worker starts this process with `python -P` already; this holds for any other way of starting it.
+    """
+    here = os.path.realpath(os.getcwd())
+    wanted = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    sys.path[:] = [p for p in sys.path if p != "" and (os.path.realpath(p) != here or here in wanted)]
+
+
 def die_with_parent(parent: int) -> None:
     """Linux: SIGKILL this process when the thread that started it exits; elsewhere a no-op."""
     with contextlib.suppress(OSError, AttributeError):
@@ -27,6 +38,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clean_sys_path()
     parser = argparse.ArgumentParser(prog="ckpt_service.worker_main")
     parser.add_argument("db")
     parser.add_argument("job_id")

@@ -64,6 +64,7 @@ class Server:
     env: dict[str, str]
     args: list[str]
     log: Path
+    cwd: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -71,10 +72,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> Server:
-        cmd = [sys.executable, "-m", "ckpt_service.cli", "serve", "--port", str(self.port), "--data-dir",
+        # -P: like the `ckptctl` console script, the server does not have its working directory on sys.path
+        cmd = [sys.executable, "-P", "-m", "ckpt_service.cli", "serve", "--port", str(self.port), "--data-dir",
                str(self.data_dir), *self.args]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd)
 
         def up() -> bool:
             assert self.proc is not None
@@ -135,7 +137,7 @@ class Server:
 
 def make_server(data_dir: Path, *, read_roots: list[Path], write_roots: list[Path], workers: int = 2,
                 tokens: list[str] | None = None, extra_env: dict[str, str] | None = None,
-                args: list[str] | None = None) -> Server:
+                args: list[str] | None = None, cwd: Path | None = None) -> Server:
     """A server (not started) with its own data dir; only loopback, only the given roots."""
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
@@ -146,7 +148,7 @@ def make_server(data_dir: Path, *, read_roots: list[Path], write_roots: list[Pat
     if tokens:
         env["CKPT_TOKENS"] = json.dumps(tokens)
     env.update(extra_env or {})
-    return Server(data_dir, free_port(), env, args or [], data_dir / "server.log")
+    return Server(data_dir, free_port(), env, args or [], data_dir / "server.log", cwd)
 
 
 def job_spec(kind: str, source: Path | str, target: Path | str | None = None, **options: Any) -> dict[str, Any]:

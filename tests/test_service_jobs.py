@@ -1,21 +1,17 @@
 """End to end through a real `ckptctl serve`: submit, follow events, verify outputs, registry and lineage,
-idempotency, paging, callbacks, validation and metrics."""
+idempotency, paging, validation and metrics (callbacks: test_service_hardening.py)."""
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from converters.api import verify
 from converters.transforms import KeyOptions
 
-from .service_harness import Server, Tokens, job_spec, make_server, wait_for
+from .service_harness import Server, Tokens, job_spec, make_server
 
 
 @pytest.fixture(scope="module")
@@ -94,34 +90,6 @@ def test_verify_jobs_report_same_and_different(env: tuple[Server, Tokens, Path, 
     assert same["state"] == "succeeded" and same["result"]["ok"] is True
     assert differ["state"] == "failed" and differ["error"]["type"] == "VerifyError"
     assert differ["result"]["missing"], differ["result"]
-
-
-def test_callback_gets_the_final_document(env: tuple[Server, Tokens, Path, Path]) -> None:
-    server, tokens, source, _ = env
-    received: list[dict[str, Any]] = []
-
-    class Hook(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    hook = HTTPServer(("127.0.0.1", 0), Hook)
-    thread = threading.Thread(target=hook.serve_forever, daemon=True)
-    thread.start()
-    try:
-        spec = {**job_spec("inspect", source), "callback_url": f"http://127.0.0.1:{hook.server_port}/done"}
-        with server.client(tokens.write) as client:
-            job = client.submit(spec)
-        wait_for(lambda: received, 30, "the callback")
-    finally:
-        hook.shutdown()
-        thread.join(5)
-    assert len(received) == 1
-    assert received[0]["id"] == job["id"] and received[0]["state"] == "succeeded"
 
 
 def test_list_pages_and_filters(env: tuple[Server, Tokens, Path, Path]) -> None:

@@ -1,0 +1,371 @@
+"""The service under attack, through real servers on real sockets: callbacks aimed at internal addresses
+(SSRF), one token cancelling another's jobs, event-stream floods, oversize bodies however sent, a damaged
+job store, and job processes that would import a module from their working directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckpt_service.auth import create
+from ckpt_service.jobs import JobSpec
+from ckpt_service.store import JobStore
+
+from .service_harness import Server, Tokens, job_spec, make_server, wait_for
+
+PAGE = 4096  # SQLite's default page size, which the store keeps
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A read root holding one small real safetensors checkpoint, and an empty write root."""
+    base = tmp_path_factory.mktemp("hardening")
+    (base / "data" / "ckpt").mkdir(parents=True)
+    (base / "out").mkdir()
+    save_file({"layer.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "layer.bias": torch.ones(3)},
+              base / "data" / "ckpt" / "model.safetensors")
+    return base / "data", base / "out"
+
+
+def ckptctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+                          timeout=60, env={**environ, "COLUMNS": "400", **(env or {})})
+
+
+# -- callbacks -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Listener:
+    """An HTTP listener on loopback that records every request it gets."""
+
+    received: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
+    port: int = 0
+
+
+@contextmanager
+def listener() -> Iterator[Listener]:
+    seen = Listener()
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.received.append((self.path, dict(self.headers), body))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    hook = HTTPServer(("127.0.0.1", 0), Hook)
+    seen.port = hook.server_port
+    thread = threading.Thread(target=hook.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        hook.shutdown()
+        thread.join(5)
+
+
+def callback_states(server: Server, job_ids: list[str]) -> dict[str, str | None]:
+    conn = sqlite3.connect(server.data_dir / "ckpt.db")
+    try:
+        marks = ",".join("?" * len(job_ids))
+        return dict(conn.execute(f"SELECT id, callback_state FROM jobs WHERE id IN ({marks})", job_ids).fetchall())
+    finally:
+        conn.close()
+
+
+def test_callbacks_reach_only_public_or_allowed_addresses(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    read_root, write_root = roots
+    source = read_root / "ckpt"
+    with listener() as hook:
+        server = make_server(tmp_path / "state", read_roots=[read_root], write_roots=[write_root], workers=1)
+        server.start()
+        try:
+            private = [f"http://127.0.0.1:{hook.port}/a", f"http://localhost:{hook.port}/a", "http://169.254.169.254/",
+                       "http://10.1.2.3/", f"http://[::ffff:127.0.0.1]:{hook.port}/a", "http://[::1]/",
+                       f"http://2130706433:{hook.port}/a", "http://0.0.0.0/", "http://[fe80::1]/", "http://224.0.0.1/"]
+            with server.http() as http:
+                for url in private:
+                    refused = http.post("/v1/jobs", json={**job_spec("inspect", source), "callback_url": url})
+                    assert refused.status_code == 422, (url, refused.text)
+                    error = refused.json()["error"]
+                    assert error["fields"][0]["field"] == "callback_url" and "CKPT_CALLBACK_ALLOW" in error["message"]
+                assert http.get("/v1/jobs").json()["items"] == []
+            # Past the submit-time check (as a name that resolves differently later would be): the send-time
+            # check resolves the name itself and refuses every non-public address.
+            store = JobStore(server.data_dir / "ckpt.db", migrate=False)
+            ids = []
+            for url in (f"http://127.0.0.1:{hook.port}/sent", f"http://localhost:{hook.port}/sent"):
+                spec = JobSpec.model_validate(job_spec("inspect", source)).model_dump(mode="json")
+                job, _ = store.create_job(kind="inspect", spec=spec, target=None, callback_url=url,
+                                          submitted_by="anonymous", max_attempts=1, queue_limit=10)
+                ids.append(job.id)
+            store.close()
+            for job_id in ids:
+                assert server.wait_job(job_id, ("succeeded", "failed"))["state"] == "succeeded"
+            wait_for(lambda: set(callback_states(server, ids).values()) == {"failed"}, 30, "the refusals")
+            refused_ids = {e["job_id"] for e in server.log_events() if e.get("event") == "callback.refused"}
+            assert refused_ids == set(ids), server.log_tail()
+        finally:
+            server.stop()
+        assert hook.received == []  # nothing reached the loopback listener
+
+        # an operator who lists the address lets callbacks through, with the URL's host in the Host header
+        allowed = make_server(tmp_path / "state", read_roots=[read_root], write_roots=[write_root], workers=1,
+                              extra_env={"CKPT_CALLBACK_ALLOW": "127.0.0.1"}).start()
+        try:
+            url = f"http://127.0.0.1:{hook.port}/done"
+            with allowed.client() as client:
+                job = client.submit({**job_spec("inspect", source), "callback_url": url})
+            wait_for(lambda: hook.received, 30, "the callback")
+        finally:
+            allowed.stop()
+    assert len(hook.received) == 1
+    path, headers, body = hook.received[0]
+    document = json.loads(body)
+    assert path == "/done" and headers["Host"] == f"127.0.0.1:{hook.port}" and headers["X-Ckpt-Job"] == job["id"]
+    assert document["id"] == job["id"] and document["state"] == "succeeded"
+
+
+def test_callback_allow_list_is_validated(tmp_path: Path) -> None:
+    env = {"CKPT_CALLBACK_ALLOW": "hooks.internal, 10.0.0.0/8, http://x/"}
+    bad = ckptctl("serve", "--print-config", "--data-dir", str(tmp_path), env=env)
+    assert bad.returncode == 2 and "callback_allow" in bad.stderr and "http://x/" in bad.stderr, bad.stderr
+    env["CKPT_CALLBACK_ALLOW"] = "hooks.internal, 10.0.0.0/8, ::1"
+    good = ckptctl("serve", "--print-config", "--data-dir", str(tmp_path), env=env)
+    assert json.loads(good.stdout)["callback_allow"] == ["hooks.internal", "10.0.0.0/8", "::1"]
+
+
+# -- one API-only server: ownership, event-stream caps, body limits ------------------------------------
+
+
+@dataclass
+class Api:
+    server: Server
+    tokens: Tokens
+    alice: str
+    bob: str
+    source: Path
+
+
+@pytest.fixture(scope="module")
+def api(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    read_root, write_root = roots
+    tokens = Tokens.make()
+    alice, alice_entry = create("write", "alice")
+    bob, bob_entry = create("write", "bob")
+    server = make_server(tmp_path_factory.mktemp("api-state"), read_roots=[read_root], write_roots=[write_root],
+                         workers=0, tokens=[*tokens.entries, alice_entry.line(), bob_entry.line()],
+                         extra_env={"CKPT_SSE_MAX_STREAMS": "3", "CKPT_SSE_MAX_STREAMS_PER_PRINCIPAL": "2",
+                                    "CKPT_MAX_REQUEST_BYTES": "4096"})
+    yield Api(server.start(), tokens, alice, bob, read_root / "ckpt")
+    server.stop()
+
+
+def test_only_the_submitter_or_an_admin_may_cancel(api: Api) -> None:
+    with api.server.http(api.alice) as alice, api.server.http(api.bob) as bob, \
+            api.server.http(api.tokens.admin) as admin:
+        first = alice.post("/v1/jobs", json=job_spec("inspect", api.source)).json()
+        second = alice.post("/v1/jobs", json=job_spec("inspect", api.source)).json()
+        assert first["submitted_by"] == "alice"
+        refused = bob.post(f"/v1/jobs/{first['id']}/cancel")
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "forbidden"
+        assert "alice" in refused.json()["error"]["message"]
+        assert bob.get(f"/v1/jobs/{first['id']}").json()["state"] == "queued"  # reading is still allowed
+        cancelled = admin.post(f"/v1/jobs/{first['id']}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+        own = alice.post(f"/v1/jobs/{second['id']}/cancel")
+        assert own.status_code == 200 and own.json()["state"] == "cancelled"
+
+
+def test_event_streams_are_capped_per_token_and_in_total(api: Api) -> None:
+    with api.server.http(api.alice) as alice:
+        job = alice.post("/v1/jobs", json=job_spec("inspect", api.source)).json()  # stays queued: no workers
+    path = f"/v1/jobs/{job['id']}/events"
+
+    def follow(stack: ExitStack, token: str) -> int:
+        client = stack.enter_context(api.server.http(token))
+        return stack.enter_context(client.stream("GET", path)).status_code
+
+    with ExitStack() as streams:
+        assert [follow(streams, api.alice) for _ in range(2)] == [200, 200]
+        with api.server.http(api.alice) as alice:
+            third = alice.get(path)
+            assert third.status_code == 429 and third.json()["error"]["type"] == "too_many_streams"
+            assert third.headers["Retry-After"].isdigit() and "PER_PRINCIPAL" in third.text
+        assert follow(streams, api.bob) == 200
+        with api.server.http(api.tokens.admin) as admin:
+            total = admin.get(path)
+            assert total.status_code == 429 and "CKPT_SSE_MAX_STREAMS" in total.text
+    # the closed streams give their slots back
+    with ExitStack() as streams:
+        wait_for(lambda: follow(streams, api.tokens.admin) == 200, 10, "a freed stream slot")
+    with api.server.http(api.tokens.admin) as admin:
+        admin.post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_oversize_bodies_get_413_however_they_are_sent(api: Api) -> None:
+    big = json.dumps(job_spec("inspect", api.source, tensors=True) | {"pad": "x" * 8000}).encode()
+    small = json.dumps(job_spec("inspect", api.source)).encode()
+
+    def chunked(data: bytes) -> Iterator[bytes]:
+        for start in range(0, len(data), 1000):
+            yield data[start:start + 1000]
+
+    headers = {"Content-Type": "application/json"}
+    with api.server.http(api.tokens.admin) as http:
+        before = len(http.get("/v1/jobs", params={"limit": 200}).json()["items"])
+        sized = http.post("/v1/jobs", content=big, headers=headers)
+        streamed = http.post("/v1/jobs", content=chunked(big), headers=headers)
+        assert streamed.request.headers.get("Transfer-Encoding") == "chunked"
+        assert "Content-Length" not in streamed.request.headers
+        for response in (sized, streamed):
+            assert response.status_code == 413, response.text
+            assert response.json() == {"error": {"type": "payload_too_large", "message": "request body over 4096 "
+                                                                                          "bytes"}}
+        ok = http.post("/v1/jobs", content=chunked(small), headers=headers)  # a chunked body within the limit
+        assert ok.status_code == 202, ok.text
+        jobs = http.get("/v1/jobs", params={"limit": 200}).json()["items"]
+        assert len(jobs) == before + 1
+        http.post(f"/v1/jobs/{ok.json()['id']}/cancel")
+
+
+# -- the job store: checked at start-up, by /readyz, and by `ckptctl store` ------------------------------
+
+
+def filled_store(path: Path, jobs: int) -> None:
+    """A real job store holding `jobs` queued jobs, checkpointed into the main file."""
+    store = JobStore(path)
+    for n in range(jobs):
+        store.create_job(kind="inspect", spec={"kind": "inspect", "source": f"/data/ckpt-{n:04d}" * 8}, target=None,
+                         callback_url=None, submitted_by="t", max_attempts=2, queue_limit=100_000)
+    store.query("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+
+
+def damage(path: Path, offset: int, length: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xa5" * length)
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str], path: Path) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"error: job store {path} is damaged (") and "ckptctl store restore" in lines[0]
+    return lines[0]
+
+
+def test_a_damaged_store_stops_start_up_with_one_line(tmp_path: Path) -> None:
+    header, middle = tmp_path / "header", tmp_path / "middle"
+    header.mkdir()
+    middle.mkdir()
+    filled_store(header / "ckpt.db", 3)
+    damage(header / "ckpt.db", 0, 16)  # "SQLite format 3\0"
+    filled_store(middle / "ckpt.db", 300)
+    pages = (middle / "ckpt.db").stat().st_size // PAGE
+    assert pages > 12
+    damage(middle / "ckpt.db", 3 * PAGE, 8 * PAGE)
+    for data_dir, detail in ((header, "file is not a database"), (middle, "Page")):
+        db = data_dir / "ckpt.db"
+        for command in (["serve", "--port", "0", "--workers", "0"], ["worker", "--workers", "1"], ["store", "check"]):
+            line = one_error_line(ckptctl(*command, "--data-dir", str(data_dir)), db)
+            assert detail in line, line
+
+
+def test_readyz_reports_a_store_damaged_while_serving(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    read_root, write_root = roots
+    data_dir = tmp_path / "state"
+    data_dir.mkdir()
+    filled_store(data_dir / "ckpt.db", 300)
+    server = make_server(data_dir, read_roots=[read_root], write_roots=[write_root], workers=0,
+                         extra_env={"CKPT_STORE_CHECK_SECONDS": "0"}).start()
+    try:
+        with server.http() as http:
+            ready = http.get("/readyz")
+            assert ready.status_code == 200 and ready.json()["checks"]["store"] == "ok"
+            damage(data_dir / "ckpt.db", 3 * PAGE, 8 * PAGE)
+            damaged = http.get("/readyz")
+            assert damaged.status_code == 503 and damaged.json()["status"] == "unavailable"
+            checks = damaged.json()["checks"]
+            assert checks["store"] == "damaged" and "is damaged (" in checks["store_problem"]
+            assert http.get("/healthz").status_code == 200  # alive, but not ready
+    finally:
+        server.stop()
+
+
+def test_store_backup_and_restore_round_trip(tmp_path: Path) -> None:
+    data_dir = tmp_path / "state"
+    data_dir.mkdir()
+    db = data_dir / "ckpt.db"
+    filled_store(db, 40)
+    d = ["--data-dir", str(data_dir)]
+    checked = ckptctl("store", "check", *d)
+    assert checked.returncode == 0 and checked.stdout.strip() == f"job store {db}: ok (schema version 2, 40 jobs)"
+    backup = tmp_path / "backups" / "ckpt-1.db"
+    missing = ckptctl("store", "backup", str(backup), *d)
+    assert missing.returncode == 2 and f"folder {backup.parent} does not exist" in missing.stderr
+    backup.parent.mkdir()
+    made = ckptctl("store", "backup", str(backup), *d)
+    assert made.returncode == 0, made.stderr
+    assert sorted(p.name for p in backup.parent.iterdir()) == ["ckpt-1.db"]  # one file, nothing beside it
+    again = ckptctl("store", "backup", str(backup), *d)
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    damage(db, 3 * PAGE, 8 * PAGE)
+    one_error_line(ckptctl("store", "check", *d), db)
+    one_error_line(ckptctl("store", "backup", str(tmp_path / "other.db"), *d), db)  # no backup of a damaged store
+    restored = ckptctl("store", "restore", str(backup), *d)
+    assert restored.returncode == 0 and "40 jobs" in restored.stdout, restored.stderr
+    assert ckptctl("store", "check", *d).stdout.strip() == f"job store {db}: ok (schema version 2, 40 jobs)"
+    kept = [p for p in data_dir.iterdir() if p.name.startswith("ckpt.db.replaced-")
+            and not p.name.endswith(("-wal", "-shm"))]
+    assert len(kept) == 1 and kept[0].read_bytes()[3 * PAGE:4 * PAGE] == b"\xa5" * PAGE  # kept aside, as it was
+    store = JobStore(db)
+    assert len(store.list_jobs(limit=200)[0]) == 40
+    store.close()
+
+
+# -- job processes: no working directory on sys.path -----------------------------------------------------
+
+
+def test_job_processes_never_import_from_the_working_directory(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    read_root, write_root = roots
+    cwd, marker = tmp_path / "cwd", tmp_path / "imported"
+    cwd.mkdir()
+    canary = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for name in ("converters/__init__.py", "safetensors/__init__.py", "numpy.py", "ml_dtypes.py"):
+        (cwd / name).parent.mkdir(exist_ok=True)
+        (cwd / name).write_text(canary)
+    # the canaries work: a Python that has its working directory on sys.path imports them
+    subprocess.run([sys.executable, "-c", "import converters"], cwd=cwd, check=True, timeout=60)
+    assert marker.read_text() == "converters\n"
+    marker.unlink()
+    server = make_server(tmp_path / "state", read_roots=[read_root], write_roots=[write_root], workers=1,
+                         cwd=cwd).start()
+    try:
+        with server.client() as client:
+            job = client.submit(job_spec("export", read_root / "ckpt", write_root / "canary-export"))
+        done = server.wait_job(job["id"], ("succeeded", "failed"))
+    finally:
+        server.stop()
+    assert done["state"] == "succeeded", done["error"]
+    assert (write_root / "canary-export" / "model.safetensors").is_file()
+    assert not marker.exists(), marker.read_text()
