@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ckpt_service.errors import ServiceError
+from ckpt_service.errors import ServiceError, StoreDamaged
 
 from .schemas import Health, Ready, errors
 
@@ -25,7 +25,8 @@ def readyz(request: Request) -> JSONResponse:
     ready = True
     problem = request.app.state.store_health.problem()
     if problem is not None:
-        checks["store"], checks["store_problem"], ready = "damaged", problem, False
+        kind = "damaged" if isinstance(problem, StoreDamaged) else "unavailable"
+        checks["store"], checks["store_problem"], ready = kind, str(problem), False
     else:
         try:
             request.app.state.service.store.ping()

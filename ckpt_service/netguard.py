@@ -23,7 +23,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _COMPAT = ipaddress.ip_network("::/96")
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
-_CLASSES = ("unspecified", "loopback", "link_local", "multicast", "private", "reserved", "site_local")
+_CLASSES = ("unspecified", "loopback", "link_local", "multicast", "reserved", "site_local", "private")
 
 
 class CallbackRefused(InvalidRequest):

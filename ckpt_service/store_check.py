@@ -150,15 +150,15 @@ class StoreHealth:
         self.path, self.every = path, every
         self._lock = threading.Lock()
         self._at = -1e18
-        self._problem: str | None = None
+        self._problem: StoreError | None = None
 
-    def problem(self) -> str | None:
+    def problem(self) -> StoreError | None:
         with self._lock:
             if time.monotonic() - self._at >= self.every:
                 try:
                     check(self.path)
                     self._problem = None
                 except StoreError as exc:
-                    self._problem = str(exc)
+                    self._problem = exc
                 self._at = time.monotonic()
             return self._problem

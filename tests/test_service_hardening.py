@@ -4,6 +4,7 @@ job store, and job processes that would import a module from their working direc
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sqlite3
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from ckpt_service.auth import create
 from ckpt_service.jobs import JobSpec
+from ckpt_service.netguard import CallbackPolicy, CallbackRefused, address_class, pin
 from ckpt_service.store import JobStore
 
 from .service_harness import Server, Tokens, job_spec, make_server, wait_for
@@ -142,6 +144,34 @@ def test_callbacks_reach_only_public_or_allowed_addresses(roots: tuple[Path, Pat
     document = json.loads(body)
     assert path == "/done" and headers["Host"] == f"127.0.0.1:{hook.port}" and headers["X-Ckpt-Job"] == job["id"]
     assert document["id"] == job["id"] and document["state"] == "succeeded"
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("8.8.8.8", None), ("2001:4860:4860::8888", None), ("2002:808:808::1", None),  # public, and 6to4 of public
+    ("127.0.0.1", "loopback"), ("::1", "loopback"), ("0.0.0.0", "unspecified"), ("::", "unspecified"),
+    ("169.254.169.254", "link-local"), ("fe80::1", "link-local"), ("10.1.2.3", "private"), ("192.168.0.1", "private"),
+    ("172.16.0.1", "private"), ("fd00::1", "private"), ("100.64.0.1", "non-public"), ("224.0.0.1", "multicast"),
+    ("ff02::1", "multicast"), ("240.0.0.1", "reserved"), ("fec0::1", "site-local"),
+    ("::ffff:127.0.0.1", "IPv4-mapped loopback"), ("::ffff:169.254.169.254", "IPv4-mapped link-local"),
+    ("::ffff:10.0.0.1", "IPv4-mapped private"), ("::127.0.0.1", "IPv4-compatible loopback"),
+    ("2002:7f00:1::", "6to4 loopback"), ("2002:a00:1::", "6to4 private"), ("64:ff9b::a00:1", "NAT64 private"),
+    ("2001:0:4136:e378:8000:63bf:f5ff:fffe", "Teredo private"),  # client 10.0.0.1, stored inverted
+])
+def test_address_classes(address: str, why: str | None) -> None:
+    assert address_class(ipaddress.ip_address(address)) == why
+
+
+def test_callbacks_are_pinned_to_the_checked_address() -> None:
+    """The name is resolved once; the request goes to that address and the name only rides in Host and SNI."""
+    pinned = pin("http://localhost:8080/hook?x=1", CallbackPolicy.parse(["localhost"]))
+    assert pinned.url.host in ("127.0.0.1", "::1") and pinned.url.port == 8080 and pinned.url.path == "/hook"
+    assert pinned.headers == {"Host": "localhost:8080"} and pinned.extensions == {}
+    with pytest.raises(CallbackRefused, match=r"localhost is at .*a loopback address"):
+        pin("http://localhost:8080/hook", CallbackPolicy.parse(["10.0.0.0/8"]))
+    public = pin("https://8.8.8.8/hook", CallbackPolicy())
+    assert str(public.url) == "https://8.8.8.8/hook" and public.headers == {"Host": "8.8.8.8"}
+    with pytest.raises(CallbackRefused, match="does not resolve"):
+        pin("http://no-such-host.invalid/hook", CallbackPolicy())
 
 
 def test_callback_allow_list_is_validated(tmp_path: Path) -> None:
