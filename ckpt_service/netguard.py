@@ -105,8 +105,9 @@ class CallbackPolicy:
         why = address_class(ip)
         if why is None:
             return None
-        return (f"callback_url: {host} is {'' if literal_address(host) else f'at {ip}, '}a {why} address; "
-                f"callbacks go to public addresses unless CKPT_CALLBACK_ALLOW lists the host or network")
+        where = f"{host} is" if literal_address(host) else f"{host} resolves to {ip},"
+        return (f"callback_url: {where} not a public address ({why}); callbacks go to public addresses unless "
+                "CKPT_CALLBACK_ALLOW lists the host or network")
 
     def check_submitted(self, url: str) -> None:
         """At submit time: refuse hosts that are private without any DNS (literals and `localhost` names)."""
@@ -115,8 +116,8 @@ class CallbackPolicy:
             return
         if _norm(host) == "localhost" or _norm(host).endswith(".localhost"):
             if not any(ipaddress.ip_address("127.0.0.1") in net for net in self.networks):
-                raise CallbackRefused(f"callback_url: {host} is a loopback name; callbacks go to public addresses "
-                                      "unless CKPT_CALLBACK_ALLOW lists the host or network")
+                raise CallbackRefused(f"callback_url: {host} is not a public address (a loopback name); callbacks "
+                                      "go to public addresses unless CKPT_CALLBACK_ALLOW lists the host or network")
             return
         ip = literal_address(host)
         why = self.refusal(host, ip) if ip is not None else None
