@@ -20,7 +20,7 @@ from ..output import Output
 from ..picklewriter import Call, Global, Obj, Pairs
 from ..tensorio import Box
 from ..zipwriter import ZipWriter
-from .objects import load_object
+from .objects import writable_object
 
 _MD = "torch.distributed.checkpoint.metadata"
 _SIZE = Global("torch", "Size")
@@ -105,7 +105,7 @@ def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[li
                 at += length
             if rank == 0:
                 for name, obj in index.objects.items():
-                    blob = object_blob(load_object(obj, copier.reader))
+                    blob = object_blob(writable_object(obj, copier.reader))
                     fh.write(blob)
                     entries.append((index_key(name, None, None), info(rel, at, len(blob)), None))
                     at += len(blob)
