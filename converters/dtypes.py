@@ -44,6 +44,8 @@ _TABLE: dict[str, tuple[int, str | None, str | None]] = {
 _TORCH_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32",
                   "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32"}
 _ALIASES = {**_TORCH_ALIASES, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# dtypes torch.distributed.checkpoint cannot save or load (its planner has no element size for them)
+_NOT_IN_DCP = frozenset({"bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 CAST_TARGETS = ("float32", "bfloat16", "float16")
 
@@ -84,6 +86,13 @@ def to_safetensors(dtype: str, name: str = "") -> str:
         raise OptionError(f"{what}, which safetensors cannot hold; leave it out (--exclude) or convert "
                           "--to torch instead")
     return code
+
+
+def check_dcp(dtype: str, name: str) -> None:
+    """Refuse, naming the tensor, a dtype that torch.distributed.checkpoint cannot load."""
+    if dtype in _NOT_IN_DCP:
+        raise OptionError(f"tensor {name!r} is {dtype}, which torch.distributed.checkpoint cannot load; leave it "
+                          "out (--exclude) or convert --to torch instead")
 
 
 def from_safetensors(code: str) -> str:

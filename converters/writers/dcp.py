@@ -80,6 +80,8 @@ def object_blob(value: Any) -> bytes:
 def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[list[Piece]],
               cast_for: Callable[[TensorEntry], str | None]) -> None:
     """Write rank R's pieces into `__R_0.distcp`; non-tensor entries go to rank 0; then `.metadata`."""
+    for name, entry in index.tensors.items():  # refuse what dcp.load cannot read before anything is written
+        dtypes.check_dcp(entry.dtype, name)
     storage_data = Pairs()
     chunks: dict[str, list[Box]] = {name: [] for name in index.tensors}
 
