@@ -111,6 +111,9 @@ ATTACKS: dict[str, bytes] = {
     "storage location garbage": b"(" + s("storage") + g("torch", "FloatStorage") + s("0") + s("a b") + b"K\x04tQ.",
     "storage of a dtype": b"(" + s("storage") + g("torch", "float32") + s("0") + s("cpu") + b"K\x04tQ.",
     "persistent id not storage": s("module") + b"Q.",
+    "hash flooding int keys": b"}(" + b"".join(b"\x8a\x09" + (i * (2**61 - 1)).to_bytes(9, "little") + b"N"
+                                                for i in range(1, 4)) + b"u.",
+    "hash flooding set": g("builtins", "set") + b"](" + b"\x8a\x09" + (2**61 - 1).to_bytes(9, "little") + b"e\x85R.",
     "unknown opcode": b"i" + b"os\nsystem\n.",
     "truncated": b"X\xff\x00\x00\x00abc",
     "no STOP": b"K\x01",
@@ -292,7 +295,8 @@ def test_storages_saved_on_cuda_are_read_on_cpu(tmp_path: Path) -> None:
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     assert got.keys() == want.keys()
     for key, tensor in want.items():
-        assert got[key].dtype == tensor.dtype and torch.equal(got[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+        assert got[key].dtype == tensor.dtype
+        assert torch.equal(got[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), key
 
 
 def cuda_fixture_state() -> dict[str, torch.Tensor]:
