@@ -72,6 +72,9 @@ def limits() -> PickleLimits:
 _MUTABLE = (list, dict, set, OrderedDictStub)
 
 
+_ATOMS = frozenset({str, int, float, bool, type(None), Token})
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
 _PY2_MODULES = {"__builtin__": "builtins"}  # protocol 2 spells builtins the Python 2 way
 
 
@@ -98,7 +101,7 @@ class Interpreter:
         self.keep: list[Any] = []  # keeps those objects alive, so their ids stay theirs
         self.sealed: set[int] = set()  # ids of objects fetched from the memo: never mutated again
         self.builders: dict[int, list[int]] = {}  # io.BytesIO stand-ins awaiting BUILD -> their memo keys
-        self.ops: dict[int, Callable[[], Any]] = {}
+        self.ops: list[Callable[[], Any] | None] = [None] * 256
         for code, method in _OPS.items():
             self.ops[code] = getattr(self, method)
 
@@ -142,13 +145,10 @@ class Interpreter:
         info[id(obj)] = (weight, depth)
 
     def push(self, obj: Any) -> None:
-        self.built += 1
-        if self.built > self.bounds.max_objects:
-            raise self._limit("objects", self.bounds.max_objects, "CKPT_MAX_PICKLE_OBJECTS")
-        self.stack.append(obj)
+        self.stack.append(obj)  # every opcode builds at most one object: `load` counts them
 
     def new_container(self, obj: Any) -> None:
-        self.push(obj)
+        self.stack.append(obj)
         self.info[id(obj)] = (1, 1)
         self.keep.append(obj)
 
@@ -183,18 +183,24 @@ class Interpreter:
         return items
 
     def load(self) -> Any:
-        data, ops = self.data, self.ops
+        data, ops, size = self.data, self.ops, len(self.data)
+        steps, max_steps = 0, self.bounds.max_objects
         try:
             while True:
-                if self.pos >= len(data):
+                if self.pos >= size:
                     raise self.fail("pickle ends without STOP")
                 code = data[self.pos]
                 self.pos += 1
-                op = ops.get(code)
+                op = ops[code]
                 if op is None:
                     raise self.fail(f"unsupported pickle opcode 0x{code:02x}")
+                steps += 1
+                if steps > max_steps:
+                    raise self._limit("objects", max_steps, "CKPT_MAX_PICKLE_OBJECTS")
                 if op():
                     break
+        except (IndexError, struct.error):  # a fixed-size argument runs past the end, or the stack is empty
+            raise self.fail("truncated pickle or stack underflow") from None
         except Bad as exc:
             raise self.fail(str(exc)) from None
         except RecursionError:
@@ -248,10 +254,12 @@ class Interpreter:
         self.push(self.unpack("<i", 4))
 
     def op_binint1(self) -> None:
-        self.push(self.read(1)[0])
+        self.stack.append(self.data[self.pos])
+        self.pos += 1
 
     def op_binint2(self) -> None:
-        self.push(self.unpack("<H", 2))
+        self.stack.append(_U16.unpack_from(self.data, self.pos)[0])
+        self.pos += 2
 
     def op_long1(self) -> None:
         self.push(int.from_bytes(self.read(self.read(1)[0]), "little", signed=True))
@@ -272,7 +280,9 @@ class Interpreter:
             raise self.fail("string is not UTF-8") from None
 
     def op_short_binunicode(self) -> None:
-        self._text(self.read(1)[0])
+        n = self.data[self.pos]
+        self.pos += 1
+        self._text(n)
 
     def op_binunicode(self) -> None:
         self._text(self.unpack("<I", 4))
@@ -300,10 +310,10 @@ class Interpreter:
 
     def _tuple(self, items: list[Any]) -> None:
         for item in items:
-            if isinstance(item, BytesIOBuilder):
+            if type(item) is BytesIOBuilder:
                 raise Bad("an unfinished io.BytesIO is used as a value")
         value = tuple(items)
-        self.push(self.weigh(value, items) if items else value)
+        self.stack.append(self.weigh(value, items))
 
     def op_empty_tuple(self) -> None:
         self.push(())
@@ -466,18 +476,21 @@ class Interpreter:
         self.push(value)
 
     def _put(self, index: int) -> None:
-        if index not in self.memo and len(self.memo) >= self.bounds.max_memo:
+        memo = self.memo
+        if len(memo) >= self.bounds.max_memo and index not in memo:
             raise self._limit("memo entries", self.bounds.max_memo, "CKPT_MAX_PICKLE_MEMO")
-        obj = self.top()
-        self.memo[index] = obj
+        obj = self.stack[-1]
+        memo[index] = obj
         if type(obj) is BytesIOBuilder:
             self.builders.setdefault(id(obj), []).append(index)
 
     def op_binput(self) -> None:
-        self._put(self.read(1)[0])
+        self.pos += 1
+        self._put(self.data[self.pos - 1])
 
     def op_long_binput(self) -> None:
-        self._put(self.unpack("<I", 4))
+        self.pos += 4
+        self._put(_U32.unpack_from(self.data, self.pos - 4)[0])
 
     def op_memoize(self) -> None:
         self._put(len(self.memo))
@@ -487,6 +500,9 @@ class Interpreter:
             obj = self.memo[index]
         except KeyError:
             raise self.fail(f"memo entry {index} is read before it is written") from None
+        if type(obj) in _ATOMS:
+            self.stack.append(obj)
+            return
         weight = self.info.get(id(obj), (1, 0))[0]
         if weight > 1 or isinstance(obj, (*_MUTABLE, Stub, BytesIOBuilder)):
             self.sealed.add(id(obj))
@@ -497,10 +513,12 @@ class Interpreter:
         self.push(obj)
 
     def op_binget(self) -> None:
-        self._get(self.read(1)[0])
+        self.pos += 1
+        self._get(self.data[self.pos - 1])
 
     def op_long_binget(self) -> None:
-        self._get(self.unpack("<I", 4))
+        self.pos += 4
+        self._get(_U32.unpack_from(self.data, self.pos - 4)[0])
 
 
 _OPS: dict[int, str] = {
