@@ -16,7 +16,7 @@ class Stub:
     """Stand-in for an allow-listed class: keeps `args` and `state`, runs no code of the original."""
 
     qualname: str = "Stub"
-    state_kind: str = "mapping"  # "mapping": a dict or a (dict | None, dict) slots pair; "tuple": a tuple
+    state_kind: str = "mapping"  # "mapping": a dict or a (dict | None, dict) slots pair; "tuple": also a tuple
 
     def __init__(self, *args: Any) -> None:
         self.args = args
@@ -242,12 +242,11 @@ def build_state(inst: Any, state: Any) -> Any:
     if isinstance(inst, Stub) and type(inst) is not Stub:
         if inst.state is not None:
             raise Bad(f"{inst.qualname}: state is set twice")
-        if inst.state_kind == "tuple":
-            ok = type(state) is tuple
-        else:
-            ok = (type(state) is dict and all(isinstance(k, str) for k in state)) or (
-                type(state) is tuple and len(state) == 2 and (state[0] is None or type(state[0]) is dict)
-                and type(state[1]) is dict and all(isinstance(k, str) for k in state[1]))
+        ok = (type(state) is dict and all(isinstance(k, str) for k in state)) or (
+            type(state) is tuple and len(state) == 2 and (state[0] is None or type(state[0]) is dict)
+            and type(state[1]) is dict and all(isinstance(k, str) for k in state[1]))
+        if inst.state_kind == "tuple":  # a `__getstate__` tuple (TensorProperties), or a dataclass dict as before
+            ok = ok or type(state) is tuple
         if not ok:
             raise Bad(f"{inst.qualname}: state must be a {inst.state_kind}, got {describe(state)}")
         inst.state = state
