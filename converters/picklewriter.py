@@ -124,6 +124,8 @@ def dumps(obj: Any, label: str = "") -> bytes:
         pickler.dump(obj)
     except FormatError as exc:
         raise FormatError(f"{label}: {exc}" if label else str(exc)) from None
+    except RecursionError:
+        raise FormatError(f"{label}: nested too deeply to write" if label else "nested too deeply to write") from None
     return buf.getvalue()
 
 

@@ -153,7 +153,12 @@ class RankFilesReader:
             optimizer = "optim" in stem.lower()
             for rank, path in sorted(files.items()):
                 archive = read_archive(self.reader, path, allowed=ALLOWED)
-                self._add_file(index, archive, rank, n, ("optim",) if optimizer else (), kinds)
+                try:
+                    self._add_file(index, archive, rank, n, ("optim",) if optimizer else (), kinds)
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                    # the stand-ins hold what the pickle said; fields of the wrong shape end here, by file
+                    raise FormatError(f"{path}: not a sharded state dict as torch writes it "
+                                      f"({type(exc).__name__}: {exc}); the file is damaged") from None
         for entry in index.tensors.values():
             check_tiling(entry, self.uri)
         index.producer = " + ".join(sorted(kinds)) or "torch.save per rank"
