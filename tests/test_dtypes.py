@@ -47,6 +47,9 @@ def state_dict(with_bits: bool = True) -> dict[str, torch.Tensor]:
     sd["scalar"] = torch.tensor(3.5)
     sd["empty"] = torch.zeros(0, 5)
     sd[LONG_KEY] = torch.arange(6, dtype=torch.int64)
+    fsdp1_style = torch.arange(4, dtype=torch.float32)
+    fsdp1_style._has_been_cloned = True  # type: ignore[attr-defined]  # pickled via _rebuild_from_type_v2, as FSDP1
+    sd["fsdp1_style"] = fsdp1_style
     return sd
 
 
@@ -64,6 +67,7 @@ def assert_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dtypes")
     torch.save(state_dict(), root / "all.pt")
+    assert b"_rebuild_from_type_v2" in _data_pkl(root / "all.pt")
     dcp.save(state_dict(with_bits=False), checkpoint_id=root / "dcp")
     return {"torch": root / "all.pt", "dcp": root / "dcp"}
 
