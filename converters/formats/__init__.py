@@ -10,6 +10,7 @@ from typing import Protocol
 from .. import storage
 from ..errors import FormatError, OptionError, SourceError
 from ..index import CheckpointIndex
+from . import deepspeed
 
 READERS: dict[str, str] = {
     "dcp": "converters.formats.dcp:DcpReader",
@@ -18,6 +19,8 @@ READERS: dict[str, str] = {
     "safetensors": "converters.formats.safetensors:SafetensorsReader",
     "torch": "converters.formats.torchsave:TorchSaveReader",
     "rank-files": "converters.formats.rankfiles:RankFilesReader",
+    "deepspeed": "converters.formats.deepspeed:DeepSpeedReader",
+    "deepspeed-module": "converters.formats.deepspeed:DeepSpeedModuleReader",
 }
 RANK_FILE = re.compile(r"^(?P<stem>.*?)_?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -63,6 +66,8 @@ def detect(uri: str) -> str:
     names = storage.listdir(uri)
     if ".metadata" in names:
         return "dcp"
+    if deepspeed.is_deepspeed_folder(uri, names):
+        return "deepspeed"
     if "model.safetensors.index.json" in names:
         return "safetensors"
     if any(n.endswith(".safetensors") for n in names) or "sharded" in names:

@@ -1,0 +1,147 @@
+"""Make real DeepSpeed ZeRO checkpoints on CPU (gloo) and the references to check them against.
+
+Run by the tests and the benchmark as `python -m tests.deepspeed_job OUT --stage S --dtype D --world-size N`
+(it launches its own gloo processes). Writes, under OUT:
+
+- `ckpt/`: `engine.save_checkpoint` after two Adam steps (`latest`, `global_step2/`);
+- `engine.pt` (unless `--no-reference`): the engine's own per-parameter state after the save, gathered
+  with DeepSpeed's `safe_get_full_*` helpers, `{"fp32": {name: t}, "exp_avg": …, "exp_avg_sq": …,
+  "step": int, "param_groups": [...]}`, and the 16-bit module weights `module`.
+
+The model has a frozen layer, tied embeddings, a buffer and sizes that split parameters mid-row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+LR = 1e-2
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Net(nn.Module):
+    """Tied embedding/head, a frozen projection, a buffer, and odd sizes."""
+
+    def __init__(self, vocab: int = 37, dim: int = 13, hidden: int = 29, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
+                                                  nn.Linear(hidden, dim)) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim), persistent=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.frozen((self.emb(tokens) * self.scale).to(self.emb.weight.dtype))
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def net_for_size(size_bytes: int) -> Net:
+    """A Net of about `size_bytes` fp32 parameter bytes (for the benchmark)."""
+    dim = 1021
+    per_layer = 2 * dim * 4 * dim + 7 * dim
+    layers = max(1, int(size_bytes / 4 * 0.9) // per_layer)
+    vocab = max(37, int(size_bytes / 4 - layers * per_layer - dim * dim) // dim)
+    return Net(vocab, dim, 4 * dim + 3, layers)
+
+
+def config(stage: int, dtype: str, world_size: int) -> dict:
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if stage == 3:
+        cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0})
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.world_size),
+                       "LOCAL_WORLD_SIZE": str(args.world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = net_for_size(args.size) if args.size else Net()
+    vocab = model.emb.num_embeddings
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
+                                      config=config(args.stage, args.dtype, args.world_size))
+    steps = 0 if args.size else 2
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        tokens = torch.randint(0, vocab, (2, 9), generator=g)
+        logits = engine(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(str(Path(args.out) / "ckpt"))
+    if args.no_reference:
+        return
+    ref: dict = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        ref["fp32"][name] = safe_get_full_fp32_param(param).detach().cpu().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            ref[key][name] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
+    base = engine.optimizer.optimizer
+    ref["step"] = {int(v["step"]) for v in base.state.values()}
+    ref["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    if args.stage == 3:
+        import deepspeed.runtime.zero as zero
+
+        with zero.GatheredParameters(list(engine.module.parameters())):
+            ref["module"] = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    else:
+        ref["module"] = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    ref["names"] = sorted(names.values())
+    if rank == 0:
+        torch.save(ref, Path(args.out) / "engine.pt")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--size", type=int, default=0, help="fp32 parameter bytes (benchmark); 0: the test Net")
+    parser.add_argument("--no-reference", action="store_true")
+    args = parser.parse_args(argv)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_worker, args=(args, port), nprocs=args.world_size, start_method="spawn")
+    print(json.dumps({"out": args.out, "files": sorted(os.listdir(Path(args.out) / "ckpt"))}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
