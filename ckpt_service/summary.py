@@ -39,6 +39,8 @@ def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
         out["balance"] = round(min(sizes) / max(sizes), 4) if max(sizes) else 1.0
     if index.objects:
         out["non_tensor_entries"] = sorted(index.objects)
+    if index.notes:
+        out["notes"] = list(index.notes)
     if tensors:
         out["tensor_table"] = [
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks)}

@@ -3,7 +3,7 @@
 Run by the tests and the benchmark as `python -m tests.deepspeed_job OUT --stage S --dtype D --world-size N`
 (it launches its own gloo processes). Writes, under OUT:
 
-- `ckpt/`: `engine.save_checkpoint` after two Adam steps (`latest`, `global_step2/`);
+- `ckpt/`: `engine.save_checkpoint` after each of two Adam steps (`latest` -> `global_step2/`, `global_step1/`);
 - `engine.pt` (unless `--no-reference`): the engine's own per-parameter state after the save, gathered
   with DeepSpeed's `safe_get_full_*` helpers, `{"fp32": {name: t}, "exp_avg": …, "exp_avg_sq": …,
   "step": int, "param_groups": [...]}`, and the 16-bit module weights `module`.
@@ -98,6 +98,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         engine.backward(loss)
         engine.step()
+        if step == 0:  # an older tag beside the latest one
+            engine.save_checkpoint(str(Path(args.out) / "ckpt"))
     engine.save_checkpoint(str(Path(args.out) / "ckpt"))
     if args.no_reference:
         return
@@ -124,20 +126,73 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.save(ref, Path(args.out) / "engine.pt")
 
 
+def shared_batch(vocab: int) -> torch.Tensor:
+    """The batch of the resume step: the same on every rank and in the unsharded reference."""
+    return torch.randint(0, vocab, (4, 9), generator=torch.Generator().manual_seed(4242))
+
+
+def step_on(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    vocab = model.emb.num_embeddings
+    loss = nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+
+
+def _resume(rank: int, args: argparse.Namespace, port: int) -> None:
+    """Load a DCP checkpoint (`model.*`, `optim.*`) into FSDP2 at world size N, take one AdamW step."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(args.world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    torch.manual_seed(1)  # other values than the checkpoint: loading must overwrite them all
+    model = Net()
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = adamw(model)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=args.out)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    step_on(model, optim, shared_batch(model.emb.num_embeddings))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, optim, options=full)
+    if rank == 0:
+        torch.save({"model": msd, "optim": osd}, Path(args.out).parent / "resumed.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--size", type=int, default=0, help="fp32 parameter bytes (benchmark); 0: the test Net")
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="OUT is a DCP folder: load it into FSDP2 and step")
     args = parser.parse_args(argv)
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if args.resume:
+        mp.start_processes(_resume, args=(args, port), nprocs=args.world_size, start_method="spawn")
+        return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     mp.start_processes(_worker, args=(args, port), nprocs=args.world_size, start_method="spawn")
     print(json.dumps({"out": args.out, "files": sorted(os.listdir(Path(args.out) / "ckpt"))}))

@@ -276,6 +276,11 @@ class DeepSpeedReader:
                 index.tensors[tied] = TensorEntry(tied, index.tensors[source].dtype, index.tensors[source].shape,
                                                   list(index.tensors[source].chunks), path=(tied,))
         self._param_groups(index, ranks[0], groups, stage)
+        left = [n for n in _get(state, "module", model.uri) if n not in index.tensors]
+        if left:
+            index.notes.append(f"{len(left)} module entries ({', '.join(left[:3])}) have no fp32 master copy in this "
+                               "save, so DeepSpeed's zero_to_fp32 leaves them out too; --from deepspeed-module "
+                               "reads the 16-bit module weights, which include them")
 
     def _rank(self, path: str) -> _Rank:
         archive = self._archive(path)
