@@ -90,7 +90,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
                                       config=config(args.stage, args.dtype, args.world_size))
-    steps = 0 if args.size else 2
+    steps = 1 if args.size else 2
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         tokens = torch.randint(0, vocab, (2, 9), generator=g)
@@ -98,7 +98,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         engine.backward(loss)
         engine.step()
-        if step == 0:  # an older tag beside the latest one
+        if step == 0 and steps == 2:  # an older tag beside the latest one
             engine.save_checkpoint(str(Path(args.out) / "ckpt"))
     engine.save_checkpoint(str(Path(args.out) / "ckpt"))
     if args.no_reference:
