@@ -27,7 +27,7 @@ out = Console()
 err = Console(stderr=True)
 
 From = Annotated[str | None, typer.Option("--from", help="Force the source format (dcp, accelerate, hf-dcp, "
-                                          "safetensors, torch, rank-files).")]
+                                          "safetensors, torch, rank-files, deepspeed).")]
 Only = Annotated[str, typer.Option(help="Which entries to write: model, optim or all.")]
 Rename = Annotated[list[str] | None, typer.Option("--rename", help="REGEX=REPLACEMENT applied to parameter names "
                                                   "(repeatable).")]
@@ -40,6 +40,15 @@ MemLimit = Annotated[str, typer.Option("--memory-limit", help="Cap on tensor byt
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing target.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON document.")]
+Tag = Annotated[str | None, typer.Option("--tag", help="DeepSpeed: the tag folder to read (default: `latest`).")]
+Weights = Annotated[str | None, typer.Option("--weights", help="DeepSpeed: fp32 (master weights, the default) or "
+                                             "module (the 16-bit module weights).")]
+
+
+def source_for(source: str, fmt: str | None, tag: str | None, weights: str | None) -> tuple[str, str | None]:
+    from converters.formats.deepspeed import source_for as resolve
+
+    return resolve(source, fmt, tag, weights)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -98,11 +107,12 @@ def print_result(result: Any, as_json: bool) -> None:
 @app.command()
 def inspect(source: Annotated[str, typer.Argument(help="Checkpoint path or URI.")], source_format: From = None,
             tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
-            as_json: AsJson = False) -> None:
+            as_json: AsJson = False, tag: Tag = None, weights: Weights = None) -> None:
     """Describe a checkpoint from its metadata alone (no tensor data is read)."""
     from converters.api import inspect as inspect_index
 
     with errors():
+        source, source_format = source_for(source, source_format, tag, weights)
         info = summarize(inspect_index(source, source_format), tensors)
     if as_json:
         out.print_json(json.dumps(info))
@@ -119,6 +129,8 @@ def inspect(source: Annotated[str, typer.Argument(help="Checkpoint path or URI."
         names = info["non_tensor_entries"]
         out.print(f"{'non-tensor':>14}: " + ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""),
                   highlight=False)
+    for note in info.get("notes", []):
+        out.print(f"{'note':>14}: {note}", highlight=False)
     if tensors:
         table = Table("name", "dtype", "shape", "chunks")
         for row in info["tensor_table"]:
@@ -153,9 +165,11 @@ def convert(source: str, target: str,
                                                      "and containers.")] = False,
             rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
             max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
-            drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False) -> None:
+            drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False,
+            tag: Tag = None, weights: Weights = None) -> None:
     """Convert a checkpoint to one safetensors/torch output (model and optimizer by default, keys as they are)."""
     with errors():
+        source, source_format = source_for(source, source_format, tag, weights)
         keys = key_options(only, clean_keys, rename, include, exclude)
     _convert(source, target, to, source_format, keys, dtype, max_shard_size, memory_limit, overwrite, drop_tied,
              verify, quiet, as_json)
@@ -166,9 +180,11 @@ def export(source: str, target: str, source_format: From = None, only: Only = "m
            keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
            rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
            max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
-           drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False) -> None:
+           drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False,
+           tag: Tag = None, weights: Weights = None) -> None:
     """Export model weights to HF-style sharded safetensors for serving (clean keys by default)."""
     with errors():
+        source, source_format = source_for(source, source_format, tag, weights)
         keys = key_options(only, not keep_keys, rename, include, exclude)
     _convert(source, target, "safetensors", source_format, keys, dtype, max_shard_size, memory_limit, overwrite,
              drop_tied, verify, quiet, as_json)
@@ -211,13 +227,14 @@ def reshard(source: str, target: str, world_size: Annotated[int, typer.Option("-
             rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
             dtype_optim: Annotated[bool, typer.Option("--dtype-optim", help="Cast optimizer state too.")] = False,
             memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False, verify: Verify = False,
-            quiet: Quiet = False, as_json: AsJson = False) -> None:
+            quiet: Quiet = False, as_json: AsJson = False, tag: Tag = None, weights: Weights = None) -> None:
     """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
     from converters.layouts import parse_dim_rules
     from converters.reshard import ReshardOptions
     from converters.reshard import reshard as run_reshard
 
     with errors():
+        source, source_format = source_for(source, source_format, tag, weights)
         options = ReshardOptions(world_size=world_size, layout=layout, dim_rules=parse_dim_rules(shard_dim_rule or []),
                                  source_format=source_format, keys=key_options(only, not keep_keys, rename, include,
                                                                                exclude),

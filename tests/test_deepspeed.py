@@ -118,6 +118,8 @@ def test_latest_naming_no_usable_tag_folder_is_refused(tmp_path: Path, tag: str)
     proc = ckptctl("inspect", root, "--from", "deepspeed", check=False)
     assert proc.returncode == 2
     assert "tag" in proc.stderr and str(root) in proc.stderr, proc.stderr
+    proc = ckptctl("inspect", root, "--tag", tag or "/", check=False)
+    assert proc.returncode == 2 and f"--tag {tag or '/'}" in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------- real runs
@@ -165,6 +167,8 @@ def test_older_tag_and_the_tag_folder_itself(ds_runs: DeepSpeedRuns, tmp_path: P
     run = ds_runs.get(3, "fp32")
     ckptctl("export", run / "ckpt" / "global_step1", tmp_path / "step1")
     assert_bits(read_safetensors(tmp_path / "step1"), zero_to_fp32(run / "ckpt", tag="global_step1"))
+    ckptctl("export", run / "ckpt", tmp_path / "tag1", "--tag", "global_step1")
+    assert_bits(read_safetensors(tmp_path / "tag1"), zero_to_fp32(run / "ckpt", tag="global_step1"))
     ckptctl("export", run / "ckpt" / "global_step2", tmp_path / "step2")
     assert_bits(read_safetensors(tmp_path / "step2"), zero_to_fp32(run / "ckpt"))
     assert not torch.equal(read_safetensors(tmp_path / "step1")["emb.weight"],
@@ -174,7 +178,7 @@ def test_older_tag_and_the_tag_folder_itself(ds_runs: DeepSpeedRuns, tmp_path: P
 @pytest.mark.slow
 def test_module_weights_are_the_16_bit_weights(ds_runs: DeepSpeedRuns, tmp_path: Path) -> None:
     run = ds_runs.get(2, "bf16")
-    ckptctl("export", run / "ckpt", tmp_path / "module", "--from", "deepspeed-module")
+    ckptctl("export", run / "ckpt", tmp_path / "module", "--weights", "module")
     engine = torch.load(run / "engine.pt", weights_only=True)
     assert_bits(read_safetensors(tmp_path / "module"), engine["module"])
     assert engine["module"]["emb.weight"].dtype == torch.bfloat16

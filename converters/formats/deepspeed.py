@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import dtypes, storage
-from ..errors import FormatError
+from ..errors import FormatError, OptionError
 from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
 from ..torchzip import Archive, read_archive
 from ..unpickle import BASE_ALLOWED, Stub, TensorRef, Token, enum_int, stub_token
@@ -279,8 +279,8 @@ class DeepSpeedReader:
         left = [n for n in _get(state, "module", model.uri) if n not in index.tensors]
         if left:
             index.notes.append(f"{len(left)} module entries ({', '.join(left[:3])}) have no fp32 master copy in this "
-                               "save, so DeepSpeed's zero_to_fp32 leaves them out too; --from deepspeed-module "
-                               "reads the 16-bit module weights, which include them")
+                               "save, so DeepSpeed's zero_to_fp32 leaves them out too; --weights module (--from "
+                               "deepspeed-module) reads the 16-bit module weights, which include them")
 
     def _rank(self, path: str) -> _Rank:
         archive = self._archive(path)
@@ -423,3 +423,22 @@ class DeepSpeedModuleReader(DeepSpeedReader):
 
     def __init__(self, uri: str, reader: storage.RangeReader, tag: str | None = None) -> None:
         super().__init__(uri, reader, tag, weights="module")
+
+
+def source_for(source: str, fmt: str | None, tag: str | None, weights: str | None) -> tuple[str, str | None]:
+    """Apply the CLI's `--tag` and `--weights` to a source: (the tag folder, the format to read it as)."""
+    if tag is not None:
+        if not _TAG.match(tag) or tag in (".", ".."):
+            raise OptionError(f"--tag {tag}: a tag is a folder name such as global_step100")
+        root, source = source.rstrip("/"), storage.join(source.rstrip("/"), tag)
+        if not storage.isdir(source):
+            tags = sorted(n for n in storage.listdir(root) if storage.isdir(storage.join(root, n))) \
+                if storage.isdir(root) else []
+            raise OptionError(f"--tag {tag}: no folder {source}; tags there: {', '.join(tags[:8]) or 'none'}")
+    if weights is None or weights == "fp32":
+        return source, fmt
+    if weights != "module":
+        raise OptionError(f"--weights {weights}: choose fp32 (the master weights) or module (the 16-bit weights)")
+    if fmt not in (None, "deepspeed", "deepspeed-module"):
+        raise OptionError(f"--weights module reads DeepSpeed checkpoints, not --from {fmt}")
+    return source, "deepspeed-module"
