@@ -82,19 +82,31 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tupl
 
 
 @dataclass(frozen=True)
-class Piece:
-    """`count` elements of a flat tensor stored at `data` (its element 0), from element `start`."""
+class Flat:
+    """A flat 1-D tensor of `dtype` whose bytes are `data`."""
 
     data: ByteRange
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return self.data.length // dtypes.itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`count` elements of `flat`, from its element `start`."""
+
+    flat: Flat
     start: int
     count: int
 
 
-def locate(flats: list[ByteRange], item: int, start: int, count: int) -> list[Piece]:
-    """Pieces for elements [start, start+count) of the concatenation of `flats` (contiguous 1-D tensors)."""
+def locate(flats: list[Flat], start: int, count: int) -> list[Piece]:
+    """Pieces for elements [start, start+count) of the concatenation of `flats`."""
     out, base = [], 0
     for flat in flats:
-        numel = flat.length // item
+        numel = flat.numel
         lo, hi = max(start, base), min(start + count, base + numel)
         if lo < hi:
             out.append(Piece(flat, lo - base, hi - lo))
@@ -105,20 +117,26 @@ def locate(flats: list[ByteRange], item: int, start: int, count: int) -> list[Pi
     return out
 
 
-def chunks_of(shape: tuple[int, ...], pieces: list[Piece], item: int) -> list[Chunk]:
-    """The chunks of a tensor whose row-major elements are the concatenation of `pieces` (cut to its size)."""
-    numel, pos, out = dtypes.numel(shape), 0, []
+def entry_of(name: str, shape: tuple[int, ...], pieces: list[Piece], path: tuple[str, ...]) -> TensorEntry:
+    """The tensor whose row-major elements are the concatenation of `pieces` (cut to its size)."""
+    kinds = {p.flat.dtype for p in pieces}
+    if len(kinds) > 1:
+        raise FormatError(f"{name}: its partitions are stored in different dtypes ({', '.join(sorted(kinds))}); "
+                          "the checkpoint is damaged")
+    dtype = kinds.pop() if kinds else "float32"
+    item = dtypes.itemsize(dtype)
+    numel, pos, chunks = dtypes.numel(shape), 0, []
     for piece in pieces:
         stop = min(pos + piece.count, numel)
-        flat = piece.start
+        at, data = piece.start, piece.flat.data
         for offsets, sizes in flat_boxes(shape, pos, stop):
             n = dtypes.numel(sizes)
-            out.append(Chunk(offsets, sizes, ByteRange(piece.data.uri, piece.data.offset + flat * item, n * item)))
-            flat += n
+            chunks.append(Chunk(offsets, sizes, ByteRange(data.uri, data.offset + at * item, n * item)))
+            at += n
         pos = stop
         if pos >= numel:
             break
-    return out
+    return TensorEntry(name, dtype, shape, chunks, path=path)
 
 
 def _get(obj: Any, key: Any, where: str) -> Any:
@@ -289,10 +307,10 @@ class DeepSpeedReader:
             raise FormatError(f"{path}: optimizer_state_dict is a {type(osd).__name__}, not a dict")
         return _Rank(path, archive, osd)
 
-    def _flat(self, archive: Archive, ref: Any, what: str) -> ByteRange:
+    def _flat(self, archive: Archive, ref: Any, what: str) -> Flat:
         if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or not ref.is_contiguous():
             raise FormatError(f"{archive.uri}: {what} is not a flat 1-D tensor; the file is damaged")
-        return tensor_entry(what, ref, archive).chunks[0].data
+        return Flat(tensor_entry(what, ref, archive).chunks[0].data, ref.dtype)
 
     def _frozen(self, index: CheckpointIndex, state: dict, models: list[Archive], stage: int) -> None:
         shapes = state.get("frozen_param_shapes") or {}
@@ -308,11 +326,8 @@ class DeepSpeedReader:
                     raise FormatError(f"{models[0].uri}: frozen parameter {name} holds {entry.numel} elements, its "
                                       f"shape {list(shape)} needs {dtypes.numel(shape)}; the file is damaged")
                 continue
-            dtype = refs[0].dtype
             flats = [self._flat(m, r, f"frozen_param_fragments[{name}]") for m, r in zip(models, refs)]
-            pieces = locate(flats, dtypes.itemsize(dtype), 0, dtypes.numel(shape))
-            index.tensors[name] = TensorEntry(name, dtype, shape, chunks_of(shape, pieces, dtypes.itemsize(dtype)),
-                                              path=(name,))
+            index.tensors[name] = entry_of(name, shape, locate(flats, 0, dtypes.numel(shape)), (name,))
 
     def _trainable(self, index: CheckpointIndex, ranks: list[_Rank], state: dict, stage: int,
                    world: int) -> list[list[str]]:
@@ -331,11 +346,10 @@ class DeepSpeedReader:
         if isinstance(shapes, dict):
             shapes = [shapes]
         paddings = ranks[0].osd.get("param_alignment_paddings")
-        item = 4
         groups: list[list[str]] = []
         if stage == 3:
             rank_offset = 0
-            sizes = [f.length // item for f in flats[0]]
+            sizes = [f.numel for f in flats[0]]
             by_group: dict[int, list[str]] = {}
             for group_shapes in shapes:
                 for name, shape in group_shapes.items():
@@ -344,9 +358,8 @@ class DeepSpeedReader:
                     part = -(-numel // world)
                     g = _group_at(sizes, rank_offset)
 
-                    def pieces(per_rank: list[list[ByteRange]], start: int = rank_offset, n: int = part
-                               ) -> list[Piece]:
-                        return [p for rank_flats in per_rank for p in locate(rank_flats, item, start, n)]
+                    def pieces(per_rank: list[list[Flat]], start: int = rank_offset, n: int = part) -> list[Piece]:
+                        return [p for rank_flats in per_rank for p in locate(rank_flats, start, n)]
 
                     self._add(index, name, shape, pieces, flats, state_flats, steps.get(g), ranks[0])
                     rank_offset += part
@@ -363,15 +376,15 @@ class DeepSpeedReader:
                 shape = _shape(shape, f"param_shapes[{name}]")
                 numel = dtypes.numel(shape)
 
-                def pieces(per_group: list[list[ByteRange]], start: int = offset, n: int = numel,
+                def pieces(per_group: list[list[Flat]], start: int = offset, n: int = numel,
                            grp: int = g) -> list[Piece]:
-                    return locate([r[grp] for r in per_group], item, start, n)
+                    return locate([r[grp] for r in per_group], start, n)
 
                 self._add(index, name, shape, pieces, flats, state_flats, steps.get(g), ranks[0])
                 offset += numel + pad
                 names.append(name)
             align = 2 * world
-            avail = sum(f.length // item for f in group_flats[0])
+            avail = sum(f.numel for f in group_flats[0])
             if -(-offset // align) * align != -(-avail // align) * align:
                 raise FormatError(f"{ranks[0].path}: group {g} parameters take {offset} of {avail} elements; the "
                                   "checkpoint does not match its param_shapes")
@@ -379,13 +392,11 @@ class DeepSpeedReader:
         return groups
 
     def _add(self, index: CheckpointIndex, name: str, shape: tuple[int, ...], pieces: Any,
-             flats: list[list[ByteRange]], state_flats: dict[str, list[list[ByteRange]]], step: Any,
-             rank0: _Rank) -> None:
-        index.tensors[name] = TensorEntry(name, "float32", shape, chunks_of(shape, pieces(flats), 4), path=(name,))
+             flats: list[list[Flat]], state_flats: dict[str, list[list[Flat]]], step: Any, rank0: _Rank) -> None:
+        index.tensors[name] = entry_of(name, shape, pieces(flats), (name,))
         for kind, per_rank in state_flats.items():
             path = ("optim", "state", name, kind)
-            index.tensors[".".join(path)] = TensorEntry(".".join(path), "float32", shape,
-                                                        chunks_of(shape, pieces(per_rank), 4), path=path)
+            index.tensors[".".join(path)] = entry_of(".".join(path), shape, pieces(per_rank), path)
         if isinstance(step, TensorRef):
             path = ("optim", "state", name, "step")
             entry = tensor_entry(".".join(path), step, rank0.archive)
