@@ -19,7 +19,7 @@ from converters.formats.deepspeed import flat_boxes
 from .conftest import ckptctl
 from .deepspeed_job import Net, adamw, shared_batch, step_on
 
-CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
+CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (2, "fp16")]
 
 
 class DeepSpeedRuns:
@@ -36,6 +36,8 @@ class DeepSpeedRuns:
             proc = subprocess.run([sys.executable, "-m", "tests.deepspeed_job", str(out), "--stage", str(stage),
                                    "--dtype", dtype, "--world-size", "2"], capture_output=True, text=True,
                                   timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+            if not (out / "engine.pt").is_file() and dtype == "fp16" and "fp16 is not supported" in proc.stderr:
+                pytest.skip("DeepSpeed cannot train in fp16 on this CPU")
             if not (out / "engine.pt").is_file():
                 raise AssertionError(f"DeepSpeed run failed:\n{proc.stderr[-4000:]}")
             self.made[key] = out

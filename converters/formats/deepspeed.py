@@ -25,8 +25,6 @@ from ..unpickle import BASE_ALLOWED, Stub, TensorRef, Token, enum_int, stub_toke
 from .torchsave import tensor_entry
 
 _DS = "deepspeed"
-
-
 _STAGE = f"{_DS}.runtime.zero.config.ZeroStageEnum"
 _STUBS = [
     f"{_DS}.utils.tensor_fragment.fragment_address",  # a dataclass: (numel, start) as BUILD state
@@ -50,12 +48,20 @@ _TAG = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 WEIGHTS = ("fp32", "module")
 
 
+def read_latest(uri: str) -> str:
+    """The tag named by `uri/latest` (a short text file), or "" when it is not one."""
+    path = storage.join(uri, "latest")
+    if storage.isdir(path) or storage.size(path) > 1024:
+        return ""
+    return storage.read_all(path).decode("utf-8", "replace").strip()
+
+
 def is_deepspeed_folder(uri: str, names: list[str]) -> bool:
     """A DeepSpeed tag folder (optim states files) or the save folder above it (`latest` names a tag folder)."""
     if any(_OPTIM.match(n) for n in names):
         return True
-    if "latest" in names and not storage.isdir(storage.join(uri, "latest")):
-        tag = storage.read_all(storage.join(uri, "latest"))[:256].decode("utf-8", "replace").strip()
+    if "latest" in names:
+        tag = read_latest(uri)
         return bool(_TAG.match(tag)) and tag in names
     return False
 
@@ -184,7 +190,7 @@ class DeepSpeedReader:
                 tags = sorted(n for n in names if storage.isdir(storage.join(self.uri, n)))
                 raise FormatError(f"{self.uri}: no 'latest' file and no DeepSpeed files here; point at a tag folder "
                                   f"({', '.join(tags[:5]) or 'none found'}) or pass --tag")
-            tag = storage.read_all(storage.join(self.uri, "latest"))[:256].decode("utf-8", "replace").strip()
+            tag = read_latest(self.uri)
         if not _TAG.match(tag) or tag in (".", ".."):
             raise FormatError(f"{self.uri}: tag {tag!r} is not a folder name; fix 'latest' or pass --tag")
         folder = storage.join(self.uri, tag)
