@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from converters.formats import detect, load_index
-from converters.formats.deepspeed import flat_boxes
+from converters.formats.flatparts import flat_boxes
 
 from .conftest import ckptctl
 from .deepspeed_job import Net, adamw, shared_batch, step_on
@@ -221,3 +222,15 @@ def test_reshard_to_fsdp2_resumes_like_unsharded_adamw(ds_runs: DeepSpeedRuns, s
     for name in engine["exp_avg"]:
         torch.testing.assert_close(resumed["optim"]["state"][name]["exp_avg"],
                                    optim.state[dict(model.named_parameters())[name]]["exp_avg"])
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_both_outputs_agree(tmp_path: Path) -> None:
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_deepspeed.py"
+    proc = subprocess.run([sys.executable, str(bench), "--size", "4MB", "--work-dir", str(tmp_path),
+                           "--out", str(tmp_path / "result.json")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["outputs"].startswith("identical (")
+    assert [row["case"] for row in result["rows"]] == ["ckptctl export", "zero_to_fp32"]
+    assert all(row["returncode"] == 0 and row["peak_rss_mb"] > 0 for row in result["rows"])

@@ -7,7 +7,7 @@ per-rank partitions. The index rebuilds every parameter the way DeepSpeed's `zer
 (group order from `param_shapes`, per-parameter alignment paddings, stage 3's per-parameter
 `ceil(numel / world)` partitions, frozen parameters from `frozen_param_fragments`, tied parameters from
 `shared_params`, buffers from `module`), but as byte ranges into the partitions: a parameter's elements
-are a run of flat elements, cut into row-major boxes (`flat_boxes`), each one contiguous in a file.
+are a run of flat elements, cut into row-major boxes (`flatparts`), each one contiguous in a file.
 Nothing is loaded whole and nothing of DeepSpeed is imported: its classes are stand-ins below.
 """
 
@@ -19,9 +19,10 @@ from typing import Any
 
 from .. import dtypes, storage
 from ..errors import FormatError, OptionError
-from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
+from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
 from ..torchzip import Archive, read_archive
 from ..unpickle import BASE_ALLOWED, Stub, TensorRef, Token, enum_int, stub_token
+from .flatparts import Flat, Piece, entry_of, locate
 from .torchsave import tensor_entry
 
 _DS = "deepspeed"
@@ -64,85 +65,6 @@ def is_deepspeed_folder(uri: str, names: list[str]) -> bool:
         tag = read_latest(uri)
         return bool(_TAG.match(tag)) and tag in names
     return False
-
-
-def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Row-major boxes, in order, that cover elements [start, stop) of a tensor of `shape`; each box is a
-    contiguous run of elements, so it is one byte range of a flat buffer."""
-    if start >= stop:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (stop - start,))] if shape else [((), ())]
-    inner = dtypes.numel(shape[1:])
-    rest = (0,) * (len(shape) - 1)
-    first, last = start // inner, (stop - 1) // inner
-    if first == last and (start % inner or stop % inner):  # inside one row
-        base = first * inner
-        return [((first, *o), (1, *s)) for o, s in flat_boxes(shape[1:], start - base, stop - base)]
-    head = -(-start // inner) * inner  # first row boundary at or after start
-    tail = stop // inner * inner  # last row boundary at or before stop
-    out = flat_boxes(shape, start, head) if head > start else []
-    if tail > head:
-        out.append(((head // inner, *rest), ((tail - head) // inner, *shape[1:])))
-    return out + (flat_boxes(shape, tail, stop) if stop > tail else [])
-
-
-@dataclass(frozen=True)
-class Flat:
-    """A flat 1-D tensor of `dtype` whose bytes are `data`."""
-
-    data: ByteRange
-    dtype: str
-
-    @property
-    def numel(self) -> int:
-        return self.data.length // dtypes.itemsize(self.dtype)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """`count` elements of `flat`, from its element `start`."""
-
-    flat: Flat
-    start: int
-    count: int
-
-
-def locate(flats: list[Flat], start: int, count: int) -> list[Piece]:
-    """Pieces for elements [start, start+count) of the concatenation of `flats`."""
-    out, base = [], 0
-    for flat in flats:
-        numel = flat.numel
-        lo, hi = max(start, base), min(start + count, base + numel)
-        if lo < hi:
-            out.append(Piece(flat, lo - base, hi - lo))
-        base += numel
-    if sum(p.count for p in out) != count:
-        raise FormatError(f"elements {start}..{start + count} lie past the end of the flat partitions "
-                          f"({base} elements); the checkpoint is damaged or incomplete")
-    return out
-
-
-def entry_of(name: str, shape: tuple[int, ...], pieces: list[Piece], path: tuple[str, ...]) -> TensorEntry:
-    """The tensor whose row-major elements are the concatenation of `pieces` (cut to its size)."""
-    kinds = {p.flat.dtype for p in pieces}
-    if len(kinds) > 1:
-        raise FormatError(f"{name}: its partitions are stored in different dtypes ({', '.join(sorted(kinds))}); "
-                          "the checkpoint is damaged")
-    dtype = kinds.pop() if kinds else "float32"
-    item = dtypes.itemsize(dtype)
-    numel, pos, chunks = dtypes.numel(shape), 0, []
-    for piece in pieces:
-        stop = min(pos + piece.count, numel)
-        at, data = piece.start, piece.flat.data
-        for offsets, sizes in flat_boxes(shape, pos, stop):
-            n = dtypes.numel(sizes)
-            chunks.append(Chunk(offsets, sizes, ByteRange(data.uri, data.offset + at * item, n * item)))
-            at += n
-        pos = stop
-        if pos >= numel:
-            break
-    return TensorEntry(name, dtype, shape, chunks, path=path)
 
 
 def _get(obj: Any, key: Any, where: str) -> Any:
