@@ -59,7 +59,7 @@ def net_for_size(size_bytes: int) -> Net:
     return Net(vocab, dim, 4 * dim + 3, layers, tie=False)
 
 
-def config(stage: int, dtype: str, world_size: int) -> dict:
+def config(stage: int, dtype: str, world_size: int, aligned: bool = False) -> dict:
     cfg: dict = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -70,6 +70,8 @@ def config(stage: int, dtype: str, world_size: int) -> dict:
     }
     if stage == 3:
         cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0})
+    if aligned:  # per-parameter alignment paddings and round-robin gradient order in the flat groups
+        cfg["zero_optimization"].update({"parameter_alignment": True, "round_robin_gradients": True})
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if dtype == "fp16":
@@ -91,7 +93,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     vocab = model.emb.num_embeddings
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
-                                      config=config(args.stage, args.dtype, args.world_size))
+                                      config=config(args.stage, args.dtype, args.world_size, args.aligned))
     steps = 1 if args.size else 2
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--size", type=int, default=0, help="fp32 parameter bytes (benchmark); 0: the test Net")
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--aligned", action="store_true", help="ZeRO-1/2 parameter_alignment + round_robin_gradients")
     parser.add_argument("--resume", action="store_true", help="OUT is a DCP folder: load it into FSDP2 and step")
     args = parser.parse_args(argv)
     import socket
