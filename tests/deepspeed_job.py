@@ -91,8 +91,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.manual_seed(0)
     model = net_for_size(args.size) if args.size else Net()
     vocab = model.emb.num_embeddings
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
                                       config=config(args.stage, args.dtype, args.world_size, args.aligned))
     steps = 1 if args.size else 2
     for step in range(steps):
@@ -109,6 +108,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         return
     ref: dict = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+        # ZeRO-1/2 link the per-parameter views of the Adam state after stepping the first group only, so
+        # safe_get_full_optimizer_state misses the later groups' state: link again now that all exist
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:
             continue
@@ -143,8 +147,15 @@ def step_on(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor
     optim.zero_grad(set_to_none=True)
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """Two groups as the Hugging Face Trainer makes them: weight decay for matrices, none for vectors."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() > 1], "weight_decay": 0.01},
+            {"params": [p for p in trainable if p.dim() <= 1], "weight_decay": 0.0}]
+
+
 def adamw(model: nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    return torch.optim.AdamW(param_groups(model), lr=LR)
 
 
 def _resume(rank: int, args: argparse.Namespace, port: int) -> None:

@@ -164,9 +164,11 @@ def test_adam_state_equals_the_engines_per_parameter_state(ds_runs: DeepSpeedRun
             assert torch.equal(state[name][key], engine[key][name]), (name, key)
         assert state[name]["step"].item() == 2
     assert engine["step"] == {2}
-    (group,) = saved["optim"]["param_groups"]
-    assert sorted(group.pop("params")) == sorted(engine["fp32"])
-    assert group == engine["param_groups"][0]
+    groups = saved["optim"]["param_groups"]
+    assert len(groups) == len(engine["param_groups"]) == 2  # weight decay for matrices, none for vectors
+    for i, (group, want) in enumerate(zip(groups, engine["param_groups"])):
+        assert sorted(group.pop("params")) == sorted(n for n, t in engine["fp32"].items() if (t.dim() > 1) == (i == 0))
+        assert group == want
 
 
 @pytest.mark.slow
@@ -212,9 +214,9 @@ def test_reshard_to_fsdp2_resumes_like_unsharded_adamw(ds_runs: DeepSpeedRuns, s
     optim = adamw(model)
     names = {p: n for n, p in model.named_parameters()}
     state = optim.state_dict()
+    ordered = [p for group in optim.param_groups for p in group["params"]]  # torch numbers them across groups
     state["state"] = {i: {"step": torch.tensor(2.0), "exp_avg": engine["exp_avg"][names[p]].clone(),
-                          "exp_avg_sq": engine["exp_avg_sq"][names[p]].clone()}
-                      for i, p in enumerate(optim.param_groups[0]["params"])}
+                          "exp_avg_sq": engine["exp_avg_sq"][names[p]].clone()} for i, p in enumerate(ordered)}
     optim.load_state_dict(state)
     step_on(model, optim, shared_batch(model.emb.num_embeddings))
     after = model.state_dict()
