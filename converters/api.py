@@ -34,8 +34,12 @@ class ConvertOptions:
     overwrite: bool = False
     drop_tied: list[str] = field(default_factory=list)
     verify: bool = False
+    export: bool = False  # an export for serving: model weights only, never optimizer state
 
     def __post_init__(self) -> None:
+        if self.export and self.keys.only != "model":
+            raise OptionError(f"--only {self.keys.only}: an export holds model weights only; use "
+                              "`convert --only all` to keep optimizer and training state")
         if self.to not in ("safetensors", "torch"):
             raise OptionError(f"--to {self.to}: choose safetensors or torch")
         self.dtype = dtypes.cast_target(self.dtype)
@@ -89,7 +93,7 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
     reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
-        view, report = apply(index, options.keys)
+        view, report, _ = apply(index, options.keys)
         skipped = []
         if options.to == "safetensors" and view.objects:
             skipped = sorted(view.objects)
@@ -139,8 +143,8 @@ def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0,
     keys = keys or KeyOptions(only="all", nest=False)
     reader = storage.RangeReader()
     try:
-        left, _ = apply(load_index(a, a_format, reader=reader), keys)
-        right, _ = apply(load_index(b, b_format, reader=reader), keys)
+        left = apply(load_index(a, a_format, reader=reader), keys).index
+        right = apply(load_index(b, b_format, reader=reader), keys).index
         return verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
                               memory_limit=memory_limit)
     finally:
