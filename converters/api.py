@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import dtypes, storage
+from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import OptionError, TargetError
 from .formats import load_index
@@ -139,13 +140,18 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
 def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,
            a_format: str | None = None, b_format: str | None = None,
            memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
-    """Compare two checkpoints tensor by tensor after the same key clean-up."""
+    """Compare two checkpoints tensor by tensor after the same key clean-up; then `b` (a DCP folder, a
+    safetensors or torch file) read by its consumer's own loader must hold the same values as we read."""
     keys = keys or KeyOptions(only="all", nest=False)
     reader = storage.RangeReader()
     try:
         left = apply(load_index(a, a_format, reader=reader), keys).index
-        right = apply(load_index(b, b_format, reader=reader), keys).index
-        return verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
-                              memory_limit=memory_limit)
+        b_index = load_index(b, b_format, reader=reader)
+        right = apply(b_index, keys).index
+        report = verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
+                                memory_limit=memory_limit)
+        if report.ok:  # `b` is usually an output: its consumer must load it, with the same values
+            report.consumer = check(b_index, b_index.uri, b_index.format, reader, memory_limit // 4)
+        return report
     finally:
         reader.close()
