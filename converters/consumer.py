@@ -75,13 +75,19 @@ def _check_dtype(entry: TensorEntry, dtype: Any, shape: tuple[int, ...]) -> str 
     return None
 
 
+def _by_file(written: CheckpointIndex) -> dict[str, list[TensorEntry]]:
+    """Tensors grouped by the file that holds them (HF-style outputs have several)."""
+    by_file: dict[str, list[TensorEntry]] = {}
+    for entry in written.tensors.values():
+        if entry.chunks:
+            by_file.setdefault(entry.chunks[0].data.uri, []).append(entry)
+    return dict(sorted(by_file.items()))
+
+
 def _safetensors(written: CheckpointIndex, reader: RangeReader, budget: int, res: ConsumerResult) -> None:
     from safetensors import safe_open
 
-    by_file: dict[str, list[TensorEntry]] = {}
-    for entry in written.tensors.values():
-        by_file.setdefault(entry.chunks[0].data.uri if entry.chunks else "", []).append(entry)
-    for uri, entries in sorted(by_file.items()):
+    for uri, entries in _by_file(written).items():
         path = storage.local_path(uri)
         try:
             with safe_open(path, framework="pt") as fh:
@@ -110,36 +116,38 @@ def _walk(root: Any, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _torch(written: CheckpointIndex, root: str, reader: RangeReader, budget: int, res: ConsumerResult) -> None:
+def _torch(written: CheckpointIndex, reader: RangeReader, budget: int, res: ConsumerResult) -> None:
     import torch
 
-    path = storage.local_path(root)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        res.unloadable.append(_fail_line(path, res.loader, exc))
-        return
-    for entry in written.tensors.values():
+    files = _by_file(written)
+    for uri, entries in files.items():
+        path = storage.local_path(uri)
         try:
-            tensor = _walk(obj, entry.path)
-        except (KeyError, IndexError, ValueError, TypeError):
-            res.different.append(f"{entry.name} (not found where torch.load puts it)")
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            res.unloadable.append(_fail_line(path, res.loader, exc))
             continue
-        bad = (f"{entry.name} (not a tensor)" if not isinstance(tensor, torch.Tensor)
-               else _check_dtype(entry, tensor.dtype, tuple(tensor.shape)))
-        if bad is None and not _same(reader, entry, tensor, budget):
-            bad = entry.name
-        if bad is not None:
-            res.different.append(bad)
-        res.compared += 1
-    for entry in written.objects.values():
-        try:
-            value = _walk(obj, entry.path)
-        except (KeyError, IndexError, ValueError, TypeError):
-            value = KeyError
-        if value != load_object(entry, reader):
-            res.different.append(entry.name)
-        res.compared += 1
+        for entry in entries:
+            try:
+                tensor = _walk(obj, entry.path)
+            except (KeyError, IndexError, ValueError, TypeError):
+                tensor = None
+            bad = (f"{entry.name} (not a tensor where torch.load puts it)" if not isinstance(tensor, torch.Tensor)
+                   else _check_dtype(entry, tensor.dtype, tuple(tensor.shape)))
+            if bad is None and not _same(reader, entry, tensor, budget):
+                bad = entry.name
+            if bad is not None:
+                res.different.append(bad)
+            res.compared += 1
+        if len(files) == 1:  # non-tensor values (optimizer hyper-parameters) sit beside the tensors
+            for obj_entry in written.objects.values():
+                try:
+                    value = _walk(obj, obj_entry.path)
+                except (KeyError, IndexError, ValueError, TypeError):
+                    value = KeyError
+                if value != load_object(obj_entry, reader):
+                    res.different.append(obj_entry.name)
+                res.compared += 1
 
 
 def _sample(entries: list[TensorEntry], budget: int) -> Iterator[TensorEntry]:
@@ -203,6 +211,6 @@ def check(written: CheckpointIndex, root: str, fmt: str, reader: RangeReader, bu
         return res
     budget = max(64 * 1024, budget)
     {"safetensors": lambda: _safetensors(written, reader, budget, res),
-     "torch": lambda: _torch(written, root, reader, budget, res),
+     "torch": lambda: _torch(written, reader, budget, res),
      "dcp": lambda: _dcp(written, root, reader, budget, res)}[fmt]()
     return res

@@ -236,6 +236,10 @@ def _resume_rank(rank: int, world_size: int, port: int, jobs: list[tuple[str, st
             if rank == 0:
                 torch.save({"model": msd, "optimizer": osd}, out)
             dist.barrier()
+    except (KeyboardInterrupt, SystemExit, Exception):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException: not reported to the parent unless an Exception
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
     finally:
         dist.destroy_process_group()
 
