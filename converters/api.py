@@ -94,7 +94,7 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
     reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
-        view, report, _ = apply(index, options.keys)
+        view, report, _ = apply(index, options.keys, reader)
         skipped = []
         if options.to == "safetensors" and view.objects:
             skipped = sorted(view.objects)
@@ -142,12 +142,12 @@ def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0,
            memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
     """Compare two checkpoints tensor by tensor after the same key clean-up; then `b` (a DCP folder, a
     safetensors or torch file) read by its consumer's own loader must hold the same values as we read."""
-    keys = keys or KeyOptions(only="all", nest=False)
+    keys = keys or KeyOptions(only="all", clean=True, nest=False)
     reader = storage.RangeReader()
     try:
-        left = apply(load_index(a, a_format, reader=reader), keys).index
+        left = apply(load_index(a, a_format, reader=reader), keys, reader).index
         b_index = load_index(b, b_format, reader=reader)
-        right = apply(b_index, keys).index
+        right = apply(b_index, keys, reader).index
         report = verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
                                 memory_limit=memory_limit)
         if report.ok:  # `b` is usually an output: its consumer must load it, with the same values

@@ -84,7 +84,7 @@ def reshard(source: str, target: str, options: ReshardOptions,
     reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
-        view, report, parts = apply(index, options.keys)
+        view, report, parts = apply(index, options.keys, reader)
         if not view.tensors:
             raise OptionError(f"{source}: no tensors selected (--only {options.keys.only})")
         for obj in view.objects.values():  # resolve values now, so renamed param lists are final

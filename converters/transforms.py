@@ -18,6 +18,8 @@ from typing import Any, Literal, NamedTuple
 from .classify import Parts, classify
 from .errors import OptionError
 from .index import CheckpointIndex, ObjectEntry, TensorEntry
+from .storage import RangeReader
+from .writers.objects import load_object
 
 Only = Literal["model", "optim", "all"]
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -152,8 +154,10 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:10]) + (f" (+{len(names) - 10} more)" if len(names) > 10 else "")
 
 
-def apply(index: CheckpointIndex, options: KeyOptions) -> Selection:
-    """A view of `index` with the selected entries under their output names, and a report of what changed."""
+def apply(index: CheckpointIndex, options: KeyOptions, reader: RangeReader | None = None) -> Selection:
+    """A view of `index` with the selected entries under their output names, and a report of what changed.
+
+    `param_groups[*].params` lists stored as data (DCP) are loaded through `reader` to rename them."""
     everything: list[TensorEntry | ObjectEntry] = [*index.tensors.values(), *index.objects.values()]
     by_path = classify(everything)
     parts = {id(e): by_path[".".join(e.path)] for e in everything}
@@ -185,8 +189,11 @@ def apply(index: CheckpointIndex, options: KeyOptions) -> Selection:
             out.tensors[name] = replace(entry, name=name, path=path)
         else:
             new = replace(entry, name=name, path=path)
-            if entry.value is not None:
-                new.value = mapper.value(p, copy.deepcopy(entry.value))
+            if entry.value is None and entry.data is not None and reader is not None and p.leaf == "params" \
+                    and (options.clean or options.renames):
+                new.value, new.data = load_object(entry, reader), None
+            if new.value is not None:
+                new.value = mapper.value(p, copy.deepcopy(new.value))
             out.objects[name] = new
     report = [f"stripped {prefix} from {n} keys" for prefix, n in sorted(mapper.counts.items())]
     report += [f"renamed {n} keys with {pattern}" for pattern, n in mapper.rename_counts.items()]

@@ -196,7 +196,7 @@ def test_optimizer_found_by_structure_under_any_name(tmp_path: Path) -> None:
     torch.save({"net": model.state_dict(), "opt": optim.state_dict(), "optimizer": {"scale": torch.tensor(2.0)}},
                src)
     info = json.loads(ckptctl("inspect", src, "--json").stdout)
-    assert info["has_optimizer"] is True
+    assert info["has_optimizer"] is True and info["unclassified"] == ["optimizer.scale"]
     proc = ckptctl("export", src, tmp_path / "export", "--keep-keys")
     assert_same_tensors(load_export(tmp_path / "export"), {f"net.{k}": v for k, v in model_tensors(model).items()})
     assert "optimizer.scale" in proc.stderr and "neither model weights nor optimizer state" in proc.stderr
@@ -345,3 +345,24 @@ def test_verify_fails_when_the_consumer_cannot_load_the_output(fmt: str, tmp_pat
     finally:
         reader.close()
     shutil.rmtree(tmp_path / "titan")
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_rename_of_a_training_state_renames_the_parameter_everywhere(layout: str, tmp_path: Path) -> None:
+    """--rename changes the FQN in model keys, optimizer state, param_groups keys and `params` lists alike,
+    and nothing else: every other key, and the nesting of every key, stays as stored."""
+    src, out = tmp_path / "titan", tmp_path / "renamed"
+    save_titan(src, layout)
+    ckptctl("reshard", src, out, "--world-size", "2", "--only", "all", "--rename", r"^tok_emb\.=embed.")
+    before = dcp.FileSystemReader(str(src)).read_metadata().planner_data
+    after = dcp.FileSystemReader(str(out)).read_metadata().planner_data
+
+    def renamed(path: tuple) -> tuple:
+        return tuple(p.replace("tok_emb.", "embed.") if isinstance(p, str) else p for p in path)
+
+    assert sum("tok_emb." in ".".join(map(str, p)) for p in before.values()) > 3
+    assert after == {".".join(map(str, renamed(p))): renamed(p) for p in before.values()}
+    if layout == "nested":
+        full = dcp_full(out, tmp_path)
+        assert "embed.weight" in full["optimizer"]["param_groups"][0]["params"]
+        assert "tok_emb.weight" not in full["optimizer"]["param_groups"][0]["params"]
