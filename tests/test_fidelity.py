@@ -29,8 +29,6 @@ from converters.errors import VerifyError
 from .conftest import assert_same_tensors, ckptctl
 from .test_export import load_export
 
-NEEDS_PICKLE = pytest.mark.xfail(strict=False, reason="needs the pickle branch (_rebuild_from_type_v2, "
-                                 "torch.Tensor, _io.BytesIO on the allow-list)")
 LR = 1e-2
 CFG = config_for_size("tiny")
 
@@ -103,7 +101,6 @@ def gloo_world_1(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@NEEDS_PICKLE
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_fsdp1_saves_export_exactly(kind: str, tmp_path: Path) -> None:
     """A rank-0 torch.save under FULL_STATE_DICT, and a SHARDED_STATE_DICT rank file at world size 1
@@ -167,7 +164,6 @@ def test_titan_export_holds_the_model_and_reshard_keeps_every_key(layout: str, t
     assert_same_tree(torch.load(tmp_path / "full.pt", weights_only=True), dcp_full(src, tmp_path))
 
 
-@NEEDS_PICKLE
 def test_titan_train_state_bytesio_survives_reshard(tmp_path: Path) -> None:
     """torchtitan's TrainState keeps a torch.save of its losses in an io.BytesIO: carried byte for byte."""
     model, optim = trained()
