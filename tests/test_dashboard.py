@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -22,6 +25,7 @@ CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--no-first-run"]
 EVIL = '<script>alert("x")</script>'
+EVIL_IMG = "<img src=x onerror=alert(2)>"
 RATE = 2_000_000  # bytes per second per job: the export below takes about 2 s, so the browser sees it run
 
 
@@ -49,7 +53,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     source = _save(data / "run1" / "step100.pt",
                    {f"model.layers.{i}.weight": torch.randn(256, 512, generator=gen) for i in range(8)})
     big = _save(data / "run2" / "step200.pt", {f"w{i}": torch.randn(1024, 1024, generator=gen) for i in range(4)})
-    evil = _save(data / "evil" / "evil.pt", {f"{EVIL}.weight": torch.ones(2, 2), "ok.bias": torch.zeros(3)})
+    evil = _save(data / "evil" / "evil.pt", {f"{EVIL}.weight": torch.ones(2, 2), EVIL_IMG: torch.ones(1),
+                                               "ok.bias": torch.zeros(3)})
     tokens = Tokens.make()
     server = make_server(base / "state", read_roots=[data], write_roots=[data], workers=2, tokens=tokens.entries,
                          extra_env={"CKPT_JOB_MAX_BYTES_PER_SECOND": str(RATE)})
@@ -169,12 +174,12 @@ def tab(browser: object, site: Site, tmp_path: Path) -> Iterator[Tab]:
     context.close()
 
 
-def sign_in(tab: Tab, token: str, expect_scope: str) -> None:
+def sign_in(tab: Tab, token: str, expect_scope: str, view: str = "jobs") -> None:
     page = tab.page
     page.wait_for_selector("#view-signin:not([hidden])")
     page.fill("#token", token)
     page.press("#token", "Enter")
-    page.wait_for_selector("#view-jobs:not([hidden])")
+    page.wait_for_selector(f"#view-{view}:not([hidden])")
     assert page.text_content("#who").startswith(f"test-{expect_scope} · {expect_scope}")
 
 
@@ -279,28 +284,53 @@ def test_read_token_sees_no_cancel_button(browser: object, tab: Tab, site: Site)
     page = tab.page
     sign_in(tab, site.tokens.read, "read")
     assert page.is_hidden("a[data-nav=new]")
-    page.goto(f"{site.server.url}/#/jobs/{job['id']}")
+    page.evaluate("window.__sameDocument = 'yes'")
+    page.click(f"#jobs-body tr[data-job='{job['id']}'] a")
     page.wait_for_selector("#job-timeline")
-    state = page.get_attribute("#job-body .state", "data-state")
-    assert state in ("queued", "running")
+    assert page.get_attribute("#job-body .state", "data-state") in ("queued", "running")
     assert page.is_hidden("#job-cancel") and page.is_hidden("#job-retry")
     tab.shot("job-read-only")
-    # the submitter, in another tab of its own, sees Cancel for the same job, and it works
+    page.click("a[data-nav=jobs]")  # the live table, while the job runs
+    row = f"#jobs-body tr[data-job='{job['id']}']"
+    page.wait_for_selector(f"{row} .state[data-state=running]")
+    # the submitter, in a browser context of its own, sees Cancel for the same job, and it works
     context = browser.new_context(viewport={"width": 1366, "height": 768})
     try:
         other = Tab(context.new_page(), [], [], tab.shots)
-        other.page.goto(f"{site.server.url}/")
-        sign_in(other, site.tokens.write, "write")
         other.page.goto(f"{site.server.url}/#/jobs/{job['id']}")
+        sign_in(other, site.tokens.write, "write", view="job")
         other.page.wait_for_selector("#job-cancel:not([hidden])")
+        assert other.page.get_attribute("#job-body .state", "data-state") == "running"
         other.page.click("#job-cancel")
         other.page.wait_for_selector("#job-body .state[data-state=cancelled]")
-        assert other.page.is_visible("#job-retry")
+        assert other.page.is_visible("#job-retry") and other.page.is_hidden("#job-cancel")
     finally:
         context.close()
-    # the read token's page followed the job to its end without a reload, and still offers nothing
-    page.wait_for_selector("#job-body .state[data-state=cancelled]")
-    assert page.is_hidden("#job-cancel") and page.is_hidden("#job-retry")
+    # the read token's table followed the job to its end without a reload
+    page.wait_for_selector(f"{row} .state[data-state=cancelled]")
+    assert page.text_content(f"{row} .state") == "cancelled"
+    assert page.evaluate("window.__sameDocument") == "yes"
+    assert not (site.data / "exports" / "slow").exists()
+    tab.shot("jobs")
+    assert tab.dialogs == [] and tab.errors == []
+
+
+@pytest.mark.slow
+def test_without_tokens_the_page_opens_signed_in(browser: object, tmp_path: Path, site: Site) -> None:
+    """The README's `ckptctl serve` (no tokens, loopback): the page needs no sign-in."""
+    server = make_server(tmp_path / "state", read_roots=[site.data], write_roots=[tmp_path], workers=0)
+    server.start()
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(f"{server.url}/")
+        page.wait_for_selector("#view-jobs:not([hidden])")
+        assert page.text_content("#who") == "anonymous · admin"
+        assert page.is_hidden("#sign-out") and page.is_visible("a[data-nav=new]")
+        assert page.text_content("#jobs-body") == "No jobs."
+    finally:
+        context.close()
+        server.stop()
 
 
 @pytest.mark.slow
@@ -315,8 +345,9 @@ def test_markup_in_tensor_names_renders_as_text(tab: Tab, site: Site) -> None:
     page.click("#ckpt-tensors")
     page.wait_for_selector("#tensors")
     names = page.eval_on_selector_all("#tensors tbody tr td:first-child", "cs => cs.map(c => c.textContent)")
-    assert sorted(names) == sorted([f"{EVIL}.weight", "ok.bias"])
-    assert page.eval_on_selector_all("main script", "s => s.length") == 0  # no element was made from a name
+    assert sorted(names) == sorted([f"{EVIL}.weight", EVIL_IMG, "ok.bias"])
+    for tag in ("script", "img"):  # no element was made from a name
+        assert page.eval_on_selector_all(f"main {tag}", "s => s.length") == 0, tag
     assert EVIL in page.text_content("svg.lineage-graph a.current title")
     page.click("a[data-nav=checkpoints]")
     page.wait_for_selector(f"#ckpts-body tr[data-checkpoint='{evil['id']}']")
@@ -324,3 +355,22 @@ def test_markup_in_tensor_names_renders_as_text(tab: Tab, site: Site) -> None:
     tab.shot("checkpoint-markup")
     assert tab.dialogs == []  # alert() never ran
     assert page.eval_on_selector_all("script", "s => s.length") == 1
+
+
+def test_wheel_ships_the_dashboard(tmp_path: Path) -> None:
+    """Built from a copy of the source tree (no build/ left in the checkout), the wheel has every asset."""
+    root = Path(__file__).resolve().parent.parent
+    tree = tmp_path / "src"
+    shutil.copytree(root, tree, ignore=shutil.ignore_patterns(".git", "tests", "benchmarks", "docker", "build",
+                                                              "*.egg-info", "__pycache__", ".*_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("ckpt_service-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {n for n in archive.namelist() if n.startswith("api/dashboard/")}
+    here = STATIC.parent
+    wanted = {f"api/dashboard/{p.relative_to(here).as_posix()}" for p in here.rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts}
+    assert wanted <= shipped
+    assert {"api/dashboard/templates/index.html", "api/dashboard/static/dashboard.css",
+            "api/dashboard/static/js/app.js"} <= shipped

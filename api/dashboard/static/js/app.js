@@ -118,6 +118,10 @@ function pageTo(base, cursor) {
 }
 
 function setup() {
+  document.getElementById("skip").addEventListener("click", (e) => { // not a route: just move the focus
+    e.preventDefault();
+    document.getElementById("main").focus();
+  });
   const jobFilters = document.getElementById("job-filters");
   jobFilters.addEventListener("change", () => setHashParams("#/jobs", jobFilters));
   jobFilters.addEventListener("submit", (e) => e.preventDefault());
