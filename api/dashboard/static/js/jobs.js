@@ -8,7 +8,14 @@ const MAX_STREAMS = 5; // the API caps streams per token (10 by default); leave 
 const REFRESH_MS = 5000;
 
 function shortId(id) {
-  return id.length > 14 ? `${id.slice(0, 14)}…` : id;
+  return id.length > 12 ? `${id.slice(0, 12)}…` : id;
+}
+
+// The last two segments of a path or URI (the table is narrow); the whole of it is in the title.
+function shortPath(path, prefix = "") {
+  const parts = path.split("/").filter(Boolean);
+  const tail = parts.slice(-2).join("/");
+  return el("span", { class: "path", title: path }, prefix, parts.length > 2 ? `…/${tail}` : path);
 }
 
 function throughput(p) {
@@ -20,15 +27,14 @@ function jobRow(job) {
   return el("tr", { "data-job": job.id },
     el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, title: job.id }, shortId(job.id))),
     el("td", {}, job.kind),
-    el("td", { class: "paths" }, el("span", { class: "path" }, spec.source),
-      spec.target ? [" → ", el("span", { class: "path" }, spec.target)] : ""),
+    el("td", { class: "paths" }, shortPath(spec.source), spec.target ? shortPath(spec.target, "→ ") : ""),
     el("td", {}, stateBadge(job)),
     el("td", {}, progressCell(job)),
     el("td", {}, throughput(job.progress)),
     el("td", {}, job.progress && job.progress.eta_seconds !== null ? duration(job.progress.eta_seconds) : "–"),
     el("td", {}, `${job.attempt}/${job.max_attempts}`),
     el("td", {}, job.submitted_by || "–"),
-    el("td", { title: job.created_at }, age(job.created_at)));
+    el("td", { title: job.created_at, class: "nowrap" }, age(job.created_at)));
 }
 
 // Apply an SSE event to a job document: `state`/`end` carry the whole document, `progress` a part of it.
