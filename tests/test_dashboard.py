@@ -37,6 +37,7 @@ class Site:
     source: Path  # 4 MB of float32 in one torch.save file
     evil: Path  # tensor names with markup in them
     big: Path  # 16 MB: its export runs for about 8 s
+    small: Path  # 1 MB, for a chain of jobs
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -53,6 +54,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     source = _save(data / "run1" / "step100.pt",
                    {f"model.layers.{i}.weight": torch.randn(256, 512, generator=gen) for i in range(8)})
     big = _save(data / "run2" / "step200.pt", {f"w{i}": torch.randn(1024, 1024, generator=gen) for i in range(4)})
+    small = _save(data / "run3" / "step300.pt",
+                  {f"l{i}.weight": torch.randn(128, 256, generator=gen) for i in range(8)})
     evil = _save(data / "evil" / "evil.pt", {f"{EVIL}.weight": torch.ones(2, 2), EVIL_IMG: torch.ones(1),
                                                "ok.bias": torch.zeros(3)})
     tokens = Tokens.make()
@@ -60,7 +63,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
                          extra_env={"CKPT_JOB_MAX_BYTES_PER_SECOND": str(RATE)})
     server.start()
     try:
-        yield Site(server, tokens, data, source, evil, big)
+        yield Site(server, tokens, data, source, evil, big, small)
     finally:
         server.stop()
 
@@ -253,12 +256,17 @@ def test_export_from_the_form_runs_live_and_lands_in_the_lineage(tab: Tab, site:
 def test_invalid_form_shows_the_error_next_to_the_field(tab: Tab, site: Site) -> None:
     page = tab.page
     sign_in(tab, site.tokens.write, "write")
-    page.click("a[data-nav=new]")
+    for _ in range(10):  # by keyboard: Tab to the "New job" link, Enter; then type and press Enter to submit
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.id") == "nav-new":
+            break
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#view-new:not([hidden])")
     page.select_option("#f-kind", "export")
     page.fill("#f-source", str(site.source))
     page.fill("#f-target", str(site.data / "exports" / "never"))
     page.fill("#f-max_shard_size", "lots")
-    page.click("#job-submit")
+    page.press("#f-max_shard_size", "Enter")
     error = page.wait_for_selector("#error-options\\.max_shard_size:not(:empty)")
     assert "5GB or 256MiB" in error.text_content()
     # the message sits in the field's own row, and the field is marked invalid and focused
@@ -304,6 +312,19 @@ def test_read_token_sees_no_cancel_button(browser: object, tab: Tab, site: Site)
         other.page.click("#job-cancel")
         other.page.wait_for_selector("#job-body .state[data-state=cancelled]")
         assert other.page.is_visible("#job-retry") and other.page.is_hidden("#job-cancel")
+        other.page.click("#job-retry")  # the same spec again, as a new job, which this page then follows
+        for _ in range(200):  # (wait_for_function would need eval, which the page's CSP refuses)
+            again = other.page.url.rsplit("/", 1)[-1]
+            if again != job["id"]:
+                break
+            other.page.wait_for_timeout(50)
+        assert again != job["id"]
+        other.page.wait_for_selector("#job-cancel:not([hidden])")
+        with site.server.client(site.tokens.read) as client:
+            retried = client.job(again)
+        assert retried["spec"] == job["spec"] and retried["submitted_by"] == "test-write"
+        other.page.click("#job-cancel")
+        other.page.wait_for_selector("#job-body .state[data-state=cancelled]")
     finally:
         context.close()
     # the read token's table followed the job to its end without a reload
@@ -331,6 +352,50 @@ def test_without_tokens_the_page_opens_signed_in(browser: object, tmp_path: Path
     finally:
         context.close()
         server.stop()
+
+
+@pytest.mark.slow
+def test_lineage_graph_over_two_hops(tab: Tab, site: Site) -> None:
+    """source -> export -> convert: the middle checkpoint's graph shows both hops, oldest on the left."""
+    middle, last = site.data / "chain" / "mid", site.data / "chain" / "last.pt"
+    with site.server.client(site.tokens.write) as client:
+        first = site.server.wait_job(client.submit(job_spec("export", site.small, middle))["id"], ("succeeded",),
+                                     token=site.tokens.write)
+        second = site.server.wait_job(client.submit(job_spec("convert", middle, last, to="torch"))["id"],
+                                      ("succeeded",), token=site.tokens.write)
+    page = tab.page
+    sign_in(tab, site.tokens.read, "read")
+    page.goto(f"{site.server.url}/#/checkpoints/{first['result']['checkpoint_id']}")
+    page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+    boxes = page.eval_on_selector_all(
+        "svg.lineage-graph a.node", "ns => ns.map(n => [n.querySelector('text.label').textContent, "
+        "Number(n.querySelector('rect').getAttribute('x')), n.classList.contains('current')])")
+    order = [label for label, _, _ in sorted(boxes, key=lambda b: b[1])]
+    assert order == ["step300.pt", "export job", "mid", "convert job", "last.pt"]
+    assert [label for label, _, current in boxes if current] == ["mid"]
+    edges = page.eval_on_selector_all("svg.lineage-graph path.edge",
+                                      "es => es.map(e => [e.dataset.from, e.dataset.to])")
+    mid, end = first["result"]["checkpoint_id"], second["result"]["checkpoint_id"]
+    with site.server.http(site.tokens.read) as http:
+        source = http.get(f"/v1/checkpoints/{mid}/lineage").json()["ancestors"][0]["checkpoint"]["id"]
+    one, two = f"job:{first['id']}", f"job:{second['id']}"
+    assert sorted(map(tuple, edges)) == sorted([(source, one), (one, mid), (mid, two), (two, end)])
+    tab.shot("lineage-two-hops")
+    page.click(f"svg.lineage-graph a[data-node='job:{second['id']}']")  # a job in the picture is a link
+    page.wait_for_selector("#view-job:not([hidden]) #job-timeline")
+    assert page.text_content("#job-title") == f"convert job {second['id']}"
+    with site.server.client(site.tokens.write) as client:  # a job that fails: the two differ
+        failed = site.server.wait_job(client.submit(job_spec("verify", site.small, site.source))["id"],
+                                      ("failed", "succeeded"),
+                                      token=site.tokens.write)
+    page.goto(f"{site.server.url}/#/jobs/{failed['id']}")
+    page.wait_for_selector("#job-body .error-box")
+    assert page.text_content("#job-body .error-box strong") == failed["error"]["type"] == "VerifyError"
+    assert page.text_content("#job-body .error-message") == failed["error"]["message"]
+    assert page.text_content("#job-body .state") == "failed"
+    assert page.is_hidden("#job-retry")  # a read token
+    tab.shot("job-failed")
+    assert tab.errors == []
 
 
 @pytest.mark.slow
