@@ -19,7 +19,7 @@ import torch
 
 from api.dashboard.routes import CSP, STATIC
 
-from .service_harness import Server, Tokens, job_spec, make_server
+from .service_harness import Server, Tokens, job_spec, make_server, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -175,6 +175,12 @@ def tab(browser: object, site: Site, tmp_path: Path) -> Iterator[Tab]:
     page.goto(f"{site.server.url}/")
     yield Tab(page, dialogs, errors, tmp_path)
     context.close()
+
+
+def rows_become(page: object, selector: str, key: str, want: list[str], timeout: float = 20.0) -> None:
+    """Wait until the table's rows are exactly `want` (by their data-KEY), in order."""
+    script = f"rs => rs.map(r => r.dataset.{key})"
+    wait_for(lambda: page.eval_on_selector_all(selector, script) == want, timeout, f"rows {want}")
 
 
 def sign_in(tab: Tab, token: str, expect_scope: str, view: str = "jobs") -> None:
@@ -395,6 +401,24 @@ def test_lineage_graph_over_two_hops(tab: Tab, site: Site) -> None:
     assert page.text_content("#job-body .state") == "failed"
     assert page.is_hidden("#job-retry")  # a read token
     tab.shot("job-failed")
+
+    # the table pages with the API's cursor, and filters by state and kind
+    with site.server.http(site.tokens.read) as http:
+        newest = [j["id"] for j in http.get("/v1/jobs", params={"limit": 4}).json()["items"]]
+    page.goto(f"{site.server.url}/#/jobs?limit=2")
+    rows = "#jobs-body tr[data-job]"
+    rows_become(page, rows, "job", newest[:2])
+    assert page.is_disabled("#jobs-newest")
+    page.click("#jobs-older")
+    rows_become(page, rows, "job", newest[2:4])
+    page.click("#jobs-newest")
+    rows_become(page, rows, "job", newest[:2])
+    page.select_option("#filter-state", "failed")
+    page.wait_for_selector(f"{rows}[data-job='{failed['id']}']")
+    page.select_option("#filter-kind", "export")
+    page.wait_for_selector("#jobs-body td.empty")
+    assert page.text_content("#jobs-body") == "No jobs."
+    assert page.url.endswith("#/jobs?state=failed&kind=export")
     assert tab.errors == []
 
 
@@ -417,6 +441,10 @@ def test_markup_in_tensor_names_renders_as_text(tab: Tab, site: Site) -> None:
     page.click("a[data-nav=checkpoints]")
     page.wait_for_selector(f"#ckpts-body tr[data-checkpoint='{evil['id']}']")
     assert EVIL in page.text_content(f"#ckpts-body tr[data-checkpoint='{evil['id']}']")
+    page.fill("#filter-tag", "x")  # the registry's filters: only the checkpoint tagged x
+    page.press("#filter-tag", "Enter")
+    rows_become(page, "#ckpts-body tr[data-checkpoint]", "checkpoint", [evil["id"]])
+    assert page.url == f"{site.server.url}/#/checkpoints?tag=x"
     tab.shot("checkpoint-markup")
     assert tab.dialogs == []  # alert() never ran
     assert page.eval_on_selector_all("script", "s => s.length") == 1

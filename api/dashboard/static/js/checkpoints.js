@@ -3,6 +3,7 @@
 import { api, query } from "./api.js";
 import { bytes, clear, el, facts, when } from "./dom.js";
 import { drawGraph, lineageGraph } from "./lineage.js";
+import { pageSize } from "./session.js";
 
 const MAX_LINEAGE_JOBS = 40;
 
@@ -24,7 +25,7 @@ export async function showCheckpoints(params, signal) {
   const filters = { name: params.get("name") || "", format: params.get("format") || "", tag: params.get("tag") || "" };
   for (const [k, v] of Object.entries(filters)) document.getElementById(`filter-${k}`).value = v;
   const cursor = params.get("cursor") || "";
-  const page = await api(`/v1/checkpoints${query({ ...filters, cursor, limit: 50 })}`, { signal });
+  const page = await api(`/v1/checkpoints${query({ ...filters, cursor, limit: pageSize(params) })}`, { signal });
   clear(body);
   if (!page.items.length) body.append(el("tr", {}, el("td", { colspan: "8", class: "empty" }, "No checkpoints.")));
   for (const c of page.items) body.append(ckptRow(c));

@@ -2,7 +2,7 @@
 
 import { api, follow, query } from "./api.js";
 import { age, bytes, clear, duration, el, facts, progressCell, stateBadge, when } from "./dom.js";
-import { appliesTo, canCancel, canWrite, TERMINAL } from "./session.js";
+import { appliesTo, canCancel, canWrite, pageSize, TERMINAL } from "./session.js";
 
 const MAX_STREAMS = 5; // the API caps streams per token (10 by default); leave room for other tabs
 const REFRESH_MS = 5000;
@@ -48,6 +48,7 @@ export async function showJobs(params, signal) {
   const state = params.get("state") || "";
   const kind = params.get("kind") || "";
   const cursor = params.get("cursor") || "";
+  const limit = pageSize(params);
   document.getElementById("filter-state").value = state;
   document.getElementById("filter-kind").value = kind;
   const jobs = new Map();
@@ -67,7 +68,7 @@ export async function showJobs(params, signal) {
       .finally(() => streams.delete(job.id));
   };
   const load = async () => {
-    const page = await api(`/v1/jobs${query({ state, kind, cursor, limit: 50 })}`, { signal });
+    const page = await api(`/v1/jobs${query({ state, kind, cursor, limit })}`, { signal });
     clear(body);
     if (!page.items.length) body.append(el("tr", {}, el("td", { colspan: "10", class: "empty" }, "No jobs.")));
     for (const job of page.items) {

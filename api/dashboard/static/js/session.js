@@ -23,3 +23,9 @@ export function appliesTo(kind) {
   }
   return names;
 }
+
+// Rows per page: `limit=` in the address (1 to 200, the API's bounds), 50 without it.
+export function pageSize(params) {
+  const n = Number.parseInt(params.get("limit") || "", 10);
+  return n >= 1 && n <= 200 ? n : 50;
+}
