@@ -21,7 +21,7 @@ class WhoAmI(BaseModel):
     version: str = Field(description="The server's version.")
 
 
-@router.get("/whoami", response_model=WhoAmI, responses=errors(401, 403), summary="Who am I")
+@router.get("/whoami", response_model=WhoAmI, responses=errors(401), summary="Who am I")
 def whoami(request: Request, principal: Reader) -> WhoAmI:
     """The name and scope of the bearer token sent (any valid token has at least read scope)."""
     return WhoAmI(name=principal.name, scope=principal.scope, anonymous_allowed=request.app.state.checker.anonymous,

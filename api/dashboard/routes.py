@@ -19,7 +19,7 @@ from fastapi.templating import Jinja2Templates
 from starlette.responses import Response
 from starlette.types import Scope
 
-from ckpt_service.jobs import APPLIES, KINDS, STATES, JobOptions
+from ckpt_service.jobs import APPLIES, KINDS, STATES, Format, JobOptions
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -88,7 +88,7 @@ def mount(app: FastAPI) -> None:
     version = asset_version()
     templates = Jinja2Templates(directory=HERE / "templates")
     context = {"asset": lambda name: f"{STATIC_URL}/{name}?v={version}", "kinds": KINDS, "states": STATES,
-               "options": option_fields(), "version": app.version}
+               "formats": typing.get_args(Format), "options": option_fields(), "version": app.version}
     router = APIRouter(include_in_schema=False)
 
     @router.get("/", response_class=HTMLResponse)

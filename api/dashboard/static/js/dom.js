@@ -20,10 +20,6 @@ export function clear(node) {
   return node;
 }
 
-export function link(href, text) {
-  return el("a", { href }, text);
-}
-
 export function bytes(n) {
   if (n === null || n === undefined) return "–";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
