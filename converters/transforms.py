@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .errors import OptionError
 from .index import MODEL_CONTAINERS, OPTIM_CONTAINERS, CheckpointIndex, ObjectEntry, TensorEntry
+from .stacking import unstack
 
 Only = Literal["model", "optim", "all"]
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -149,9 +150,13 @@ def _kind(path: tuple[str, ...], has_model_root: bool) -> str:
 
 def apply(index: CheckpointIndex, options: KeyOptions) -> tuple[CheckpointIndex, list[str]]:
     """A view of `index` with the selected entries under their output names, and a report of what changed."""
+    unstacked: list[str] = []
+    if options.clean and index.stacked:
+        index, unstacked = unstack(index)
     everything: list[TensorEntry | ObjectEntry] = [*index.tensors.values(), *index.objects.values()]
     has_model_root = any(len(e.path) == 1 or e.path[0] in MODEL_CONTAINERS for e in everything)
-    kinds = {id(e): _kind(e.path, has_model_root) for e in everything}
+    kinds = {id(e): "other" if e.name in index.training_state else _kind(e.path, has_model_root)
+             for e in everything}
     wanted = {"model": {"model"}, "optim": {"optim"}, "all": {"model", "optim", "other"}}[options.only]
     entries = [e for e in everything if kinds[id(e)] in wanted]
     others = sorted({e.path[0] for e in everything if kinds[id(e)] == "other" and "other" not in wanted})
@@ -179,7 +184,7 @@ def apply(index: CheckpointIndex, options: KeyOptions) -> tuple[CheckpointIndex,
             if entry.value is not None:
                 new.value = mapper.value(entry, copy.deepcopy(entry.value))
             out.objects[name] = new
-    report = [f"stripped {prefix} from {n} keys" for prefix, n in sorted(mapper.counts.items())]
+    report = unstacked + [f"stripped {prefix} from {n} keys" for prefix, n in sorted(mapper.counts.items())]
     report += [f"renamed {n} keys with {pattern}" for pattern, n in mapper.rename_counts.items()]
     if dropped:
         report.append(f"left out {dropped} keys by --include/--exclude")
