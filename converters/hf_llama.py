@@ -43,15 +43,16 @@ def _require(cfg: dict[str, Any], where: str, *names: str) -> Any:
 
 def _check_llama(cfg: dict[str, Any], where: str) -> None:
     problems = []
-    if _get(cfg, "normalization", default="LayerNorm") != "RMSNorm":
-        problems.append(f"normalization {_get(cfg, 'normalization')!r} (Llama uses RMSNorm)")
+    norm = _get(cfg, "normalization", default="LayerNorm")
+    if norm != "RMSNorm":
+        problems.append(f"normalization {norm!r} (Llama uses RMSNorm)")
     if not (_get(cfg, "swiglu") or _get(cfg, "gated_linear_unit")):
         problems.append("no SwiGLU (swiglu / gated_linear_unit is off)")
     if _get(cfg, "add_bias_linear", default=True) or _get(cfg, "add_qkv_bias", default=False):
         problems.append("linear biases (add_bias_linear / add_qkv_bias)")
-    if _get(cfg, "position_embedding_type", default="rope") != "rope" and not _get(
-            cfg, "use_rotary_position_embeddings"):
-        problems.append(f"position embeddings {_get(cfg, 'position_embedding_type')!r} (Llama uses rope)")
+    position = _get(cfg, "position_embedding_type", default="learned_absolute")
+    if position != "rope" and not _get(cfg, "use_rotary_position_embeddings"):
+        problems.append(f"position embeddings {position!r} (Llama uses rope)")
     if float(_get(cfg, "rotary_percent", default=1.0)) != 1.0:
         problems.append("rotary_percent != 1.0")
     if _get(cfg, "qk_layernorm", default=False):

@@ -121,7 +121,7 @@ class MegatronReader(DcpReader):
         if not args:
             raise FormatError(f"{self.root}: no model config found (no args in {COMMON}, no NeMo context/); "
                               "the architecture cannot be read from the tensors alone")
-        return args, f"{COMMON} args"
+        return args, f"{storage.join(self.uri, COMMON)} args"
 
 
 def _nemo_config(context: str) -> dict[str, Any]:
