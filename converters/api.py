@@ -155,7 +155,10 @@ def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: C
     if not hasattr(source_reader, "model_config"):
         raise OptionError(f"--to-hf llama maps Megatron-core / NeMo GPT checkpoints; {source} is {index.format}")
     config, where = source_reader.model_config(index)
-    return to_llama(view, config, where)
+    view, hf_config, report = to_llama(view, config, where)
+    if options.dtype:
+        hf_config["torch_dtype"] = options.dtype
+    return view, hf_config, report
 
 
 def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,
