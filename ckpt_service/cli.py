@@ -27,7 +27,7 @@ out = Console()
 err = Console(stderr=True)
 
 From = Annotated[str | None, typer.Option("--from", help="Force the source format (dcp, accelerate, hf-dcp, "
-                                          "safetensors, torch, rank-files).")]
+                                          "safetensors, torch, rank-files, megatron, lightning).")]
 Only = Annotated[str, typer.Option(help="Which entries to write: model, optim or all.")]
 Rename = Annotated[list[str] | None, typer.Option("--rename", help="REGEX=REPLACEMENT applied to parameter names "
                                                   "(repeatable).")]
@@ -130,13 +130,14 @@ def inspect(source: Annotated[str, typer.Argument(help="Checkpoint path or URI."
 
 def _convert(source: str, target: str, to: str, source_format: str | None, keys: Any, dtype: str | None,
              max_shard_size: str, memory_limit: str, overwrite: bool, drop_tied: list[str] | None,
-             verify: bool, quiet: bool, as_json: bool, export: bool = False) -> None:
+             verify: bool, quiet: bool, as_json: bool, export: bool = False, to_hf: str | None = None) -> None:
     from converters.api import ConvertOptions, convert
 
     with errors():
         options = ConvertOptions(to=to, source_format=source_format, keys=keys, dtype=dtype,  # type: ignore[arg-type]
                                  max_shard_size=parse_size(max_shard_size), memory_limit=parse_size(memory_limit),
-                                 overwrite=overwrite, drop_tied=drop_tied or [], verify=verify, export=export)
+                                 overwrite=overwrite, drop_tied=drop_tied or [], verify=verify, export=export,
+                                 to_hf=to_hf)
         with progress_bar(quiet or as_json) as update:
             result = convert(source, target, options, update)
     print_result(result, as_json)
@@ -169,12 +170,15 @@ def export(source: str, target: str, source_format: From = None,
            keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
            rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
            max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
-           drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False) -> None:
+           drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False,
+           to_hf: Annotated[str | None, typer.Option("--to-hf", help="Map a Megatron / NeMo GPT model to a Hugging "
+                                                     "Face architecture (llama) and write its config.json.")] = None
+           ) -> None:
     """Export model weights to HF-style sharded safetensors for serving (clean keys by default)."""
     with errors():
         keys = key_options(only, not keep_keys, rename, include, exclude)
     _convert(source, target, "safetensors", source_format, keys, dtype, max_shard_size, memory_limit, overwrite,
-             drop_tied, verify, quiet, as_json, export=True)
+             drop_tied, verify, quiet, as_json, export=True, to_hf=to_hf)
 
 
 @app.command()
