@@ -27,7 +27,7 @@ out = Console()
 err = Console(stderr=True)
 
 From = Annotated[str | None, typer.Option("--from", help="Force the source format (dcp, accelerate, hf-dcp, "
-                                          "safetensors, torch, rank-files, deepspeed).")]
+                                          "safetensors, torch, rank-files, megatron, lightning, deepspeed).")]
 Only = Annotated[str, typer.Option(help="Which entries to write: model, optim or all.")]
 Rename = Annotated[list[str] | None, typer.Option("--rename", help="REGEX=REPLACEMENT applied to parameter names "
                                                   "(repeatable).")]
@@ -84,7 +84,7 @@ def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
         yield update
 
 
-def key_options(only: str, clean: bool, rename: list[str] | None, include: list[str] | None,
+def key_options(only: str, clean: bool | None, rename: list[str] | None, include: list[str] | None,
                 exclude: list[str] | None) -> Any:
     from converters.transforms import KeyOptions
 
@@ -129,6 +129,8 @@ def inspect(source: Annotated[str, typer.Argument(help="Checkpoint path or URI."
         names = info["non_tensor_entries"]
         out.print(f"{'non-tensor':>14}: " + ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""),
                   highlight=False)
+    if "unclassified" in info:
+        out.print(f"{'unclassified':>14}: " + ", ".join(info["unclassified"][:8]), highlight=False)
     for note in info.get("notes", []):
         out.print(f"{'note':>14}: {note}", highlight=False)
     if tensors:
@@ -140,13 +142,14 @@ def inspect(source: Annotated[str, typer.Argument(help="Checkpoint path or URI."
 
 def _convert(source: str, target: str, to: str, source_format: str | None, keys: Any, dtype: str | None,
              max_shard_size: str, memory_limit: str, overwrite: bool, drop_tied: list[str] | None,
-             verify: bool, quiet: bool, as_json: bool) -> None:
+             verify: bool, quiet: bool, as_json: bool, export: bool = False, to_hf: str | None = None) -> None:
     from converters.api import ConvertOptions, convert
 
     with errors():
         options = ConvertOptions(to=to, source_format=source_format, keys=keys, dtype=dtype,  # type: ignore[arg-type]
                                  max_shard_size=parse_size(max_shard_size), memory_limit=parse_size(memory_limit),
-                                 overwrite=overwrite, drop_tied=drop_tied or [], verify=verify)
+                                 overwrite=overwrite, drop_tied=drop_tied or [], verify=verify, export=export,
+                                 to_hf=to_hf)
         with progress_bar(quiet or as_json) as update:
             result = convert(source, target, options, update)
     print_result(result, as_json)
@@ -176,18 +179,21 @@ def convert(source: str, target: str,
 
 
 @app.command()
-def export(source: str, target: str, source_format: From = None, only: Only = "model",
+def export(source: str, target: str, source_format: From = None,
+           only: Annotated[str, typer.Option(help="model (an export never holds optimizer state).")] = "model",
            keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
            rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
            max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
            drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False,
+           to_hf: Annotated[str | None, typer.Option("--to-hf", help="Map a Megatron / NeMo GPT model to a Hugging "
+                                                     "Face architecture (llama) and write its config.json.")] = None,
            tag: Tag = None, weights: Weights = None) -> None:
     """Export model weights to HF-style sharded safetensors for serving (clean keys by default)."""
     with errors():
         source, source_format = source_for(source, source_format, tag, weights)
         keys = key_options(only, not keep_keys, rename, include, exclude)
     _convert(source, target, "safetensors", source_format, keys, dtype, max_shard_size, memory_limit, overwrite,
-             drop_tied, verify, quiet, as_json)
+             drop_tied, verify, quiet, as_json, export=True, to_hf=to_hf)
 
 
 @app.command()
@@ -223,7 +229,9 @@ def reshard(source: str, target: str, world_size: Annotated[int, typer.Option("-
             shard_dim_rule: Annotated[list[str] | None, typer.Option("--shard-dim-rule", help="REGEX=DIM: split "
                                                                      "matching parameters on DIM instead.")] = None,
             source_format: From = None, only: Only = "model",
-            keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
+            clean_keys: Annotated[bool | None, typer.Option("--clean-keys/--keep-keys", help="Strip wrapper "
+                                                            "prefixes and containers (default: kept with --only "
+                                                            "all, cleaned otherwise).")] = None,
             rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
             dtype_optim: Annotated[bool, typer.Option("--dtype-optim", help="Cast optimizer state too.")] = False,
             memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False, verify: Verify = False,
@@ -236,7 +244,7 @@ def reshard(source: str, target: str, world_size: Annotated[int, typer.Option("-
     with errors():
         source, source_format = source_for(source, source_format, tag, weights)
         options = ReshardOptions(world_size=world_size, layout=layout, dim_rules=parse_dim_rules(shard_dim_rule or []),
-                                 source_format=source_format, keys=key_options(only, not keep_keys, rename, include,
+                                 source_format=source_format, keys=key_options(only, clean_keys, rename, include,
                                                                                exclude),
                                  dtype=dtype, dtype_optim=dtype_optim, memory_limit=parse_size(memory_limit),
                                  overwrite=overwrite, verify=verify)

@@ -190,7 +190,7 @@ def submit_reshard(source: str, target: str,
                    layout: Annotated[str, typer.Option(help="Sharding policy: fsdp2.")] = "fsdp2",
                    shard_dim_rule: Annotated[list[str] | None, typer.Option("--shard-dim-rule")] = None,
                    source_format: From = None, only: Only = "model",
-                   keep_keys: Annotated[bool, typer.Option("--keep-keys")] = False,
+                   clean_keys: Annotated[bool | None, typer.Option("--clean-keys/--keep-keys")] = None,
                    rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
                    dtype_optim: Annotated[bool, typer.Option("--dtype-optim")] = False,
                    memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False, verify: Verify = False,
@@ -198,7 +198,7 @@ def submit_reshard(source: str, target: str,
                    idempotency_key: IdemKey = None, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Reshard to a DCP checkpoint for WORLD_SIZE ranks, on the server."""
     options = {"world_size": world_size, "layout": layout, "shard_dim_rule": shard_dim_rule,
-               "source_format": source_format, "only": only, "clean_keys": not keep_keys, "rename": rename,
+               "source_format": source_format, "only": only, "clean_keys": clean_keys, "rename": rename,
                "include": include, "exclude": exclude, "dtype": dtype, "dtype_optim": dtype_optim,
                "memory_limit": memory_limit, "overwrite": overwrite, "verify": verify}
     submit_job("reshard", source, target, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)

@@ -83,7 +83,8 @@ def engine_call(spec: JobSpec) -> EngineCall:
     convert_options = ConvertOptions(to=to, source_format=opts.source_format, keys=keys,  # type: ignore[arg-type]
                                      dtype=opts.dtype, max_shard_size=int(opts.max_shard_size or DEFAULT_SHARD_SIZE),
                                      memory_limit=memory_limit, overwrite=opts.overwrite,
-                                     drop_tied=list(opts.drop_tied), verify=opts.verify)
+                                     drop_tied=list(opts.drop_tied), verify=opts.verify,
+                                     export=spec.kind == "export")
     return lambda progress: convert(source, target, convert_options, progress)
 
 

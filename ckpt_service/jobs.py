@@ -42,9 +42,10 @@ APPLIES: dict[str, frozenset[str]] = {
                          "memory_limit", "atol", "rtol"}),
     "inspect": frozenset({"source_format", "tensors"}),
 }
-#: The offline commands' defaults (`ckptctl export` keeps the model and cleans keys, `convert` keeps everything).
+#: The offline commands' defaults (`ckptctl export` keeps the model and cleans keys, `convert` keeps everything;
+#: reshard keeps keys with `only: all`, a training state, and cleans them otherwise: None).
 DEFAULT_ONLY = {"convert": "all", "export": "model", "reshard": "model", "verify": "all"}
-DEFAULT_CLEAN = {"convert": False, "export": True, "reshard": True, "verify": True}
+DEFAULT_CLEAN: dict[str, bool | None] = {"convert": False, "export": True, "reshard": None, "verify": True}
 
 
 class JobOptions(BaseModel):

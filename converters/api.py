@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import dtypes, storage
+from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import OptionError, TargetError
 from .formats import load_index
@@ -34,8 +35,13 @@ class ConvertOptions:
     overwrite: bool = False
     drop_tied: list[str] = field(default_factory=list)
     verify: bool = False
+    export: bool = False  # an export for serving: model weights only, never optimizer state
+    to_hf: str | None = None  # "llama": Megatron GPT -> LlamaForCausalLM names, layouts and config.json
 
     def __post_init__(self) -> None:
+        if self.export and self.keys.only != "model":
+            raise OptionError(f"--only {self.keys.only}: an export holds model weights only; use "
+                              "`convert --only all` to keep optimizer and training state")
         if self.to not in ("safetensors", "torch"):
             raise OptionError(f"--to {self.to}: choose safetensors or torch")
         self.dtype = dtypes.cast_target(self.dtype)
@@ -43,6 +49,10 @@ class ConvertOptions:
             raise OptionError("--max-shard-size must be positive")
         if self.memory_limit < 1024 * 1024:
             raise OptionError("--memory-limit must be at least 1MiB")
+        if self.to_hf is not None and self.to_hf != "llama":
+            raise OptionError(f"--to-hf {self.to_hf}: choose llama")
+        if self.to_hf and (self.to != "safetensors" or not self.keys.clean or self.keys.only != "model"):
+            raise OptionError("--to-hf writes model weights as safetensors; drop --keep-keys / --only / --to")
 
 
 @dataclass
@@ -89,7 +99,13 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
     reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
-        view, report = apply(index, options.keys)
+        view, report, _ = apply(index, options.keys, reader)
+        hf_config = None
+        if options.to_hf:
+            if target.endswith(".safetensors"):
+                raise OptionError(f"--to-hf writes a folder (weights and config.json), not {target}")
+            view, hf_config, notes = _to_hf(source, options, index, view, reader)
+            report += notes
         skipped = []
         if options.to == "safetensors" and view.objects:
             skipped = sorted(view.objects)
@@ -119,6 +135,9 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
 
                 write_safetensors(view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
                                   metadata=metadata)
+            if hf_config is not None:
+                with out.open("config.json") as fh:
+                    fh.write(json.dumps(hf_config, indent=2).encode())
             result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped)
             if options.verify:
                 result.verify = verify_output(view, out.root, options.to, reader, cast_ok=options.dtype is not None,
@@ -132,16 +151,36 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
             reader.close()
 
 
+def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: CheckpointIndex,
+           reader: storage.RangeReader) -> tuple[CheckpointIndex, dict, list[str]]:
+    from .formats import open_reader
+    from .hf_llama import to_llama
+
+    source_reader = open_reader(source.rstrip("/"), options.source_format or index.format, reader)
+    if not hasattr(source_reader, "model_config"):
+        raise OptionError(f"--to-hf llama maps Megatron-core / NeMo GPT checkpoints; {source} is {index.format}")
+    config, where = source_reader.model_config(index)
+    view, hf_config, report = to_llama(view, config, where)
+    if options.dtype:
+        hf_config["torch_dtype"] = options.dtype
+    return view, hf_config, report
+
+
 def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,
            a_format: str | None = None, b_format: str | None = None,
            memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
-    """Compare two checkpoints tensor by tensor after the same key clean-up."""
-    keys = keys or KeyOptions(only="all", nest=False)
+    """Compare two checkpoints tensor by tensor after the same key clean-up; then `b` (a DCP folder, a
+    safetensors or torch file) read by its consumer's own loader must hold the same values as we read."""
+    keys = keys or KeyOptions(only="all", clean=True, nest=False)
     reader = storage.RangeReader()
     try:
-        left, _ = apply(load_index(a, a_format, reader=reader), keys)
-        right, _ = apply(load_index(b, b_format, reader=reader), keys)
-        return verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
-                              memory_limit=memory_limit)
+        left = apply(load_index(a, a_format, reader=reader), keys, reader).index
+        b_index = load_index(b, b_format, reader=reader)
+        right = apply(b_index, keys, reader).index
+        report = verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
+                                memory_limit=memory_limit)
+        if report.ok:  # `b` is usually an output: its consumer must load it, with the same values
+            report.consumer = check(b_index, b_index.uri, b_index.format, reader, memory_limit // 4)
+        return report
     finally:
         reader.close()

@@ -92,6 +92,10 @@ class CheckpointIndex:
     objects: dict[str, ObjectEntry] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # layer-stacked tensors (Megatron): name -> the prefix the layer number goes after when unstacked
+    stacked: dict[str, str] = field(default_factory=dict)
+    # entries that are a framework's training state beside the model (Lightning meta.pt, Megatron common.pt)
+    training_state: set[str] = field(default_factory=set)
 
     @property
     def total_bytes(self) -> int:
@@ -101,13 +105,9 @@ class CheckpointIndex:
         return list(self.tensors) + list(self.objects)
 
     def has_optimizer(self) -> bool:
-        return any(is_optimizer_key(name) for name in self.names())
+        from .classify import index_kinds
 
-
-def is_optimizer_key(name: str) -> bool:
-    """True for optimizer entries: `optim.…`/`optimizer.…` containers or bare `state.…`/`param_groups.…`."""
-    head = name.split(".", 1)[0]
-    return head in OPTIM_CONTAINERS or head in OPTIM_SECTIONS
+        return any(p.optimizer for p in index_kinds(self).values())
 
 
 def check_tiling(entry: TensorEntry, where: str) -> None:

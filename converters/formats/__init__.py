@@ -10,7 +10,6 @@ from typing import Protocol
 from .. import storage
 from ..errors import FormatError, OptionError, SourceError
 from ..index import CheckpointIndex
-from . import deepspeed
 
 READERS: dict[str, str] = {
     "dcp": "converters.formats.dcp:DcpReader",
@@ -19,6 +18,8 @@ READERS: dict[str, str] = {
     "safetensors": "converters.formats.safetensors:SafetensorsReader",
     "torch": "converters.formats.torchsave:TorchSaveReader",
     "rank-files": "converters.formats.rankfiles:RankFilesReader",
+    "megatron": "converters.formats.megatron:MegatronReader",
+    "lightning": "converters.formats.lightning:LightningReader",
     "deepspeed": "converters.formats.deepspeed:DeepSpeedReader",
     "deepspeed-module": "converters.formats.deepspeed:DeepSpeedModuleReader",
 }
@@ -64,9 +65,17 @@ def detect(uri: str) -> str:
             raise FormatError(f"{uri}: point at the folder that holds .metadata, not the file itself")
         raise FormatError(f"{uri}: unknown file type; pass --from with one of {', '.join(READERS)}")
     names = storage.listdir(uri)
+    from .megatron import is_megatron
+
+    if is_megatron(uri, names):
+        return "megatron"
+    if ".metadata" in names and "meta.pt" in names:
+        return "lightning"
     if ".metadata" in names:
         return "dcp"
-    if deepspeed.is_deepspeed_folder(uri, names):
+    from .deepspeed import is_deepspeed_folder
+
+    if is_deepspeed_folder(uri, names):
         return "deepspeed"
     if "model.safetensors.index.json" in names:
         return "safetensors"

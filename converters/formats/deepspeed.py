@@ -14,7 +14,7 @@ Nothing is loaded whole and nothing of DeepSpeed is imported: its classes are st
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import dtypes, storage
@@ -227,6 +227,10 @@ class DeepSpeedReader:
             index.notes.append(f"{len(left)} module entries ({', '.join(left[:3])}) have no fp32 master copy in this "
                                "save, so DeepSpeed's zero_to_fp32 leaves them out too; --weights module (--from "
                                "deepspeed-module) reads the 16-bit module weights, which include them")
+        # the layout of FSDP2's `dcp.load({"model": ..., "optim": ...})`, so `reshard --only all` resumes;
+        # export strips the `model.` container, which leaves the module's own names
+        index.tensors = {e.name: e for e in (replace(e, name=f"model.{n}", path=("model", n)) if len(e.path) == 1
+                                             else e for n, e in index.tensors.items())}
 
     def _rank(self, path: str) -> _Rank:
         archive = self._archive(path)
