@@ -24,7 +24,8 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 WRITING_KINDS = frozenset({"convert", "export", "reshard"})
 
 #: The engine's reader names (`converters.formats.READERS`; a test keeps the two lists equal).
-Format = Literal["dcp", "accelerate", "hf-dcp", "safetensors", "torch", "rank-files", "deepspeed", "deepspeed-module"]
+Format = Literal["dcp", "accelerate", "hf-dcp", "safetensors", "torch", "rank-files", "megatron", "lightning",
+                 "deepspeed", "deepspeed-module"]
 Text = Annotated[str, Field(min_length=1, max_length=1024)]
 Texts = Annotated[list[Text], Field(max_length=256)]
 Size = Annotated[int | str, Field(description="Bytes, or a size such as 5GB or 256MiB.")]
