@@ -12,9 +12,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from . import unpickle
+from . import dtypes, unpickle
 from .errors import FormatError
-from .storage import RangeReader
+from .index import ByteRange, count, short
+from .storage import RangeReader, max_metadata_bytes
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length (30 bytes)
 _LOCAL_SIG = 0x04034B50
@@ -96,37 +97,74 @@ def _walk_local_headers(head: bytes, base: int, limit: int) -> tuple[list[Member
     return members, bool(members) and any(m.name.endswith("data.pkl") for m in members)
 
 
-def _central_members(reader: RangeReader, uri: str, base: int, length: int) -> list[Member]:
+def _damaged(label: str, what: str) -> FormatError:
+    return FormatError(f"{label}: damaged zip directory ({what}); the file is damaged or not a PyTorch checkpoint")
+
+
+def _central_members(reader: RangeReader, uri: str, base: int, length: int, label: str) -> list[Member]:
+    """Members from the zip's central directory; every size and offset is checked against `length` (the
+    archive's real extent) before anything is read or allocated."""
     tail_len = min(length, 65536 + 22)
     tail = reader.read(uri, base + length - tail_len, tail_len)
     at = tail.rfind(_EOCD_SIG)
-    if at < 0:
-        raise FormatError(f"{uri}: not a torch.save archive (no zip directory at byte {base}); "
+    if at < 0 or at + 22 > len(tail):
+        raise FormatError(f"{label}: not a torch.save archive (no zip directory); "
                           "the file is damaged or not a PyTorch checkpoint")
-    count, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
-    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:
+    entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
+    if cd_offset == 0xFFFFFFFF or entries == 0xFFFF or cd_size == 0xFFFFFFFF:
         loc = tail.rfind(_EOCD64_LOC_SIG, 0, at)
+        if loc < 0 or loc + 20 > at:
+            raise _damaged(label, "zip64 locator missing")
         (eocd64_offset,) = struct.unpack_from("<Q", tail, loc + 8)
+        if eocd64_offset + 56 > length:
+            raise _damaged(label, "zip64 record outside the archive")
         eocd64 = reader.read(uri, base + eocd64_offset, 56)
-        count, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
+        if eocd64[:4] != b"PK\x06\x06":
+            raise _damaged(label, "bad zip64 record")
+        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
+    if cd_offset + cd_size > length:
+        raise _damaged(label, f"directory of {cd_size} bytes at {cd_offset} lies outside the {length}-byte archive")
+    if cd_size > max_metadata_bytes() or entries * _CENTRAL.size > cd_size:
+        raise _damaged(label, f"{entries} entries in a {cd_size}-byte directory")
     directory = reader.read(uri, base + cd_offset, cd_size)
     members: list[Member] = []
     pos = 0
-    for _ in range(count):
+    for _ in range(entries):
+        if pos + _CENTRAL.size > len(directory):
+            raise _damaged(label, "entries run past the directory")
         fields = _CENTRAL.unpack_from(directory, pos)
         if fields[0] != _CENTRAL_SIG:
-            raise FormatError(f"{uri}: damaged zip directory")
+            raise _damaged(label, "bad entry signature")
         comp, uncomp, name_len, extra_len, comment_len, local_offset = (fields[8], fields[9], fields[10],
                                                                        fields[11], fields[12], fields[16])
         name = directory[pos + 46: pos + 46 + name_len].decode("utf-8", "replace")
         extra = directory[pos + 46 + name_len: pos + 46 + name_len + extra_len]
         comp, uncomp, local_offset = _zip64_sizes(extra, comp, uncomp, local_offset)
-        local = reader.read(uri, base + local_offset, _LOCAL.size)
-        lf = _LOCAL.unpack(local)
+        if local_offset is None or local_offset + _LOCAL.size > length:
+            raise _damaged(label, f"member {name!r} starts outside the archive")
+        lf = _LOCAL.unpack(reader.read(uri, base + local_offset, _LOCAL.size))
+        if lf[0] != _LOCAL_SIG:
+            raise _damaged(label, f"member {name!r} has no local header")
         data_offset = base + local_offset + _LOCAL.size + lf[9] + lf[10]
         members.append(Member(name, data_offset, comp))
         pos += 46 + name_len + extra_len + comment_len
     return members
+
+
+def storage_range(label: str, name: str, ref: unpickle.TensorRef, member: Member, uri: str) -> ByteRange:
+    """The bytes of tensor `ref` inside its storage `member`, refused when they reach outside it."""
+    item = dtypes.itemsize(ref.dtype)
+    n = dtypes.numel(ref.shape)
+    offset = count(ref.offset, label, f"storage offset of {name!r}")
+    if len(ref.stride) != len(ref.shape) or any(st < 0 for st in ref.stride):
+        raise FormatError(f"{label}: tensor {name!r} has strides {short(ref.stride)} for shape "
+                          f"{list(ref.shape)}; the file is damaged")
+    contiguous = ref.is_contiguous()
+    span = n if contiguous else (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride)) if n else 0)
+    start = member.data_offset + offset * item
+    if start + span * item > member.data_offset + member.size:
+        raise FormatError(f"{label}: tensor {name!r} reaches past its storage; the file is damaged")
+    return ByteRange(uri, start, span * item, None if contiguous else ref.stride)
 
 
 def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | None = None,
@@ -139,17 +177,22 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
     """
     label = label or uri
     if length is None:
-        from .storage import size
-
-        length = size(uri) - offset
+        length = reader.file_size(uri) - offset
     head = reader.read(uri, offset, min(length, _HEAD_READ))
     members, complete = _walk_local_headers(head, offset, length) if single_storage else ([], False)
     if not complete:
-        members = _central_members(reader, uri, offset, length)
+        members = _central_members(reader, uri, offset, length, label)
+    for member in members:
+        if member.data_offset + member.size > offset + length:
+            raise FormatError(f"{label}: zip member {member.name!r} reaches past the end of the archive; the file is "
+                              "truncated or damaged")
     by_name = {m.name: m for m in members}
     pkl = next((m for m in members if m.name.endswith("data.pkl")), None)
     if pkl is None:
         raise FormatError(f"{label}: not a torch.save archive (no data.pkl)")
+    if pkl.size > max_metadata_bytes():
+        raise FormatError(f"{label}: data.pkl is {pkl.size} bytes, more than the limit for metadata; the file is "
+                          "damaged (if it is genuine, raise CKPT_MAX_METADATA_BYTES)")
     rel = pkl.data_offset - offset
     pkl_bytes = head[rel: rel + pkl.size] if rel + pkl.size <= len(head) else reader.read(
         uri, pkl.data_offset, pkl.size)
