@@ -298,10 +298,12 @@ def size(uri: str, missing: str = "no such file") -> int:
     if is_local(uri):
         return _stat_local(uri, missing).st_size
     _check_roots(uri)
-    try:
-        return int(_remote_call(uri, "size"))
-    except SourceError:
-        raise SourceError(f"{uri}: {missing}") from None
+    fs, path = filesystem(uri)
+    with translate_errors(uri):
+        try:
+            return int(fs.size(path))
+        except FileNotFoundError:
+            raise SourceError(f"{uri}: {missing}") from None
 
 
 def _too_big(uri: str, cap: int) -> FormatError:

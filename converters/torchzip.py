@@ -14,7 +14,7 @@ from typing import Any
 
 from . import dtypes, unpickle
 from .errors import FormatError
-from .index import ByteRange, count, short
+from .index import ByteRange, count, counts, short
 from .storage import RangeReader, max_metadata_bytes
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length (30 bytes)
@@ -154,7 +154,7 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
 def storage_range(label: str, name: str, ref: unpickle.TensorRef, member: Member, uri: str) -> ByteRange:
     """The bytes of tensor `ref` inside its storage `member`, refused when they reach outside it."""
     item = dtypes.itemsize(ref.dtype)
-    n = dtypes.numel(ref.shape)
+    n = dtypes.numel(counts(ref.shape, label, f"shape of {name!r}"))
     offset = count(ref.offset, label, f"storage offset of {name!r}")
     if len(ref.stride) != len(ref.shape) or any(st < 0 for st in ref.stride):
         raise FormatError(f"{label}: tensor {name!r} has strides {short(ref.stride)} for shape "

@@ -388,3 +388,57 @@ def test_pickled_metadata_is_unchanged_by_edits(bases: dict[str, Path], tmp_path
     kit.edit_dcp_metadata(ckpt, lambda md: None)
     proc = run_cli(["export", str(ckpt), str(tmp_path / "out")])
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", ["../x", "a/../../x", "/etc/passwd", "C:/x", "file:///etc/passwd", "s3://b/k",
+                                  "%2e%2e/x", "a%2Fb", "..\\x", "a\\b", "\uff0e\uff0e/x", "a/\uff0f/b", "./x", "a//b",
+                                  "", "a/", "x\x00y", "\n"])
+def test_member_names_that_leave_the_folder_are_refused(name: str) -> None:
+    from converters import storage
+    from converters.errors import FormatError
+
+    with pytest.raises(FormatError, match=r"not read|not a file name"):
+        storage.member("s3://bucket/ckpt", name, "s3://bucket/ckpt/.metadata")
+
+
+def test_member_names_inside_the_folder_are_joined() -> None:
+    from converters import storage
+
+    assert storage.member("s3://bucket/ckpt", "__0_0.distcp", "m") == "s3://bucket/ckpt/__0_0.distcp"
+    assert storage.member("/data/ckpt", "sub/model-1.safetensors", "m") == "/data/ckpt/sub/model-1.safetensors"
+    assert storage.member("/data/ckpt", "..a..b", "m") == "/data/ckpt/..a..b"
+
+
+def test_whole_file_reads_stop_at_the_cap_even_when_the_size_lies(tmp_path: Path) -> None:
+    """/proc files report size 0 but hold more: the read stops at cap + 1 bytes and refuses."""
+    from converters import storage
+    from converters.errors import FormatError
+
+    with pytest.raises(FormatError, match="100-byte limit"):
+        storage.read_all("/proc/self/maps", cap=100)
+    (tmp_path / "small.json").write_text("{}")
+    assert storage.read_all(str(tmp_path / "small.json"), cap=2) == b"{}"
+    with pytest.raises(FormatError, match="1-byte limit"):
+        storage.read_all(str(tmp_path / "small.json"), cap=1)
+
+
+def test_confine_reads_in_process(bases: dict[str, Path], tmp_path: Path) -> None:
+    """The service's hook: `storage.confine_reads(roots)` refuses a member whose real path leaves the roots."""
+    from converters import api, storage
+    from converters.errors import SourceError
+
+    ckpt = kit.copy_base(bases["safetensors"], tmp_path / "ckpt")
+    outside = tmp_path / "elsewhere" / "model.safetensors"
+    outside.parent.mkdir()
+    shutil.move(ckpt / "model.safetensors", outside)
+    (ckpt / "model.safetensors").symlink_to(outside)
+    storage.confine_reads([str(ckpt)])
+    try:
+        with pytest.raises(SourceError, match="outside the storage roots") as info:
+            api.inspect(str(ckpt))
+        assert str(outside) not in str(info.value) and "ckpt/model.safetensors" in str(info.value)
+        storage.confine_reads([str(tmp_path)])
+        assert sorted(api.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
+    finally:
+        storage.confine_reads(None)
+    assert sorted(api.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
