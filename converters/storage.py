@@ -10,8 +10,9 @@ Every byte the engine reads from a checkpoint goes through this module, which co
   (absolute paths, `..`, backslashes, percent-escapes and their Unicode-normalised forms);
 - local files are opened only when they are regular files (never a FIFO, device or socket: checked
   before opening, and again on the open descriptor, which is opened non-blocking);
-- with read roots set (`confine_reads(roots)`, or the `CKPT_READ_ROOTS` environment variable: a JSON
-  list or an os.pathsep-separated list), every local file must resolve, symlinks followed, inside one
+- with read roots set (`confine_reads(roots)`, or the `CKPT_CONFINE_READS` environment variable: a JSON
+  list or an os.pathsep-separated list; a job process sets it to its read roots plus its write roots, since
+  it reads back what it writes), every local file must resolve, symlinks followed, inside one
   of them, checked before opening and again on the opened descriptor; remote URIs must lie below one
   of the roots given as URIs. Without roots (offline), member symlinks are followed;
 - whole-file reads (`read_all`) stop at `max_metadata_bytes()` (`CKPT_MAX_METADATA_BYTES`), checked
@@ -46,7 +47,7 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
 
-READ_ROOTS_ENV = "CKPT_READ_ROOTS"
+READ_ROOTS_ENV = "CKPT_CONFINE_READS"
 MAX_METADATA_ENV = "CKPT_MAX_METADATA_BYTES"
 DEFAULT_MAX_METADATA = 256 * 1024 * 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -70,7 +71,7 @@ def max_metadata_bytes() -> int:
 
 def confine_reads(roots: list[str] | None) -> None:
     """Allow reads only inside `roots` (local folders or URI prefixes), symlinks resolved; None: no check
-    beyond the `CKPT_READ_ROOTS` environment variable."""
+    beyond the `CKPT_CONFINE_READS` environment variable."""
     global _roots
     _roots = None if roots is None else [_root(r) for r in roots]
 
@@ -80,7 +81,7 @@ def _root(text: str) -> str:
 
 
 def read_roots() -> list[str] | None:
-    """The read roots in force: set by `confine_reads`, else from CKPT_READ_ROOTS, else None (no check)."""
+    """The read roots in force: set by `confine_reads`, else from CKPT_CONFINE_READS, else None (no check)."""
     if _roots is not None:
         return _roots
     text = os.environ.get(READ_ROOTS_ENV, "").strip()
