@@ -128,6 +128,7 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
         raise _damaged(label, f"{entries} entries in a {cd_size}-byte directory")
     directory = reader.read(uri, base + cd_offset, cd_size)
     members: list[Member] = []
+    starts: list[int] = []
     pos = 0
     for _ in range(entries):
         if pos + _CENTRAL.size > len(directory):
@@ -142,13 +143,48 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
         comp, uncomp, local_offset = _zip64_sizes(extra, comp, uncomp, local_offset)
         if local_offset is None or local_offset + _LOCAL.size > length:
             raise _damaged(label, f"member {name!r} starts outside the archive")
-        lf = _LOCAL.unpack(reader.read(uri, base + local_offset, _LOCAL.size))
-        if lf[0] != _LOCAL_SIG:
-            raise _damaged(label, f"member {name!r} has no local header")
-        data_offset = base + local_offset + _LOCAL.size + lf[9] + lf[10]
+        data_offset = _local_data_offset(reader, uri, base, local_offset, length, name,
+                                         directory[pos + 46: pos + 46 + name_len], label)
         members.append(Member(name, data_offset, comp))
+        starts.append(base + local_offset)
         pos += 46 + name_len + extra_len + comment_len
+    # each member's data must end where the next header (or the directory) starts, but for a data descriptor
+    # that repeats its size: a shifted start (a damaged length field) cannot pass
+    bounds = sorted([*starts, base + cd_offset])
+    for member in members:
+        end = member.data_offset + member.size
+        nxt = next((b for b in bounds if b >= member.data_offset), base + cd_offset)
+        if end > nxt or (nxt > end and not _is_descriptor(reader.read(uri, end, min(nxt - end, 24)), nxt - end,
+                                                           member.size)):
+            raise _damaged(label, f"member {member.name!r} does not end where the next entry starts")
     return members
+
+
+def _is_descriptor(data: bytes, gap: int, size: int) -> bool:
+    """True when the `gap` bytes after a member are its data descriptor (crc, sizes), with or without signature."""
+    body = data[4:] if data[:4] == b"PK\x07\x08" else data
+    if len(data) != gap or len(body) not in (12, 20):
+        return False
+    return struct.unpack_from("<I" if len(body) == 12 else "<Q", body, 4)[0] == size
+
+
+def _local_data_offset(reader: RangeReader, uri: str, base: int, local_offset: int, length: int, name: str,
+                       central_name: bytes, label: str) -> int:
+    """Where a member's data starts, from its local header, which must agree with the directory: same name, an
+    extra field made of whole records (a flipped length would shift the data silently)."""
+    lf = _LOCAL.unpack(reader.read(uri, base + local_offset, _LOCAL.size))
+    name_len, extra_len = lf[9], lf[10]
+    if lf[0] != _LOCAL_SIG or local_offset + _LOCAL.size + name_len + extra_len > length:
+        raise _damaged(label, f"member {name!r} has no local header")
+    rest = reader.read(uri, base + local_offset + _LOCAL.size, name_len + extra_len)
+    if rest[:name_len] != central_name:
+        raise _damaged(label, f"member {name!r} is named differently in its local header")
+    extra, at = rest[name_len:], 0
+    while at + 4 <= len(extra):
+        at += 4 + struct.unpack_from("<H", extra, at + 2)[0]
+    if at != len(extra):
+        raise _damaged(label, f"member {name!r} has a malformed extra field")
+    return base + local_offset + _LOCAL.size + name_len + extra_len
 
 
 def storage_range(label: str, name: str, ref: unpickle.TensorRef, member: Member, uri: str) -> ByteRange:

@@ -142,7 +142,13 @@ def load_index(uri: str, fmt: str | None = None, locate: bool = True,
     uri = uri.rstrip("/") if len(uri) > 1 else uri
     if complete:
         check_complete(uri)
-    index = open_reader(uri, fmt, reader).index(locate=locate)
+    own = reader is None
+    reader = reader or storage.RangeReader()
+    try:
+        index = open_reader(uri, fmt, reader).index(locate=locate)
+    finally:
+        if own:  # the index holds byte ranges, not descriptors: close what reading it opened
+            reader.close()
     if not index.tensors and not index.objects:
         raise FormatError(f"{uri}: the checkpoint holds no entries")
     return index

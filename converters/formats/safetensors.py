@@ -78,7 +78,8 @@ def _metadata(path: str, header: dict) -> dict[str, tuple[int, ...]]:
 
 
 def check_layout(path: str, spans: list[tuple[int, int, str]], data_bytes: int) -> None:
-    """Tensor byte ranges must lie in the data section and must not overlap."""
+    """Tensor byte ranges must lie in the data section, must not overlap and must cover it (as safetensors
+    itself requires: a header length off by a few bytes would otherwise shift every tensor)."""
     last_end, last_name = 0, ""
     for begin, end, name in sorted(spans):
         if begin < last_end:
@@ -87,6 +88,10 @@ def check_layout(path: str, spans: list[tuple[int, int, str]], data_bytes: int) 
     if last_end > data_bytes:
         raise FormatError(f"{path} ({last_name!r}): data ends at byte {last_end} of a {data_bytes}-byte data "
                           "section; the file is truncated (re-copy or re-upload it)")
+    covered = sum(end - begin for begin, end, _ in spans)
+    if covered != data_bytes:
+        raise FormatError(f"{path}: the tensors cover {covered} of the {data_bytes} bytes after the header (the format "
+                          "allows no holes); the header length or data_offsets are damaged")
 
 
 def safetensors_files(uri: str) -> list[str]:
