@@ -141,6 +141,9 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
         name = directory[pos + 46: pos + 46 + name_len].decode("utf-8", "replace")
         extra = directory[pos + 46 + name_len: pos + 46 + name_len + extra_len]
         comp, uncomp, local_offset = _zip64_sizes(extra, comp, uncomp, local_offset)
+        if fields[4] != 0 or comp != uncomp:
+            raise FormatError(f"{label}: zip member {name!r} is compressed (or its sizes disagree); torch.save "
+                              "archives store members uncompressed, so the file was re-packed or is damaged")
         if local_offset is None or local_offset + _LOCAL.size > length:
             raise _damaged(label, f"member {name!r} starts outside the archive")
         data_offset = _local_data_offset(reader, uri, base, local_offset, length, name,

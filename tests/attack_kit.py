@@ -194,6 +194,17 @@ def zip_directory_claim(path: Path, cd_size: int = 0xFFFFFF00, zip64: bool = Fal
     path.write_bytes(bytes(raw))
 
 
+def deflate_zip(path: Path) -> None:
+    """Re-pack a torch.save zip with compressed members (torch.load refuses those; so must we)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as src:
+        members = [(info.filename, src.read(info)) for info in src.infolist()]
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for name, data in members:
+            dst.writestr(name, data)
+
+
 def copy_base(base: Path, dest: Path) -> Path:
     shutil.copytree(base, dest, symlinks=True)
     return dest
