@@ -11,7 +11,7 @@ Every byte the engine reads from a checkpoint goes through this module, which co
 - local files are opened only when they are regular files (never a FIFO, device or socket: checked
   before opening, and again on the open descriptor, which is opened non-blocking);
 - with read roots set (`confine_reads(roots)`, or the `CKPT_CONFINE_READS` environment variable: a JSON
-  list or an os.pathsep-separated list; a job process sets it to its read roots plus its write roots, since
+  list of roots, or one root; a job process sets it to its read roots plus its write roots, since
   it reads back what it writes), every local file must resolve, symlinks followed, inside one
   of them, checked before opening and again on the opened descriptor; remote URIs must lie below one
   of the roots given as URIs. Without roots (offline), member symlinks are followed;
@@ -88,7 +88,7 @@ def read_roots() -> list[str] | None:
     if not text:
         return None
     try:
-        items = json.loads(text) if text.startswith("[") else text.split(os.pathsep)
+        items = json.loads(text) if text.startswith("[") else [text]
     except ValueError:
         raise OptionError(f"{READ_ROOTS_ENV}: not a JSON list of roots") from None
     return [_root(str(r)) for r in items if str(r).strip()]

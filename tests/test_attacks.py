@@ -369,7 +369,7 @@ def test_symlinked_members_are_followed_offline(bases: dict[str, Path], tmp_path
     want = kit.reference(bases["safetensors-sharded"])
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     # the same snapshot inside the read roots (blobs included) is read too; roots without blobs/ are not
-    proc = run_cli(["inspect", str(ckpt)], {"CKPT_CONFINE_READS": str(tmp_path)})
+    proc = run_cli(["inspect", str(ckpt)], {"CKPT_CONFINE_READS": json.dumps(["s3://bucket/x", str(tmp_path)])})
     assert proc.returncode == 0, proc.stderr
     proc = run_cli(["inspect", str(ckpt)], {"CKPT_CONFINE_READS": str(ckpt)})
     assert proc.returncode == 2 and "model.safetensors.index.json" in proc.stderr and "roots" in proc.stderr
