@@ -167,8 +167,10 @@ def _oracle(ckpt: Path, reader: str, mutant: Mutant) -> dict[str, torch.Tensor] 
             return {k: v for p in ckpt.glob("*.safetensors") for k, v in load_file(p).items()}
         if reader in ("torch", "torch-index", "rank-files"):
             out = {}
-            for p in sorted(ckpt.glob("*.pt")) + sorted(ckpt.glob("*.bin")):
-                out.update({k: v for k, v in torch.load(p, weights_only=True).items() if isinstance(v, torch.Tensor)})
+            for p in sorted(ckpt.glob("*.pt")) + sorted(ckpt.glob("*.bin")):  # rank0 first: replicas read from it
+                for k, v in torch.load(p, weights_only=True).items():
+                    if isinstance(v, torch.Tensor):
+                        out.setdefault(k, v)
             return out
     except Exception:
         return None
