@@ -15,6 +15,8 @@ from converters.api import ConvertOptions, convert
 
 from .conftest import FSDP1_LAYOUTS, FSDP2_LAYOUTS, Sample, assert_same_tensors, ckptctl
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 
 def load_export(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from .conftest import Sample, ckptctl
+
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
 
 
 def test_inspect_reports_layout(fsdp2: dict[str, Sample], fsdp1: dict[str, Sample]) -> None:

@@ -18,6 +18,8 @@ from converters.transforms import KeyOptions
 
 from .conftest import Sample, Samples, assert_same_tensors, ckptctl
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 
 def fsdp2_ws4(samples: Samples) -> Sample:
     key = "fsdp2-ws4"

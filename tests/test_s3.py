@@ -1,5 +1,6 @@
 """Object storage (issue 5) against a real S3-compatible server (moto's server mode) on loopback.
 
+
 A real FSDP2 DCP checkpoint goes into a bucket; export, reshard and verify run S3 -> S3, S3 -> local and
 local -> S3 and must produce the bytes of the local conversion; bytes fetched are measured with the engine's
 RangeReader counters; an upload killed half way leaves a prefix that readers refuse, and a re-run repairs it;
@@ -53,6 +54,8 @@ from .s3server import (  # noqa: F401  (fixtures s3 and s3_server)
     s3_fixture,
     s3_server_fixture,
 )
+
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
 
 MANIFEST = "ckpt-manifest.json"
 MARKER = ".ckpt-writing"

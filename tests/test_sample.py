@@ -29,7 +29,7 @@ from ckpt_service.sample import (
 )
 from ckpt_service.sample.launch import SampleJobError
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")]
 
 WS = 2
 SIZE = "tiny"

@@ -13,6 +13,8 @@ from converters.transforms import KeyOptions
 
 from .service_harness import Server, Tokens, job_spec, make_server
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 
 @pytest.fixture(scope="module")
 def env(fsdp2: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path, Path]]:

@@ -17,6 +17,8 @@ from converters.formats import READERS
 
 from .service_harness import Server, Tokens, make_server
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens]]:
