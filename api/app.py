@@ -23,10 +23,12 @@ from ckpt_service.store import JobStore
 from ckpt_service.store_check import StoreHealth
 
 from . import errors
+from .dashboard import mount as mount_dashboard
 from .events import StreamSlots
 from .limits import BodyLimit
 from .metrics import Metrics, RequestMetrics
 from .routes_checkpoints import router as checkpoints_router
+from .routes_dashboard_support import router as session_router
 from .routes_health import router as health_router
 from .routes_jobs import router as jobs_router
 
@@ -73,6 +75,8 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     app.include_router(jobs_router)
     app.include_router(checkpoints_router)
     app.include_router(health_router)
+    app.include_router(session_router)
+    mount_dashboard(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

@@ -37,7 +37,7 @@ EngineCall = Callable[[Callable[[Any], None] | None], Any]
 def key_options(request: KeyedRequest) -> Any:
     from converters.transforms import KeyOptions
 
-    return KeyOptions(only=request.only, clean=request.clean(), renames=KeyOptions.parse_renames(request.rename),
+    return KeyOptions(only=request.only, clean=request.clean_keys, renames=KeyOptions.parse_renames(request.rename),
                       include=list(request.include), exclude=list(request.exclude))
 
 
@@ -86,7 +86,8 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
     convert_options = ConvertOptions(to=to, source_format=request.source_format, keys=keys, dtype=request.dtype,
                                      max_shard_size=int(request.max_shard_size),
                                      memory_limit=int(request.memory_limit), overwrite=request.overwrite,
-                                     drop_tied=list(request.drop_tied), verify=request.verify)
+                                     drop_tied=list(request.drop_tied), verify=request.verify,
+                                     export=isinstance(request, ExportRequest))
     return lambda progress: convert(source, out, convert_options, progress)
 
 

@@ -6,14 +6,15 @@ schema's `options` object is derived from them (`jobs.JobOptions`), and the job 
 its engine call (`executor.engine_call`, the only such mapping).
 
 Key clean-up defaults: `convert` keeps keys exactly as stored, `export` cleans them (a serving
-checkpoint), `verify` compares cleaned names, and `reshard` keeps them with `only: all` (a training
-state, restored as it was saved) and cleans them otherwise (`clean_keys: null`).
+checkpoint), `verify` compares cleaned names, and `reshard` leaves it to the engine (`clean_keys: null`:
+kept with `only: all`, a training state restored as it was saved, cleaned otherwise).
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -116,10 +117,6 @@ class KeyedRequest(JobRequest):
     include: Include = Field(default_factory=list)
     exclude: Exclude = Field(default_factory=list)
 
-    def clean(self) -> bool:
-        """Whether keys are cleaned: `clean_keys`, or when unset (null), everything but a full training state."""
-        return self.clean_keys if self.clean_keys is not None else self.only != "all"
-
 
 class ConvertRequest(KeyedRequest):
     """Convert a checkpoint to one safetensors/torch output (model and optimizer, keys as they are)."""
@@ -139,11 +136,12 @@ class ConvertRequest(KeyedRequest):
 
 
 class ExportRequest(KeyedRequest):
-    """Export model weights to HF-style sharded safetensors for serving (clean keys)."""
+    """Export model weights to HF-style sharded safetensors for serving (clean keys, never optimizer state)."""
 
     kind: ClassVar[str] = "export"
     source_format: SourceFormat = None
-    only: Only = "model"
+    only: Annotated[choice(Literal["model", "optim", "all"], "selection"),
+                    Field(description="model (an export never holds optimizer state)."), flag("--only")] = "model"
     clean_keys: CleanKeys = True
     dtype: DType = None
     max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
@@ -205,6 +203,29 @@ REQUESTS: dict[str, type[JobRequest]] = {model.kind: model for model in (
     ConvertRequest, ExportRequest, ReshardRequest, VerifyRequest, InspectRequest)}
 #: Which options each kind takes; setting another is a 422 naming the option.
 APPLIES: dict[str, frozenset[str]] = {kind: frozenset(model.model_fields) for kind, model in REQUESTS.items()}
+
+
+def plain(annotation: Any) -> Any:
+    """`annotation` without its Annotated layers, unions flattened: `Annotated[Literal[...], v] | None` is
+    `Literal[...] | None` (what a form or a command line asks for)."""
+    if get_origin(annotation) is Annotated:
+        return plain(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        members: list[Any] = []
+        for arg in get_args(annotation):
+            inner = plain(arg)
+            for member in get_args(inner) if get_origin(inner) in (Union, types.UnionType) else (inner,):
+                if member not in members:
+                    members.append(member)
+        return Union[tuple(members)]  # noqa: UP007 (built at run time)
+    return annotation
+
+
+def shared_default(name: str) -> Any:
+    """Option `name`'s default where every kind that takes it agrees on one, else None (the kind decides)."""
+    defaults = [model.model_fields[name] for model in REQUESTS.values() if name in model.model_fields]
+    values = [None if f.is_required() else f.get_default(call_default_factory=True) for f in defaults]
+    return values[0] if all(v == values[0] for v in values) else None
 
 
 def flag_of(model: type[JobRequest], name: str) -> Flag:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Literal, Optional, get_type_hints
+from typing import Any, Literal, Optional, get_origin, get_type_hints
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 
-from .job_requests import APPLIES, REQUESTS, Format, JobRequest, build
+from .job_requests import APPLIES, REQUESTS, Format, JobRequest, build, plain, shared_default
 
 __all__ = ["APPLIES", "KINDS", "STATES", "TERMINAL", "WRITING_KINDS", "Format", "JobOptions", "JobSpec"]
 
@@ -27,8 +27,9 @@ WRITING_KINDS = frozenset({"convert", "export", "reshard"})
 
 
 def _options_model() -> type[BaseModel]:
-    """Every option of every kind, each optional (null: the kind's default), typed and described as in
-    its request model; which kinds take it is said in its description."""
+    """Every option of every kind, typed and described as in its request model (which kinds take it is said
+    in its description), each optional: null, or unset, is the kind's default. An option's default here is
+    the one its kinds share (`memory_limit`), or null where they differ (`only`)."""
     fields: dict[str, Any] = {}
     for model in REQUESTS.values():
         hints = get_type_hints(model, include_extras=True)
@@ -36,8 +37,11 @@ def _options_model() -> type[BaseModel]:
             if name in fields:
                 continue
             kinds = ", ".join(k for k in REQUESTS if name in APPLIES[k])
-            fields[name] = (Optional[hints[name]],  # noqa: UP045 (a runtime union of an Annotated type)
-                            Field(None, description=f"{info.description} ({kinds})"))
+            default, kind = shared_default(name), plain(hints[name])
+            # flags, tolerances and lists always have a value (as before); the rest may be null
+            valued = default is not None and (kind in (bool, float) or get_origin(kind) is list)
+            annotation = hints[name] if valued else Optional[hints[name]]  # noqa: UP045 (built at run time)
+            fields[name] = (annotation, Field(default, description=f"{info.description} ({kinds})"))
     return create_model("JobOptions", __config__=ConfigDict(extra="forbid"), **fields)
 
 

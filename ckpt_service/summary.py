@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from converters import dtypes as dt
+from converters.classify import index_kinds
 from converters.index import CheckpointIndex
 
 
@@ -20,6 +21,7 @@ def rank_bytes(index: CheckpointIndex) -> dict[str, int]:
 
 def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
     dtypes = Counter(t.dtype for t in index.tensors.values())
+    kinds = index_kinds(index)
     out: dict[str, Any] = {
         "uri": index.uri,
         "format": index.format,
@@ -29,7 +31,7 @@ def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
         "objects": len(index.objects),
         "total_bytes": index.total_bytes,
         "dtypes": dict(dtypes.most_common()),
-        "has_optimizer": index.has_optimizer(),
+        "has_optimizer": any(p.optimizer for p in kinds.values()),
         "files": len(index.files),
     }
     per = rank_bytes(index)
@@ -39,6 +41,9 @@ def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
         out["balance"] = round(min(sizes) / max(sizes), 4) if max(sizes) else 1.0
     if index.objects:
         out["non_tensor_entries"] = sorted(index.objects)
+    unclassified = sorted(name for name, p in kinds.items() if p.kind == "unknown")
+    if unclassified:  # named like an optimizer, without its structure: never exported as model weights
+        out["unclassified"] = unclassified
     if tensors:
         out["tensor_table"] = [
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks)}

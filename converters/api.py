@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import dtypes, storage
+from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import OptionError, TargetError
 from .formats import load_index
@@ -34,8 +35,12 @@ class ConvertOptions:
     overwrite: bool = False
     drop_tied: list[str] = field(default_factory=list)
     verify: bool = False
+    export: bool = False  # an export for serving: model weights only, never optimizer state
 
     def __post_init__(self) -> None:
+        if self.export and self.keys.only != "model":
+            raise OptionError(f"--only {self.keys.only}: an export holds model weights only; use "
+                              "`convert --only all` to keep optimizer and training state")
         if self.to not in ("safetensors", "torch"):
             raise OptionError(f"--to {self.to}: choose safetensors or torch")
         self.dtype = dtypes.cast_target(self.dtype)
@@ -89,7 +94,7 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
     reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
-        view, report = apply(index, options.keys)
+        view, report, _ = apply(index, options.keys, reader)
         skipped = []
         if options.to == "safetensors" and view.objects:
             skipped = sorted(view.objects)
@@ -135,13 +140,18 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
 def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,
            a_format: str | None = None, b_format: str | None = None,
            memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
-    """Compare two checkpoints tensor by tensor after the same key clean-up."""
-    keys = keys or KeyOptions(only="all", nest=False)
+    """Compare two checkpoints tensor by tensor after the same key clean-up; then `b` (a DCP folder, a
+    safetensors or torch file) read by its consumer's own loader must hold the same values as we read."""
+    keys = keys or KeyOptions(only="all", clean=True, nest=False)
     reader = storage.RangeReader()
     try:
-        left, _ = apply(load_index(a, a_format, reader=reader), keys)
-        right, _ = apply(load_index(b, b_format, reader=reader), keys)
-        return verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
-                              memory_limit=memory_limit)
+        left = apply(load_index(a, a_format, reader=reader), keys, reader).index
+        b_index = load_index(b, b_format, reader=reader)
+        right = apply(b_index, keys, reader).index
+        report = verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
+                                memory_limit=memory_limit)
+        if report.ok:  # `b` is usually an output: its consumer must load it, with the same values
+            report.consumer = check(b_index, b_index.uri, b_index.format, reader, memory_limit // 4)
+        return report
     finally:
         reader.close()

@@ -1,35 +1,66 @@
-"""Dtype names without torch: canonical names, item sizes, and the spellings of each format."""
+"""Dtype names without torch: canonical names, item sizes, and the spellings of each format.
+
+Covers every dtype whose tensors torch (2.13) saves and loads: the table lists, per dtype, its item
+size, its safetensors code (None where `safetensors.torch` cannot hold it) and the legacy typed
+storage class torch.save pickles it with (None where torch pickles an `UntypedStorage` plus the
+dtype: float8, uint16/32/64, complex32, float4, bits).
+"""
 
 from __future__ import annotations
 
 from .errors import OptionError
 
 # canonical name -> (itemsize, safetensors code, torch legacy storage class name)
-_TABLE: dict[str, tuple[int, str, str]] = {
+_TABLE: dict[str, tuple[int, str | None, str | None]] = {
     "float64": (8, "F64", "DoubleStorage"),
     "float32": (4, "F32", "FloatStorage"),
     "float16": (2, "F16", "HalfStorage"),
     "bfloat16": (2, "BF16", "BFloat16Storage"),
+    "complex128": (16, None, "ComplexDoubleStorage"),
+    "complex64": (8, "C64", "ComplexFloatStorage"),
+    "complex32": (4, None, None),
     "int64": (8, "I64", "LongStorage"),
     "int32": (4, "I32", "IntStorage"),
     "int16": (2, "I16", "ShortStorage"),
     "int8": (1, "I8", "CharStorage"),
     "uint8": (1, "U8", "ByteStorage"),
+    "uint16": (2, "U16", None),
+    "uint32": (4, "U32", None),
+    "uint64": (8, "U64", None),
     "bool": (1, "BOOL", "BoolStorage"),
-    "float8_e4m3fn": (1, "F8_E4M3", "Float8_e4m3fnStorage"),
-    "float8_e5m2": (1, "F8_E5M2", "Float8_e5m2Storage"),
-    "complex64": (8, "C64", "ComplexFloatStorage"),
-    "uint16": (2, "U16", "UInt16Storage"),
-    "uint32": (4, "U32", "UInt32Storage"),
-    "uint64": (8, "U64", "UInt64Storage"),
+    "float8_e4m3fn": (1, "F8_E4M3", None),
+    "float8_e5m2": (1, "F8_E5M2", None),
+    "float8_e4m3fnuz": (1, "F8_E4M3FNUZ", None),
+    "float8_e5m2fnuz": (1, "F8_E5M2FNUZ", None),
+    "float8_e8m0fnu": (1, None, None),
+    "float4_e2m1fn_x2": (1, None, None),
+    "bits8": (1, None, None),
+    "bits16": (2, None, None),
+    "bits1x8": (1, None, None),
+    "bits2x4": (1, None, None),
+    "bits4x2": (1, None, None),
 }
-_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32",
-            "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# torch's other attribute names for the same dtypes (`torch.float` is `torch.float32`)
+_TORCH_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32",
+                  "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32"}
+_ALIASES = {**_TORCH_ALIASES, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# dtypes torch.distributed.checkpoint cannot save or load (its planner has no element size for them)
+_NOT_IN_DCP = frozenset({"bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 CAST_TARGETS = ("float32", "bfloat16", "float16")
 
-_BY_SAFETENSORS = {code: name for name, (_, code, _) in _TABLE.items()}
-_BY_STORAGE = {storage: name for name, (_, _, storage) in _TABLE.items()}
+_BY_SAFETENSORS = {code: name for name, (_, code, _) in _TABLE.items() if code}
+_BY_STORAGE = {storage: name for name, (_, _, storage) in _TABLE.items() if storage}
+
+
+def names() -> list[str]:
+    """Every canonical dtype name."""
+    return list(_TABLE)
+
+
+def spellings() -> dict[str, str]:
+    """Every `torch.<name>` attribute spelling of a dtype -> its canonical name."""
+    return {**{name: name for name in _TABLE}, **_TORCH_ALIASES}
 
 
 def canonical(name: str) -> str:
@@ -47,8 +78,21 @@ def itemsize(dtype: str) -> int:
     return _TABLE[dtype][0]
 
 
-def to_safetensors(dtype: str) -> str:
-    return _TABLE[dtype][1]
+def to_safetensors(dtype: str, name: str = "") -> str:
+    """The safetensors code of `dtype`; a one-line refusal naming the tensor where safetensors has none."""
+    code = _TABLE[dtype][1]
+    if code is None:
+        what = f"tensor {name!r} is {dtype}" if name else f"{dtype}"
+        raise OptionError(f"{what}, which safetensors cannot hold; leave it out (--exclude) or convert "
+                          "--to torch instead")
+    return code
+
+
+def check_dcp(dtype: str, name: str) -> None:
+    """Refuse, naming the tensor, a dtype that torch.distributed.checkpoint cannot load."""
+    if dtype in _NOT_IN_DCP:
+        raise OptionError(f"tensor {name!r} is {dtype}, which torch.distributed.checkpoint cannot load; leave it "
+                          "out (--exclude) or convert --to torch instead")
 
 
 def from_safetensors(code: str) -> str:
@@ -62,7 +106,8 @@ def from_storage_class(name: str) -> str | None:
     return _BY_STORAGE.get(name)
 
 
-def storage_class(dtype: str) -> str:
+def storage_class(dtype: str) -> str | None:
+    """The legacy typed storage class torch.save pickles `dtype` with, or None (UntypedStorage + dtype)."""
     return _TABLE[dtype][2]
 
 

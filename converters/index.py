@@ -101,13 +101,9 @@ class CheckpointIndex:
         return list(self.tensors) + list(self.objects)
 
     def has_optimizer(self) -> bool:
-        return any(is_optimizer_key(name) for name in self.names())
+        from .classify import index_kinds
 
-
-def is_optimizer_key(name: str) -> bool:
-    """True for optimizer entries: `optim.…`/`optimizer.…` containers or bare `state.…`/`param_groups.…`."""
-    head = name.split(".", 1)[0]
-    return head in OPTIM_CONTAINERS or head in OPTIM_SECTIONS
+        return any(p.optimizer for p in index_kinds(self).values())
 
 
 def check_tiling(entry: TensorEntry, where: str) -> None:

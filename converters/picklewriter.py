@@ -4,14 +4,24 @@
 NEWOBJ + BUILD; `Persistent` is a persistent id (torch storages). The output is protocol 2 with
 the opcodes torch's weights_only unpickler understands, so `torch.load(weights_only=True)` and
 DCP's `pickle.load` both read it.
+
+The writer is closed like the reader: it writes plain data (None, bool, int, float, complex, str,
+bytes, tuples, lists, dicts, sets), the reader's stand-ins (dtypes, devices, `torch.Size`,
+OrderedDict, `io.BytesIO` as `OpaqueBytes`) and the markers above, and refuses anything else, so it
+never looks up or imports the module of an object it was handed.
 """
 
 from __future__ import annotations
 
+import codecs
 import io
 import pickle
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from . import dtypes
+from .errors import FormatError
+from .unpickle import Device, DType, OpaqueBytes, OrderedDictStub, Size
 
 
 @dataclass(frozen=True)
@@ -41,12 +51,37 @@ class Persistent:
     pid: tuple
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, tuple, list, dict, set, frozenset)
+# the callables pickle itself writes for bytes, sets and complex numbers at protocol 2
+_PLAIN_GLOBALS = (codecs.encode, bytes, bytearray, set, frozenset, complex)
+
+
 class _Pickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python pickler lets us add opcodes
     def persistent_id(self, obj: Any) -> Any:
         return obj.pid if isinstance(obj, Persistent) else None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if isinstance(obj, Global):
+        kind = type(obj)
+        if kind is DType:
+            self.save(Global("torch", str(obj)))
+        elif kind is Device:
+            self.save(Call(Global("torch", "device"), (str(obj),)))
+        elif kind is Size:
+            self.save(Call(Global("torch", "Size"), (tuple(obj),)))
+        elif kind is OrderedDictStub:
+            self.save(ORDERED_DICT)
+            self.save(())
+            self.write(pickle.REDUCE)
+            self._batch_setitems(iter(obj.items()))
+        elif kind is OpaqueBytes:  # what pickle writes for an io.BytesIO
+            self.save(Global("_io", "BytesIO"))
+            self.save(())
+            self.write(pickle.NEWOBJ)
+            self.save((obj.data, obj.position, None))
+            self.write(pickle.BUILD)
+        elif kind is Persistent:
+            super().save(obj, save_persistent_id)
+        elif kind is Global:
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
         elif isinstance(obj, Call):
             self.save(obj.func)
@@ -61,8 +96,11 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Pytho
             self.write(pickle.NEWOBJ)
             self.save(obj.state)
             self.write(pickle.BUILD)
-        else:
+        elif kind in _PLAIN or any(obj is g for g in _PLAIN_GLOBALS):
             super().save(obj, save_persistent_id)
+        else:
+            raise FormatError(f"cannot write a {kind.__name__} value into a pickle; only plain data, tensors and "
+                              "the torch types torch.load(weights_only=True) accepts are written")
 
     def save_dict(self, obj: dict) -> None:  # no memo entries for plain containers
         self.write(pickle.EMPTY_DICT)
@@ -77,25 +115,41 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Pytho
     dispatch[list] = save_list
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: Any, label: str = "") -> bytes:
+    """Pickle `obj` (protocol 2, no memo); FormatError naming `label` for a value it must not write."""
     buf = io.BytesIO()
     pickler = _Pickler(buf, protocol=2)
     pickler.fast = True  # no memo: every object is written where it appears
-    pickler.dump(obj)
+    try:
+        pickler.dump(obj)
+    except FormatError as exc:
+        raise FormatError(f"{label}: {exc}" if label else str(exc)) from None
+    except RecursionError:
+        raise FormatError(f"{label}: nested too deeply to write" if label else "nested too deeply to write") from None
     return buf.getvalue()
 
 
 ORDERED_DICT = Global("collections", "OrderedDict")
 REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
+REBUILD_TENSOR_V3 = Global("torch._utils", "_rebuild_tensor_v3")
+UNTYPED_STORAGE = Global("torch.storage", "UntypedStorage")
 
 
-def tensor(storage_key: str, dtype: str, shape: tuple[int, ...]) -> Call:
-    """A contiguous tensor over storage `data/<storage_key>`, as torch.save pickles it."""
-    from . import dtypes
+def tensor(storage_key: str, dtype: str, shape: tuple[int, ...], location: str = "cpu") -> Call:
+    """A contiguous tensor over storage `data/<storage_key>`, pickled exactly as torch.save does.
 
+    Dtypes with a legacy typed storage class: `_rebuild_tensor_v2` over `torch.<X>Storage` (size in
+    elements); the others (float8, uint16/32/64, ...): `_rebuild_tensor_v3` over
+    `torch.storage.UntypedStorage` (size in bytes) with the dtype as the last argument."""
     stride = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         stride[d] = stride[d + 1] * shape[d + 1]
     numel = dtypes.numel(shape)
-    storage = Persistent(("storage", Global("torch", dtypes.storage_class(dtype)), storage_key, "cpu", numel))
-    return Call(REBUILD_TENSOR, (storage, 0, tuple(shape), tuple(stride), False, Call(ORDERED_DICT, ())))
+    hooks = Call(ORDERED_DICT, ())
+    storage_class = dtypes.storage_class(dtype)
+    if storage_class:
+        storage = Persistent(("storage", Global("torch", storage_class), storage_key, location, numel))
+        return Call(REBUILD_TENSOR, (storage, 0, tuple(shape), tuple(stride), False, hooks))
+    nbytes = numel * dtypes.itemsize(dtype)
+    storage = Persistent(("storage", UNTYPED_STORAGE, storage_key, location, nbytes))
+    return Call(REBUILD_TENSOR_V3, (storage, 0, tuple(shape), tuple(stride), False, hooks, Global("torch", dtype)))

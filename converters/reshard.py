@@ -10,13 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import dtypes, storage
+from .classify import Parts
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import FormatError, OptionError
 from .formats import load_index
 from .index import CheckpointIndex, TensorEntry
 from .layouts import make_layout
 from .output import open_output
-from .transforms import KeyOptions, _parts, apply
+from .transforms import KeyOptions, apply
 from .verify import VerifyReport, verify_output
 from .writers.dcp import Piece, write_dcp
 from .writers.objects import load_object
@@ -57,20 +58,19 @@ class ReshardResult:
                 "verify": self.verify.to_dict() if self.verify else None}
 
 
-def check_optimizer_names(view: CheckpointIndex) -> None:
+def check_optimizer_names(view: CheckpointIndex, parts: dict[str, Parts]) -> None:
     """Every optimizer state entry must name a parameter the model has (when both are present)."""
-    params = {_parts(e.path).fqn for e in view.tensors.values() if not _parts(e.path).optimizer}
+    params = {p.fqn for p in parts.values() if p.kind == "model"}
     if not params:
         return
-    for entry in [*view.tensors.values(), *view.objects.values()]:
-        parts = _parts(entry.path)
-        if parts.optimizer and parts.section == ("state",) and parts.fqn not in params:
-            raise FormatError(f"optimizer state {entry.name!r} belongs to parameter {parts.fqn!r}, which the model "
+    for name, p in parts.items():
+        if p.optimizer and p.fqn and p.fqn not in params:
+            raise FormatError(f"optimizer state {name!r} belongs to parameter {p.fqn!r}, which the model "
                               "does not have; check --rename/--include, or reshard with --only model")
     for name, obj in view.objects.items():
-        parts = _parts(obj.path)
-        if parts.optimizer and parts.leaf == ("params",) and obj.value is not None:
-            unknown = [p for p in obj.value if isinstance(p, str) and p not in params]
+        p = parts[name]
+        if p.optimizer and p.leaf == "params" and isinstance(obj.value, list | tuple):
+            unknown = [v for v in obj.value if isinstance(v, str) and v not in params]
             if unknown:
                 raise FormatError(f"{name} lists parameter {unknown[0]!r}, which the model does not have")
 
@@ -84,15 +84,15 @@ def reshard(source: str, target: str, options: ReshardOptions,
     reader = reader or storage.RangeReader()
     try:
         index = load_index(source, options.source_format, reader=reader)
-        view, report = apply(index, options.keys)
+        view, report, parts = apply(index, options.keys, reader)
         if not view.tensors:
             raise OptionError(f"{source}: no tensors selected (--only {options.keys.only})")
         for obj in view.objects.values():  # resolve values now, so renamed param lists are final
             obj.value, obj.data = load_object(obj, reader), None
-        check_optimizer_names(view)
+        check_optimizer_names(view, parts)
 
         def cast_for(entry: TensorEntry) -> str | None:
-            optimizer = _parts(entry.path).optimizer
+            optimizer = parts[entry.name].optimizer
             return options.dtype if (not optimizer or options.dtype_optim) else None
 
         copier = Copier(reader, options.memory_limit, Progress(total_bytes=view.total_bytes,
@@ -101,7 +101,7 @@ def reshard(source: str, target: str, options: ReshardOptions,
         plan: list[list[Piece]] = [[] for _ in range(options.world_size)]
         uneven = 0
         for name, entry in view.tensors.items():
-            fqn = _parts(entry.path).fqn or name
+            fqn = parts[name].fqn or name
             out_dtype = copier.out_dtype(entry, cast_for(entry))
             boxes = layout.boxes(fqn, entry.shape, options.world_size)
             uneven += bool(entry.shape) and None in boxes

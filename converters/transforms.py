@@ -1,8 +1,9 @@
 """Key transforms: pick model/optimizer entries, strip wrapper prefixes and containers, rename, filter.
 
-Transforms act on an entry's path (see `index.split_path`): the parameter FQN inside it is cleaned
-and renamed the same way for model weights, optimizer state and `param_groups[*].params`, so model
-and optimizer stay consistent.
+Which entries are model weights, optimizer state or training state comes from `classify` (by
+structure). Transforms act on an entry's path: the parameter FQN inside it is cleaned and renamed the
+same way for model weights, optimizer state and `param_groups[*].params`, so model and optimizer stay
+consistent. Without clean-up or renames, every selected entry keeps its name and path exactly.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import fnmatch
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+from .classify import Parts, classify
 from .errors import OptionError
-from .index import MODEL_CONTAINERS, OPTIM_CONTAINERS, CheckpointIndex, ObjectEntry, TensorEntry
+from .index import CheckpointIndex, ObjectEntry, TensorEntry
+from .storage import RangeReader
+from .writers.objects import load_object
 
 Only = Literal["model", "optim", "all"]
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -25,7 +29,7 @@ LEADING_PREFIXES = ("module.", "_forward_module.")
 @dataclass
 class KeyOptions:
     only: Only = "model"
-    clean: bool = True
+    clean: bool | None = None  # None: keep keys for --only all (a training state), clean them otherwise
     renames: list[tuple[str, str]] = field(default_factory=list)
     include: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
@@ -41,6 +45,8 @@ class KeyOptions:
             except re.error as exc:
                 raise OptionError(f"--rename {pattern}={repl}: bad regular expression ({exc})") from None
         self._renames = compiled
+        if self.clean is None:
+            self.clean = self.only != "all"
 
     @staticmethod
     def parse_renames(values: list[str]) -> list[tuple[str, str]]:
@@ -51,29 +57,6 @@ class KeyOptions:
             pattern, repl = value.split("=", 1)
             out.append((pattern, repl))
         return out
-
-
-@dataclass
-class _Parts:
-    optimizer: bool
-    container: tuple[str, ...]
-    section: tuple[str, ...]  # ("state",) / ("param_groups", i) for optimizer entries
-    fqn: str
-    leaf: tuple[str, ...]
-
-
-def _parts(path: tuple[str, ...]) -> _Parts:
-    if path[0] in OPTIM_CONTAINERS and len(path) > 1 and path[1] in ("state", "param_groups"):
-        container, rest = path[:1], path[1:]
-    else:
-        container, rest = (), path
-    if rest[0] == "state" and len(rest) >= 3:
-        return _Parts(True, container, ("state",), ".".join(rest[1:-1]), rest[-1:])
-    if rest[0] == "param_groups" and len(rest) >= 3:
-        return _Parts(True, container, rest[:2], "", (".".join(rest[2:]),))
-    if path[0] in MODEL_CONTAINERS and len(path) > 1:
-        return _Parts(False, path[:1], (), ".".join(path[1:]), ())
-    return _Parts(False, (), (), ".".join(path), ())
 
 
 def strip_wrappers(fqn: str, counts: Counter[str]) -> str:
@@ -90,14 +73,38 @@ def strip_wrappers(fqn: str, counts: Counter[str]) -> str:
     return fqn
 
 
-class KeyMapper:
-    """Maps source entries to output names for one checkpoint and one set of options."""
+def replace_span(path: tuple[str, ...], span: tuple[int, int], new: str) -> tuple[str, ...]:
+    """`path` with the dotted tokens `span` replaced by `new`, other component boundaries kept."""
+    first = last = -1
+    bounds = []
+    pos = 0
+    for i, comp in enumerate(path):
+        n = comp.count(".") + 1
+        bounds.append((pos, pos + n))
+        if pos < span[1] and pos + n > span[0]:
+            first = i if first < 0 else first
+            last = i
+        pos += n
+    if first < 0:
+        return path
+    head = path[first].split(".")[:span[0] - bounds[first][0]]
+    tail = path[last].split(".")[span[1] - bounds[last][0]:]
+    merged = ".".join(t for t in (*head, new, *tail) if t)
+    return (*path[:first], merged, *path[last + 1:])
 
-    def __init__(self, index: CheckpointIndex, options: KeyOptions, with_optimizer: bool) -> None:
+
+class KeyMapper:
+    """Maps source entries to output names for one checkpoint and one set of options.
+
+    Without clean-up or renames every path is kept exactly (a training job resumes from the same keys).
+    A rename changes only the parameter FQN inside a path; clean-up also strips wrapper prefixes and
+    moves entries into canonical containers (`model.` / `optim.` with both selected, none otherwise).
+    """
+
+    def __init__(self, options: KeyOptions, with_optimizer: bool) -> None:
         self.options = options
         self.nest_model = options.nest and with_optimizer and options.only == "all"
         self.counts: Counter[str] = Counter()
-        self.report: list[str] = []
         self.rename_counts: Counter[str] = Counter()
 
     def fqn(self, fqn: str) -> str:
@@ -110,58 +117,63 @@ class KeyMapper:
             fqn = new
         return fqn
 
-    def path(self, path: tuple[str, ...]) -> tuple[str, ...]:
-        p = _parts(path)
-        opts = self.options
-        fqn = (self.fqn(p.fqn),) if p.fqn else ()
-        if not opts.clean:
-            container = p.container
-        elif p.optimizer and opts.only == "all":
-            container = ("optim",)
-        elif self.nest_model:
-            container = ("model",)
+    def path(self, path: tuple[str, ...], parts: Parts) -> tuple[tuple[str, ...], str]:
+        """(output path, output FQN) of an entry."""
+        if parts.kind in ("other", "unknown") or (not parts.fqn and not self.options.clean):
+            return path, parts.fqn
+        fqn = self.fqn(parts.fqn) if parts.fqn else ""
+        if not self.options.clean:
+            return (path if fqn == parts.fqn else replace_span(path, parts.span, fqn)), fqn
+        if parts.optimizer:
+            container: tuple[str, ...] = ("optim",) if self.options.only == "all" else ()
         else:
-            container = ()
-        if p.container and container != p.container:
-            self.counts[f"{p.container[0]}. (container)"] += 1
-        if p.optimizer:
-            return (*container, *p.section, *fqn, *p.leaf)
-        return (*container, *fqn)
+            container = ("model",) if self.nest_model else ()
+        if parts.container and container != (parts.container,):
+            self.counts[f"{parts.container}. (container)"] += 1
+        if parts.optimizer:
+            middle = (parts.group,) if parts.group else (fqn,)
+            return (*container, parts.section, *middle, parts.leaf), fqn
+        return (*container, fqn), fqn
 
-    def value(self, entry: ObjectEntry, value: Any) -> Any:
+    def value(self, parts: Parts, value: Any) -> Any:
         """Rename parameter FQNs listed in `param_groups[*].params`."""
-        p = _parts(entry.path)
-        if p.optimizer and p.leaf == ("params",) and isinstance(value, list | tuple):
+        if parts.optimizer and parts.leaf == "params" and isinstance(value, list | tuple):
             return type(value)(self.fqn(v) if isinstance(v, str) else v for v in value)
         return value
 
 
-def _kind(path: tuple[str, ...], has_model_root: bool) -> str:
-    """"optim", "model", or "other": training state beside the model (dataloader, lr_scheduler, …)
-    under a top-level name of its own, recognised only when the model's weights sit at the top or in
-    a model container (so a checkpoint made only of nested modules stays all model)."""
-    if _parts(path).optimizer:
-        return "optim"
-    if has_model_root and len(path) > 1 and path[0] not in MODEL_CONTAINERS and path[0] not in OPTIM_CONTAINERS:
-        return "other"
-    return "model"
+class Selection(NamedTuple):
+    """The selected entries under their output names, what changed, and each output entry's parts."""
+
+    index: CheckpointIndex
+    report: list[str]
+    parts: dict[str, Parts]
 
 
-def apply(index: CheckpointIndex, options: KeyOptions) -> tuple[CheckpointIndex, list[str]]:
-    """A view of `index` with the selected entries under their output names, and a report of what changed."""
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:10]) + (f" (+{len(names) - 10} more)" if len(names) > 10 else "")
+
+
+def apply(index: CheckpointIndex, options: KeyOptions, reader: RangeReader | None = None) -> Selection:
+    """A view of `index` with the selected entries under their output names, and a report of what changed.
+
+    `param_groups[*].params` lists stored as data (DCP) are loaded through `reader` to rename them."""
     everything: list[TensorEntry | ObjectEntry] = [*index.tensors.values(), *index.objects.values()]
-    has_model_root = any(len(e.path) == 1 or e.path[0] in MODEL_CONTAINERS for e in everything)
-    kinds = {id(e): _kind(e.path, has_model_root) for e in everything}
-    wanted = {"model": {"model"}, "optim": {"optim"}, "all": {"model", "optim", "other"}}[options.only]
-    entries = [e for e in everything if kinds[id(e)] in wanted]
-    others = sorted({e.path[0] for e in everything if kinds[id(e)] == "other" and "other" not in wanted})
-    mapper = KeyMapper(index, options, any(kinds[id(e)] == "optim" for e in entries))
+    by_path = classify(everything)
+    parts = {id(e): by_path[".".join(e.path)] for e in everything}
+    wanted = {"model": {"model"}, "optim": {"optim"}, "all": {"model", "optim", "other", "unknown"}}[options.only]
+    entries = [e for e in everything if parts[id(e)].kind in wanted]
+    left = {kind: sorted(e.name for e in everything if parts[id(e)].kind == kind and kind not in wanted)
+            for kind in ("optim", "other", "unknown")}
+    mapper = KeyMapper(options, any(parts[id(e)].optimizer for e in entries))
     out = replace(index, tensors={}, objects={}, notes=list(index.notes))
+    out_parts: dict[str, Parts] = {}
     sources: dict[str, str] = {}
     dropped = 0
     for entry in entries:
-        path = entry.path if kinds[id(entry)] == "other" else mapper.path(entry.path)
-        name = ".".join(path)
+        p = parts[id(entry)]
+        path, fqn = mapper.path(entry.path, p)
+        name = entry.name if path == entry.path else ".".join(path)
         if options.include and not any(fnmatch.fnmatchcase(name, g) for g in options.include):
             dropped += 1
             continue
@@ -172,17 +184,29 @@ def apply(index: CheckpointIndex, options: KeyOptions) -> tuple[CheckpointIndex,
             raise OptionError(f"keys {sources[name]!r} and {entry.name!r} both become {name!r}; "
                               "use --keep-keys or a --rename that keeps them apart")
         sources[name] = entry.name
+        out_parts[name] = replace(p, fqn=fqn)
         if isinstance(entry, TensorEntry):
             out.tensors[name] = replace(entry, name=name, path=path)
         else:
             new = replace(entry, name=name, path=path)
-            if entry.value is not None:
-                new.value = mapper.value(entry, copy.deepcopy(entry.value))
+            if entry.value is None and entry.data is not None and reader is not None and p.leaf == "params" \
+                    and (options.clean or options.renames):
+                new.value, new.data = load_object(entry, reader), None
+            if new.value is not None:
+                new.value = mapper.value(p, copy.deepcopy(new.value))
             out.objects[name] = new
     report = [f"stripped {prefix} from {n} keys" for prefix, n in sorted(mapper.counts.items())]
     report += [f"renamed {n} keys with {pattern}" for pattern, n in mapper.rename_counts.items()]
     if dropped:
         report.append(f"left out {dropped} keys by --include/--exclude")
+    if left["optim"] and options.only == "model":
+        report.append(f"left out {len(left['optim'])} optimizer state entries (model weights only)")
+    others = sorted({by_path[".".join(e.path)].container for e in everything
+                     if parts[id(e)].kind == "other" and "other" not in wanted})
     if others:
         report.append(f"left out training state beside the model ({', '.join(others)}); --only all keeps it")
-    return out, report
+    if left["unknown"]:
+        report.append(f"left out {len(left['unknown'])} entries that are neither model weights nor optimizer state "
+                      f"(under an optimizer's name, without its state/param_groups structure): "
+                      f"{_names(left['unknown'])}; --only all carries them as they are")
+    return Selection(out, report, out_parts)

@@ -1,11 +1,14 @@
-"""Compare two checkpoint indexes tensor by tensor, streaming both in the same bounded slabs."""
+"""Compare two checkpoint indexes tensor by tensor, streaming both in the same bounded slabs.
+
+`verify_output` (`--verify`) also reads the output back with its consumer's own loader (`consumer`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from . import dtypes
+from .consumer import ConsumerResult, check
 from .copier import DEFAULT_MEMORY_LIMIT
 from .index import CheckpointIndex, TensorEntry
 from .storage import RangeReader
@@ -22,17 +25,27 @@ class VerifyReport:
     mismatched: list[str] = field(default_factory=list)  # shape or dtype differs
     different: list[str] = field(default_factory=list)  # values differ
     max_abs_diff: dict[str, float] = field(default_factory=dict)
+    consumer: ConsumerResult | None = None  # the output read back with its consumer's own loader
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.extra or self.mismatched or self.different)
+        bad_consumer = self.consumer is not None and (self.consumer.unloadable or self.consumer.different)
+        return not (self.missing or self.extra or self.mismatched or self.different or bad_consumer)
 
     def summary(self) -> str:
+        c = self.consumer
         if self.ok:
-            return f"identical: {self.compared} entries, {self.compared_bytes} bytes compared"
+            line = f"identical: {self.compared} entries, {self.compared_bytes} bytes compared"
+            if c is not None:
+                line += f"; {c.note}" if c.note else (
+                    f"; {c.loader} loads it: {c.compared} entries identical"
+                    + (f" (a sample of {c.sampled_from} tensors)" if c.sampled_from else ""))
+            return line
         parts = []
         for label, names in (("missing", self.missing), ("extra", self.extra),
-                             ("shape/dtype differ", self.mismatched), ("values differ", self.different)):
+                             ("shape/dtype differ", self.mismatched), ("values differ", self.different),
+                             ("not loadable by its consumer", c.unloadable if c else []),
+                             (f"{c.loader if c else ''} reads different values", c.different if c else [])):
             if names:
                 parts.append(f"{label}: {', '.join(names[:8])}" + (f" (+{len(names) - 8})" if len(names) > 8 else ""))
         return "; ".join(parts)
@@ -40,7 +53,8 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "compared": self.compared, "compared_bytes": self.compared_bytes,
                 "missing": self.missing, "extra": self.extra, "mismatched": self.mismatched,
-                "different": self.different, "max_abs_diff": self.max_abs_diff}
+                "different": self.different, "max_abs_diff": self.max_abs_diff,
+                "consumer": asdict(self.consumer) if self.consumer else None}
 
 
 def _compare(reader: RangeReader, a: TensorEntry, b: TensorEntry, budget: int, atol: float, rtol: float,
@@ -143,9 +157,12 @@ def verify_output(view: CheckpointIndex, root: str, fmt: str, reader: RangeReade
     from .formats import load_index
 
     written = load_index(root, fmt, reader=reader, complete=False)
+    as_written = replace(written, tensors=dict(written.tensors), objects=dict(written.objects))
     written.tensors = {".".join(t.path): t for t in written.tensors.values()}
     written.objects = {".".join(o.path): o for o in written.objects.values()}
     report = verify_indexes(view, written, reader, cast_ok=cast_ok, memory_limit=memory_limit)
+    if report.ok:
+        report.consumer = check(as_written, root, fmt, reader, memory_limit // 4)
     if not report.ok:
         raise VerifyError(f"{target}: verification failed, output removed: {report.summary()}")
     return report

@@ -17,7 +17,7 @@ from rich.console import Console
 from converters.errors import CkptError
 
 from ..errors import exit_code
-from ..job_requests import JobRequest, build, flag_of, problems
+from ..job_requests import JobRequest, build, flag_of, plain, problems
 from ..units import exact
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -70,6 +70,7 @@ def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
 def cli_type(annotation: Any) -> Any:
     """The command-line type of a model field: bool, int, float, list[str], or str (choices and sizes, which
     the model checks)."""
+    annotation = plain(annotation)
     args = [annotation]
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]

@@ -52,6 +52,8 @@ def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> 
         names = info["non_tensor_entries"]
         out.print(f"{'non-tensor':>14}: " + ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""),
                   highlight=False)
+    if "unclassified" in info:
+        out.print(f"{'unclassified':>14}: " + ", ".join(info["unclassified"][:8]), highlight=False)
     if request.tensors:
         table = Table("name", "dtype", "shape", "chunks")
         for row in info["tensor_table"]:

@@ -10,51 +10,42 @@ computed from the global shape with `torch.chunk` semantics and read as a prefix
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from .. import dtypes, storage
-from ..errors import FormatError, UnsafePickleError
+from ..errors import FormatError
 from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
 from ..layouts import chunk_bounds
 from ..torchzip import Archive, read_archive
-from ..unpickle import BASE_ALLOWED, Stub, TensorRef, stub
+from ..unpickle import (
+    BASE_ALLOWED,
+    Bad,
+    Device,
+    DType,
+    Stub,
+    TensorRef,
+    Token,
+    Wrapped,
+    check_args,
+    check_bool,
+    check_int,
+    check_ints,
+    enum_int,
+    stub_token,
+)
 from .torchsave import flatten, tensor_entry
 
 _RANK = re.compile(r"^(?P<stem>.*?)_?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
 
 
-@dataclass
-class Wrapped:
-    """A tensor subclass instance (ShardedTensor, DTensor) as `_rebuild_from_type_v2` describes it."""
-
-    kind: str
-    args: tuple
-    state: Any
-
-
-def _rebuild_from_type(func: Any, new_type: Any, args: tuple, state: Any) -> Wrapped:
-    kind = getattr(new_type, "qualname", str(new_type))
-    return Wrapped(kind, args, state)
-
-
-def _safe_getattr(obj: Any, name: str) -> Any:
-    if isinstance(obj, type) and issubclass(obj, Stub):
-        return stub(f"{obj.qualname}.{name}")
-    raise UnsafePickleError(f"pickle calls getattr({type(obj).__name__}, {name!r}); refusing")
-
-
+_SHARD = "torch.distributed._shard"
 _STUBS = [
-    "torch.distributed._shard.sharded_tensor.api.ShardedTensor",
-    "torch.distributed._shard.sharded_tensor.shard.Shard",
-    "torch.distributed._shard.metadata.ShardMetadata",
+    f"{_SHARD}.sharded_tensor.shard.Shard",
+    f"{_SHARD}.metadata.ShardMetadata",
     "torch.distributed.remote_device._remote_device",
-    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
-    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
-    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
-    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
-    "torch.distributed.tensor.DTensor",
-    "torch.distributed.tensor._api.DTensor",
+    f"{_SHARD}.sharded_tensor.metadata.ShardedTensorMetadata",
+    f"{_SHARD}.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+    f"{_SHARD}.sharded_tensor.api.ShardedTensor.ProcessGroupState",
     "torch.distributed.tensor._dtensor_spec.DTensorSpec",
     "torch.distributed.tensor._dtensor_spec.TensorMeta",
     "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
@@ -67,13 +58,51 @@ _STUBS = [
     "torch.distributed._tensor.placement_types.Shard",
     "torch.distributed._tensor.placement_types.Replicate",
 ]
+_SUBCLASSES = [
+    f"{_SHARD}.sharded_tensor.api.ShardedTensor",
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor._api.DTensor",
+]
+# getattr(class, name) pairs torch writes (ShardedTensor pickles its nested ProcessGroupState class)
+_ATTRIBUTES = {(f"{_SHARD}.sharded_tensor.api.ShardedTensor", "ProcessGroupState")}
+
+
+def _wrapper_subclass(args: tuple) -> tuple:
+    """`_rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad)`."""
+    name = "torch._utils._rebuild_wrapper_subclass"
+    check_args(args, name, 8, 8)
+    cls, dtype, size, stride, offset, layout, device, requires_grad = args
+    if not isinstance(cls, Token) or cls.kind != "subclass":
+        raise Bad(f"{name}: unsupported tensor subclass {cls!r}")
+    if type(dtype) is not DType or type(device) is not Device or not isinstance(layout, str):
+        raise Bad(f"{name}: dtype, layout and device arguments have the wrong types")
+    check_ints(size, f"{name}: size")
+    check_ints(stride, f"{name}: stride")
+    check_int(offset, f"{name}: storage offset")
+    check_bool(requires_grad, f"{name}: requires_grad")
+    return args
+
+
+def _getattr(args: tuple) -> Token:
+    check_args(args, "getattr", 2, 2)
+    owner, name = args
+    if not isinstance(owner, Token) or (owner.qualname, name) not in _ATTRIBUTES:
+        raise Bad(f"the pickle calls getattr({owner!r}, {name!r}), which torch does not write")
+    return ALLOWED[f"{owner.qualname}.{name}"]
+
+
+_TENSOR_PROPERTIES = f"{_SHARD}.sharded_tensor.metadata.TensorProperties"
 ALLOWED: dict[str, Any] = {
     **BASE_ALLOWED,
-    **{name: stub(name) for name in _STUBS},
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
-    "torch._utils._rebuild_wrapper_subclass": lambda *args: ("wrapper-subclass", args),
-    "__builtin__.getattr": _safe_getattr,
-    "builtins.getattr": _safe_getattr,
+    **{name: stub_token(name) for name in _STUBS},
+    **{name: Token(name, kind="subclass") for name in _SUBCLASSES},
+    _TENSOR_PROPERTIES: stub_token(_TENSOR_PROPERTIES, "tuple"),
+    f"{_SHARD}.sharded_tensor.metadata.MEM_FORMAT_ENCODING": Token(
+        f"{_SHARD}.sharded_tensor.metadata.MEM_FORMAT_ENCODING", enum_int("MEM_FORMAT_ENCODING")),
+    "torch._utils._rebuild_wrapper_subclass": Token("torch._utils._rebuild_wrapper_subclass", _wrapper_subclass,
+                                                     kind="wrapper"),
+    "__builtin__.getattr": Token("__builtin__.getattr", _getattr),
+    "builtins.getattr": Token("builtins.getattr", _getattr),
 }
 
 
@@ -124,7 +153,12 @@ class RankFilesReader:
             optimizer = "optim" in stem.lower()
             for rank, path in sorted(files.items()):
                 archive = read_archive(self.reader, path, allowed=ALLOWED)
-                self._add_file(index, archive, rank, n, ("optim",) if optimizer else (), kinds)
+                try:
+                    self._add_file(index, archive, rank, n, ("optim",) if optimizer else (), kinds)
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                    # the stand-ins hold what the pickle said; fields of the wrong shape end here, by file
+                    raise FormatError(f"{path}: not a sharded state dict as torch writes it "
+                                      f"({type(exc).__name__}: {exc}); the file is damaged") from None
         for entry in index.tensors.values():
             check_tiling(entry, self.uri)
         index.producer = " + ".join(sorted(kinds)) or "torch.save per rank"
@@ -154,10 +188,8 @@ class RankFilesReader:
 
     def _wrapped_chunks(self, archive: Archive, name: str, value: Wrapped, rank: int, world: int,
                         kinds: set[str]) -> tuple[list[Chunk], str, tuple[int, ...]]:
-        marker, args = value.args[0] if value.args and isinstance(value.args[0], tuple) else (None, value.args)
-        if marker != "wrapper-subclass":
-            args = value.args
-        dtype, shape = str(args[1]), tuple(int(s) for s in args[2])
+        args = value.args  # checked by _wrapper_subclass
+        dtype, shape = str(args[1]), tuple(args[2])
         where = f"{archive.uri} ({name})"
         if value.kind.endswith("ShardedTensor"):
             kinds.add("FSDP1 ShardedTensor")

@@ -19,23 +19,41 @@ BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 
 
 def flatten(obj: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    """Flatten nested dicts (and lists holding dicts or tensors) into key paths, like DCP does."""
+    """Flatten nested dicts (and lists holding dicts or tensors) into key paths, like DCP does.
+
+    Iterative, so its cost is bounded by the unpickler's limits on objects, shared references and depth."""
+    structured = _structured_lists(obj)
     out: dict[tuple[str, ...], Any] = {}
-    if isinstance(obj, dict):
-        items: Any = obj.items()
-    elif isinstance(obj, list | tuple) and any(isinstance(v, dict | TensorRef) for v in _leaves(obj)):
-        items = enumerate(obj)
-    else:
-        return {path: obj}
-    for key, value in items:
-        out.update(flatten(value, (*path, str(key))))
+    todo: list[tuple[Any, tuple[str, ...]]] = [(obj, path)]
+    while todo:
+        node, at = todo.pop()
+        if isinstance(node, dict):
+            items: list[tuple[Any, Any]] = list(node.items())
+        elif isinstance(node, list | tuple) and id(node) in structured:
+            items = list(enumerate(node))
+        else:
+            out[at] = node
+            continue
+        todo.extend((value, (*at, str(key))) for key, value in reversed(items))
     return out
 
 
-def _leaves(obj: Any) -> list[Any]:
-    if isinstance(obj, list | tuple):
-        return [leaf for v in obj for leaf in (_leaves(v) if isinstance(v, list | tuple) else [v])]
-    return [obj]
+def _structured_lists(obj: Any) -> set[int]:
+    """ids of the lists/tuples that hold a dict or a tensor, directly or through nested lists/tuples."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    todo: list[tuple[Any, bool]] = [(obj, False)]
+    while todo:  # post-order: a container is decided after all of its children
+        node, children_done = todo.pop()
+        if children_done:
+            if isinstance(node, list | tuple) and any(isinstance(v, dict | TensorRef) or id(v) in found
+                                                      for v in node):
+                found.add(id(node))
+        elif isinstance(node, dict | list | tuple) and id(node) not in seen:
+            seen.add(id(node))
+            todo.append((node, True))
+            todo.extend((child, False) for child in (node.values() if isinstance(node, dict) else node))
+    return found
 
 
 def tensor_entry(name: str, ref: TensorRef, archive: Archive) -> TensorEntry:

@@ -20,7 +20,7 @@ from ..output import Output
 from ..picklewriter import Call, Global, Obj, Pairs
 from ..tensorio import Box
 from ..zipwriter import ZipWriter
-from .objects import load_object
+from .objects import writable_object
 
 _MD = "torch.distributed.checkpoint.metadata"
 _SIZE = Global("torch", "Size")
@@ -80,6 +80,8 @@ def object_blob(value: Any) -> bytes:
 def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[list[Piece]],
               cast_for: Callable[[TensorEntry], str | None]) -> None:
     """Write rank R's pieces into `__R_0.distcp`; non-tensor entries go to rank 0; then `.metadata`."""
+    for name, entry in index.tensors.items():  # refuse what dcp.load cannot read before anything is written
+        dtypes.check_dcp(entry.dtype, name)
     storage_data = Pairs()
     chunks: dict[str, list[Box]] = {name: [] for name in index.tensors}
 
@@ -105,7 +107,7 @@ def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[li
                 at += length
             if rank == 0:
                 for name, obj in index.objects.items():
-                    blob = object_blob(load_object(obj, copier.reader))
+                    blob = object_blob(writable_object(obj, copier.reader))
                     fh.write(blob)
                     entries.append((index_key(name, None, None), info(rel, at, len(blob)), None))
                     at += len(blob)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import picklewriter
 from ..errors import FormatError
 from ..index import ObjectEntry
 from ..storage import RangeReader
@@ -19,3 +20,10 @@ def load_object(entry: ObjectEntry, reader: RangeReader) -> Any:
     if isinstance(archive.obj, TensorRef):
         raise FormatError(f"{entry.data.uri}: {entry.name!r} is stored as bytes but holds a tensor")
     return archive.obj
+
+
+def writable_object(entry: ObjectEntry, reader: RangeReader) -> Any:
+    """The value of `entry`, refused by name if it is anything a writer must not pickle."""
+    value = load_object(entry, reader)
+    picklewriter.dumps(value, label=f"entry {entry.name!r}")
+    return value

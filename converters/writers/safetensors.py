@@ -86,6 +86,8 @@ def write_safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, ca
     `.safetensors` file) or as HF shards plus `model.safetensors.index.json`."""
     meta = {"format": "pt", **(metadata or {})}
     items = [Planned(name, entry, copier.out_dtype(entry, cast_to)) for name, entry in index.tensors.items()]
+    for item in items:  # refuse dtypes safetensors cannot hold before anything is written
+        dtypes.to_safetensors(item.dtype, item.name)
     with ThreadPoolExecutor(copier.threads, thread_name_prefix="ckpt-write") as pool:
         if out.single_file:
             write_file(out, "", items, copier, cast_to, meta, pool)

@@ -9,7 +9,7 @@ from ..copier import Copier
 from ..index import CheckpointIndex
 from ..output import Output
 from ..zipwriter import ZipWriter
-from .objects import load_object
+from .objects import writable_object
 
 
 def nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict:
@@ -44,7 +44,7 @@ def write_torch(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to:
         pairs.append((entry.path, picklewriter.tensor(str(i), dtype, entry.shape)))
         storages.append((str(i), entry, dtype))
     for obj in index.objects.values():
-        pairs.append((obj.path, load_object(obj, copier.reader)))
+        pairs.append((obj.path, writable_object(obj, copier.reader)))
     root = nest(pairs)
     with out.open() as fh:
         zw = ZipWriter(fh, archive="archive", start=0)

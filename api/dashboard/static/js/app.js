@@ -1,0 +1,169 @@
+// The dashboard: sign-in, a hash router (#/jobs, #/jobs/ID, #/checkpoints, #/checkpoints/ID, #/new, #/health)
+// and the views. Data comes only from the public REST API; every value is put in the page as text.
+
+import { api, ApiError, setToken, token } from "./api.js";
+import { showCheckpoint, showCheckpoints } from "./checkpoints.js";
+import { el } from "./dom.js";
+import { showHealth } from "./health.js";
+import { showJob, showJobs } from "./jobs.js";
+import { setupForm } from "./newjob.js";
+import { canWrite, session } from "./session.js";
+
+let current = new AbortController();
+
+function notify(message) {
+  const notice = document.getElementById("notice");
+  notice.textContent = message || "";
+  notice.hidden = !message;
+}
+
+function showView(name) {
+  for (const view of document.querySelectorAll(".view")) view.hidden = view.id !== `view-${name}`;
+  for (const a of document.querySelectorAll("[data-nav]")) {
+    if (a.dataset.nav === name.replace(/^job$/, "jobs").replace(/^checkpoint$/, "checkpoints")) {
+      a.setAttribute("aria-current", "page");
+    } else {
+      a.removeAttribute("aria-current");
+    }
+  }
+}
+
+function showWho() {
+  const who = document.getElementById("who");
+  const signedIn = Boolean(session.who);
+  who.textContent = signedIn ? `${session.who.name} · ${session.who.scope}${session.who.scope === "read"
+    ? " (read-only)" : ""}` : "";
+  document.getElementById("sign-out").hidden = !token();
+  document.getElementById("nav-new").hidden = !canWrite();
+}
+
+async function whoami() {
+  try {
+    session.who = await api("/v1/whoami");
+  } catch (error) {
+    session.who = null;
+    if (!(error instanceof ApiError) || error.status !== 401) throw error;
+  }
+  showWho();
+  return session.who;
+}
+
+function signIn(message) {
+  current.abort();
+  session.who = null;
+  showWho();
+  showView("signin");
+  document.getElementById("token-error").textContent = message || "";
+  document.getElementById("token").focus();
+}
+
+function parseHash() {
+  const [path, search] = location.hash.replace(/^#\/?/, "").split("?");
+  const [section, ...rest] = path.split("/");
+  return { section: section || "jobs", id: rest.length ? decodeURIComponent(rest.join("/")) : "",
+    params: new URLSearchParams(search || "") };
+}
+
+async function route() {
+  current.abort();
+  current = new AbortController();
+  const { signal } = current;
+  notify("");
+  if (!session.who) {
+    signIn();
+    return;
+  }
+  const { section, id, params } = parseHash();
+  try {
+    if (section === "jobs" && id) {
+      showView("job");
+      await showJob(id, signal, notify);
+    } else if (section === "checkpoints" && id) {
+      showView("checkpoint");
+      await showCheckpoint(id, signal);
+    } else if (section === "checkpoints") {
+      showView("checkpoints");
+      await showCheckpoints(params, signal);
+    } else if (section === "new") {
+      showView("new");
+      if (!canWrite()) notify("This token is read-only: it cannot submit jobs.");
+      document.getElementById("job-submit").disabled = !canWrite();
+    } else if (section === "health") {
+      showView("health");
+      await showHealth(signal);
+    } else {
+      showView("jobs");
+      await showJobs(params, signal);
+    }
+  } catch (error) {
+    if (signal.aborted || error.name === "AbortError") return;
+    if (error instanceof ApiError && error.status === 401) signIn(error.message);
+    else notify(error.message);
+  }
+}
+
+function setHashParams(base, form) {
+  const params = new URLSearchParams();
+  for (const input of form.querySelectorAll("input, select")) if (input.value) params.set(input.name, input.value);
+  const s = params.toString();
+  location.hash = s ? `${base}?${s}` : base;
+}
+
+function pageTo(base, cursor) {
+  const { params } = parseHash();
+  if (cursor) params.set("cursor", cursor);
+  else params.delete("cursor");
+  const s = params.toString();
+  location.hash = s ? `${base}?${s}` : base;
+}
+
+function setup() {
+  document.getElementById("skip").addEventListener("click", (e) => { // not a route: just move the focus
+    e.preventDefault();
+    document.getElementById("main").focus();
+  });
+  const jobFilters = document.getElementById("job-filters");
+  jobFilters.addEventListener("change", () => setHashParams("#/jobs", jobFilters));
+  jobFilters.addEventListener("submit", (e) => e.preventDefault());
+  const ckptFilters = document.getElementById("ckpt-filters");
+  ckptFilters.addEventListener("submit", (e) => {
+    e.preventDefault();
+    setHashParams("#/checkpoints", ckptFilters);
+  });
+  document.getElementById("jobs-older").addEventListener("click", (e) => pageTo("#/jobs", e.target.dataset.cursor));
+  document.getElementById("jobs-newest").addEventListener("click", () => pageTo("#/jobs", ""));
+  document.getElementById("ckpts-next").addEventListener("click", (e) =>
+    pageTo("#/checkpoints", e.target.dataset.cursor));
+  document.getElementById("ckpts-first").addEventListener("click", () => pageTo("#/checkpoints", ""));
+  document.getElementById("signin-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const input = document.getElementById("token");
+    setToken(input.value.trim());
+    input.value = "";
+    try {
+      if (await whoami()) route();
+      else signIn("That token was not accepted (unknown or revoked).");
+    } catch (error) {
+      signIn(error.message);
+    }
+  });
+  document.getElementById("sign-out").addEventListener("click", () => {
+    setToken("");
+    signIn();
+  });
+  setupForm();
+  window.addEventListener("hashchange", route);
+}
+
+async function start() {
+  setup();
+  try {
+    await whoami();
+  } catch (error) {
+    notify(`The server did not answer: ${error.message}`);
+    return;
+  }
+  route();
+}
+
+start().catch((error) => document.body.prepend(el("p", { class: "notice" }, String(error))));

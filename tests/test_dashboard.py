@@ -1,0 +1,471 @@
+"""The web dashboard at `/`: its shell and headers (fast, over HTTP), and end to end in a real headless Chromium
+(slow) against a real `ckptctl serve` on loopback with real checkpoints made by torch.save."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from api.dashboard.routes import CSP, STATIC
+
+from .service_harness import Server, Tokens, job_spec, make_server, wait_for
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+         "--no-first-run"]
+EVIL = '<script>alert("x")</script>'
+EVIL_IMG = "<img src=x onerror=alert(2)>"
+RATE = 2_000_000  # bytes per second per job: the export below takes about 2 s, so the browser sees it run
+
+
+@dataclass
+class Site:
+    server: Server
+    tokens: Tokens
+    data: Path
+    source: Path  # 4 MB of float32 in one torch.save file
+    evil: Path  # tensor names with markup in them
+    big: Path  # 16 MB: its export runs for about 8 s
+    small: Path  # 1 MB, for a chain of jobs
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(tensors, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    base = tmp_path_factory.mktemp("dashboard")
+    data = base / "data"
+    gen = torch.Generator().manual_seed(0)
+    source = _save(data / "run1" / "step100.pt",
+                   {f"model.layers.{i}.weight": torch.randn(256, 512, generator=gen) for i in range(8)})
+    big = _save(data / "run2" / "step200.pt", {f"w{i}": torch.randn(1024, 1024, generator=gen) for i in range(4)})
+    small = _save(data / "run3" / "step300.pt",
+                  {f"l{i}.weight": torch.randn(128, 256, generator=gen) for i in range(8)})
+    evil = _save(data / "evil" / "evil.pt", {f"{EVIL}.weight": torch.ones(2, 2), EVIL_IMG: torch.ones(1),
+                                               "ok.bias": torch.zeros(3)})
+    tokens = Tokens.make()
+    server = make_server(base / "state", read_roots=[data], write_roots=[data], workers=2, tokens=tokens.entries,
+                         extra_env={"CKPT_JOB_MAX_BYTES_PER_SECOND": str(RATE)})
+    server.start()
+    try:
+        yield Site(server, tokens, data, source, evil, big, small)
+    finally:
+        server.stop()
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+
+def test_shell_is_served_with_a_strict_policy(site: Site) -> None:
+    response = httpx.get(f"{site.server.url}/", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["content-security-policy"] == CSP
+    assert "script-src 'self';" in CSP and "unsafe" not in CSP
+    assert response.headers["x-content-type-options"] == "nosniff"
+    parser = _Tags()
+    parser.feed(response.text)
+    scripts = [attrs for tag, attrs in parser.tags if tag == "script"]
+    assert [s["type"] for s in scripts] == ["module"]  # one script, from a file; no inline code
+    handlers = [(tag, name) for tag, attrs in parser.tags for name in attrs if name.startswith("on")]
+    assert handlers == []
+    assert all(attrs.get("style") is None for _, attrs in parser.tags)
+    # every option of every kind is on the form, marked with the kinds it applies to
+    fields = {attrs["name"]: attrs for tag, attrs in parser.tags if (attrs.get("name") or "").startswith("options.")}
+    assert len(fields) == 21
+    assert "ckptctl token create" in response.text
+
+    asset = scripts[0]["src"]
+    assert re.fullmatch(r"/dashboard/static/js/app\.js\?v=[0-9a-f]{12}", asset)
+    cached = httpx.get(f"{site.server.url}{asset}", timeout=10)
+    assert cached.status_code == 200
+    assert cached.headers["cache-control"] == "public, max-age=31536000, immutable"
+    assert cached.headers["content-type"].startswith("text/javascript")
+    stale = httpx.get(f"{site.server.url}/dashboard/static/js/app.js?v=000000000000", timeout=10)
+    assert stale.headers["cache-control"] == "no-cache"
+    assert (STATIC.parent / "routes.py").exists()  # next to the assets, and not served
+    assert httpx.get(f"{site.server.url}/dashboard/static/%2e%2e/routes.py", timeout=10).status_code == 404
+
+
+def test_scripts_never_write_markup() -> None:
+    """Values go into the page as text: no innerHTML, outerHTML, insertAdjacentHTML, document.write or eval."""
+    sources = {p.name: p.read_text() for p in (STATIC / "js").glob("*.js")}
+    assert set(sources) >= {"api.js", "app.js", "dom.js", "jobs.js", "checkpoints.js", "lineage.js"}
+    for name, text in sources.items():
+        found = re.findall(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|\beval\(|new Function", text)
+        assert found == [], name
+
+
+def test_whoami(site: Site) -> None:
+    url = f"{site.server.url}/v1/whoami"
+    read = httpx.get(url, headers={"Authorization": f"Bearer {site.tokens.read}"}, timeout=10)
+    assert read.status_code == 200
+    body = read.json()
+    assert (body["name"], body["scope"], body["anonymous_allowed"]) == ("test-read", "read", False)
+    assert body["version"] == httpx.get(f"{site.server.url}/openapi.json", timeout=10).json()["info"]["version"]
+    anonymous = httpx.get(url, timeout=10)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["type"] == "unauthorized"
+
+
+# -- in a real browser -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if shutil.which("chromium") is None and not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (`apt-get install -y --no-install-recommends "
+                    "chromium`; .ci/run does) to run the dashboard's browser tests")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@dataclass
+class Tab:
+    page: object
+    dialogs: list[str]
+    errors: list[str]
+    shots: Path
+
+    def shot(self, name: str) -> Path:
+        path = self.shots / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        assert path.stat().st_size > 1000
+        return path
+
+
+@pytest.fixture
+def tab(browser: object, site: Site, tmp_path: Path) -> Iterator[Tab]:
+    context = browser.new_context(viewport={"width": 1366, "height": 768})  # a laptop screen
+    page = context.new_page()
+    dialogs: list[str] = []
+    errors: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    # the browser logs every 4xx answer as an error; the ones the page asks for (who am I, before sign-in; a
+    # refused form) are expected, anything else (a script error, a resource refused by the CSP) is not
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" and not re.search(
+        r"status of 4(01|03|22)", m.text) else None)
+    page.set_default_timeout(20_000)
+    page.goto(f"{site.server.url}/")
+    yield Tab(page, dialogs, errors, tmp_path)
+    context.close()
+
+
+def rows_become(page: object, selector: str, key: str, want: list[str], timeout: float = 20.0) -> None:
+    """Wait until the table's rows are exactly `want` (by their data-KEY), in order."""
+    script = f"rs => rs.map(r => r.dataset.{key})"
+    wait_for(lambda: page.eval_on_selector_all(selector, script) == want, timeout, f"rows {want}")
+
+
+def sign_in(tab: Tab, token: str, expect_scope: str, view: str = "jobs") -> None:
+    page = tab.page
+    page.wait_for_selector("#view-signin:not([hidden])")
+    page.fill("#token", token)
+    page.press("#token", "Enter")
+    page.wait_for_selector(f"#view-{view}:not([hidden])")
+    assert page.text_content("#who").startswith(f"test-{expect_scope} · {expect_scope}")
+
+
+@pytest.mark.slow
+def test_export_from_the_form_runs_live_and_lands_in_the_lineage(tab: Tab, site: Site) -> None:
+    page = tab.page
+    assert "ckptctl token create" in page.text_content("#view-signin")
+    tab.shot("signin")
+    sign_in(tab, site.tokens.write, "write")
+    tab.shot("jobs-empty")
+    page.evaluate("window.__sameDocument = 'yes'")  # gone if anything reloads the page
+
+    page.click("a[data-nav=new]")
+    page.select_option("#f-kind", "export")
+    assert page.is_hidden("#f-world_size") and page.is_visible("#f-dtype")  # only export's options
+    target = site.data / "exports" / "step100"
+    page.fill("#f-source", str(site.source))
+    page.fill("#f-target", str(target))
+    page.select_option("#f-dtype", "bfloat16")
+    tab.shot("new-job")
+    page.click("#job-submit")
+
+    page.wait_for_selector("#view-job:not([hidden]) #job-timeline")
+    job_id = page.url.rsplit("/", 1)[-1]
+    assert re.fullmatch(r"#?job_[A-Za-z0-9_-]+|[A-Za-z0-9_-]+", job_id)
+    seen: set[str] = set()
+    percents: list[int] = []
+    for _ in range(400):  # the state and bar move while the page stays put (bounded: 400 x 50 ms)
+        state = page.get_attribute("#job-body .state", "data-state")
+        seen.add(state)
+        percents.append(int(page.get_attribute("#job-body .percent", "data-percent")))
+        if state == "succeeded":
+            break
+        if state == "running" and 0 < percents[-1] < 100 and not (tab.shots / "job-running.png").exists():
+            tab.shot("job-running")
+        page.wait_for_timeout(50)
+    assert state == "succeeded", (seen, site.server.log_tail())
+    assert "running" in seen
+    assert any(0 < p < 100 for p in percents), percents  # seen part-way, not just before and after
+    assert percents == sorted(percents) and percents[-1] == 100
+    assert page.text_content("#job-body .state") == "succeeded"
+    assert page.get_attribute("#job-body progress", "value") == "100"
+    assert page.evaluate("window.__sameDocument") == "yes"
+    timeline = page.text_content("#job-timeline")
+    assert "queued" in timeline and "started (attempt 1)" in timeline and "finished: succeeded" in timeline
+    assert page.is_hidden("#job-cancel") and page.is_hidden("#job-retry")
+    tab.shot("job-succeeded")
+
+    page.click("#job-output")
+    page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+    assert page.text_content("#ckpt-title") == "Checkpoint step100"
+    assert "bfloat16: 8" in page.text_content("#ckpt-body")
+    labels = page.eval_on_selector_all("svg.lineage-graph a.node-checkpoint text.label",
+                                       "ts => ts.map(t => t.textContent)")
+    assert sorted(labels) == ["step100", "step100.pt"]  # the source checkpoint -> the export job -> the output
+    assert page.locator("svg.lineage-graph a.node-job").count() == 1
+    assert page.locator("svg.lineage-graph path.edge").count() == 2
+    tab.shot("checkpoint")
+    page.click("a[data-nav=checkpoints]")
+    page.wait_for_selector("#ckpts-body tr[data-checkpoint]")
+    assert page.locator("#ckpts-body tr[data-checkpoint]").count() == 2
+    tab.shot("checkpoints")
+    page.click("a[data-nav=health]")
+    page.wait_for_selector("#health-body dd")
+    assert "ready" in page.text_content("#health-body")
+    tab.shot("health")
+    assert tab.dialogs == [] and tab.errors == []
+
+
+@pytest.mark.slow
+def test_invalid_form_shows_the_error_next_to_the_field(tab: Tab, site: Site) -> None:
+    page = tab.page
+    sign_in(tab, site.tokens.write, "write")
+    for _ in range(10):  # by keyboard: Tab to the "New job" link, Enter; then type and press Enter to submit
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.id") == "nav-new":
+            break
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#view-new:not([hidden])")
+    page.select_option("#f-kind", "export")
+    page.fill("#f-source", str(site.source))
+    page.fill("#f-target", str(site.data / "exports" / "never"))
+    page.fill("#f-max_shard_size", "lots")
+    page.press("#f-max_shard_size", "Enter")
+    error = page.wait_for_selector("#error-options\\.max_shard_size:not(:empty)")
+    assert "5GB or 256MiB" in error.text_content()
+    # the message sits in the field's own row, and the field is marked invalid and focused
+    assert page.eval_on_selector("#error-options\\.max_shard_size", "e => e.closest('.field').contains("
+                                 "document.getElementById('f-max_shard_size'))")
+    assert page.get_attribute("#f-max_shard_size", "aria-invalid") == "true"
+    assert page.evaluate("document.activeElement.id") == "f-max_shard_size"
+    assert page.text_content("#error-source") == "" and page.is_visible("#view-new")
+    tab.shot("new-job-invalid")
+    page.fill("#f-max_shard_size", "")
+    page.fill("#f-target", "/etc/elsewhere")  # outside the storage roots: the API names `target`
+    page.click("#job-submit")
+    assert "write" in page.wait_for_selector("#error-target:not(:empty)").text_content()
+    assert page.text_content("#error-options\\.max_shard_size") == ""
+    assert not (site.data / "exports" / "never").exists()
+    assert tab.errors == []
+
+
+@pytest.mark.slow
+def test_read_token_sees_no_cancel_button(browser: object, tab: Tab, site: Site) -> None:
+    with site.server.client(site.tokens.write) as client:
+        job = client.submit(job_spec("export", site.big, site.data / "exports" / "slow"))
+    page = tab.page
+    sign_in(tab, site.tokens.read, "read")
+    assert page.is_hidden("a[data-nav=new]")
+    page.evaluate("window.__sameDocument = 'yes'")
+    page.click(f"#jobs-body tr[data-job='{job['id']}'] a")
+    page.wait_for_selector("#job-timeline")
+    assert page.get_attribute("#job-body .state", "data-state") in ("queued", "running")
+    assert page.is_hidden("#job-cancel") and page.is_hidden("#job-retry")
+    tab.shot("job-read-only")
+    page.click("a[data-nav=jobs]")  # the live table, while the job runs
+    row = f"#jobs-body tr[data-job='{job['id']}']"
+    page.wait_for_selector(f"{row} .state[data-state=running]")
+    # the submitter, in a browser context of its own, sees Cancel for the same job, and it works
+    context = browser.new_context(viewport={"width": 1366, "height": 768})
+    try:
+        other = Tab(context.new_page(), [], [], tab.shots)
+        other.page.goto(f"{site.server.url}/#/jobs/{job['id']}")
+        sign_in(other, site.tokens.write, "write", view="job")
+        other.page.wait_for_selector("#job-cancel:not([hidden])")
+        assert other.page.get_attribute("#job-body .state", "data-state") == "running"
+        other.page.click("#job-cancel")
+        other.page.wait_for_selector("#job-body .state[data-state=cancelled]")
+        assert other.page.is_visible("#job-retry") and other.page.is_hidden("#job-cancel")
+        other.page.click("#job-retry")  # the same spec again, as a new job, which this page then follows
+        for _ in range(200):  # (wait_for_function would need eval, which the page's CSP refuses)
+            again = other.page.url.rsplit("/", 1)[-1]
+            if again != job["id"]:
+                break
+            other.page.wait_for_timeout(50)
+        assert again != job["id"]
+        other.page.wait_for_selector("#job-cancel:not([hidden])")
+        with site.server.client(site.tokens.read) as client:
+            retried = client.job(again)
+        assert retried["spec"] == job["spec"] and retried["submitted_by"] == "test-write"
+        other.page.click("#job-cancel")
+        other.page.wait_for_selector("#job-body .state[data-state=cancelled]")
+    finally:
+        context.close()
+    # the read token's table followed the job to its end without a reload
+    page.wait_for_selector(f"{row} .state[data-state=cancelled]")
+    assert page.text_content(f"{row} .state") == "cancelled"
+    assert page.evaluate("window.__sameDocument") == "yes"
+    assert not (site.data / "exports" / "slow").exists()
+    tab.shot("jobs")
+    assert tab.dialogs == [] and tab.errors == []
+
+
+@pytest.mark.slow
+def test_without_tokens_the_page_opens_signed_in(browser: object, tmp_path: Path, site: Site) -> None:
+    """The README's `ckptctl serve` (no tokens, loopback): the page needs no sign-in."""
+    server = make_server(tmp_path / "state", read_roots=[site.data], write_roots=[tmp_path], workers=0)
+    server.start()
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(f"{server.url}/")
+        page.wait_for_selector("#view-jobs:not([hidden])")
+        assert page.text_content("#who") == "anonymous · admin"
+        assert page.is_hidden("#sign-out") and page.is_visible("a[data-nav=new]")
+        assert page.text_content("#jobs-body") == "No jobs."
+    finally:
+        context.close()
+        server.stop()
+
+
+@pytest.mark.slow
+def test_lineage_graph_over_two_hops(tab: Tab, site: Site) -> None:
+    """source -> export -> convert: the middle checkpoint's graph shows both hops, oldest on the left."""
+    middle, last = site.data / "chain" / "mid", site.data / "chain" / "last.pt"
+    with site.server.client(site.tokens.write) as client:
+        first = site.server.wait_job(client.submit(job_spec("export", site.small, middle))["id"], ("succeeded",),
+                                     token=site.tokens.write)
+        second = site.server.wait_job(client.submit(job_spec("convert", middle, last, to="torch"))["id"],
+                                      ("succeeded",), token=site.tokens.write)
+    page = tab.page
+    sign_in(tab, site.tokens.read, "read")
+    page.goto(f"{site.server.url}/#/checkpoints/{first['result']['checkpoint_id']}")
+    page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+    boxes = page.eval_on_selector_all(
+        "svg.lineage-graph a.node", "ns => ns.map(n => [n.querySelector('text.label').textContent, "
+        "Number(n.querySelector('rect').getAttribute('x')), n.classList.contains('current')])")
+    order = [label for label, _, _ in sorted(boxes, key=lambda b: b[1])]
+    assert order == ["step300.pt", "export job", "mid", "convert job", "last.pt"]
+    assert [label for label, _, current in boxes if current] == ["mid"]
+    edges = page.eval_on_selector_all("svg.lineage-graph path.edge",
+                                      "es => es.map(e => [e.dataset.from, e.dataset.to])")
+    mid, end = first["result"]["checkpoint_id"], second["result"]["checkpoint_id"]
+    with site.server.http(site.tokens.read) as http:
+        source = http.get(f"/v1/checkpoints/{mid}/lineage").json()["ancestors"][0]["checkpoint"]["id"]
+    one, two = f"job:{first['id']}", f"job:{second['id']}"
+    assert sorted(map(tuple, edges)) == sorted([(source, one), (one, mid), (mid, two), (two, end)])
+    tab.shot("lineage-two-hops")
+    page.click(f"svg.lineage-graph a[data-node='job:{second['id']}']")  # a job in the picture is a link
+    page.wait_for_selector("#view-job:not([hidden]) #job-timeline")
+    assert page.text_content("#job-title") == f"convert job {second['id']}"
+    with site.server.client(site.tokens.write) as client:  # a job that fails: the two differ
+        failed = site.server.wait_job(client.submit(job_spec("verify", site.small, site.source))["id"],
+                                      ("failed", "succeeded"),
+                                      token=site.tokens.write)
+    page.goto(f"{site.server.url}/#/jobs/{failed['id']}")
+    page.wait_for_selector("#job-body .error-box")
+    assert page.text_content("#job-body .error-box strong") == failed["error"]["type"] == "VerifyError"
+    assert page.text_content("#job-body .error-message") == failed["error"]["message"]
+    assert page.text_content("#job-body .state") == "failed"
+    assert page.is_hidden("#job-retry")  # a read token
+    tab.shot("job-failed")
+
+    # the table pages with the API's cursor, and filters by state and kind
+    with site.server.http(site.tokens.read) as http:
+        newest = [j["id"] for j in http.get("/v1/jobs", params={"limit": 4}).json()["items"]]
+    page.goto(f"{site.server.url}/#/jobs?limit=2")
+    rows = "#jobs-body tr[data-job]"
+    rows_become(page, rows, "job", newest[:2])
+    assert page.is_disabled("#jobs-newest")
+    page.click("#jobs-older")
+    rows_become(page, rows, "job", newest[2:4])
+    page.click("#jobs-newest")
+    rows_become(page, rows, "job", newest[:2])
+    page.select_option("#filter-state", "failed")
+    page.wait_for_selector(f"{rows}[data-job='{failed['id']}']")
+    page.select_option("#filter-kind", "export")
+    page.wait_for_selector("#jobs-body td.empty")
+    assert page.text_content("#jobs-body") == "No jobs."
+    assert page.url.endswith("#/jobs?state=failed&kind=export")
+    assert tab.errors == []
+
+
+@pytest.mark.slow
+def test_markup_in_tensor_names_renders_as_text(tab: Tab, site: Site) -> None:
+    with site.server.client(site.tokens.write) as client:
+        evil = client.register(str(site.evil), name=EVIL, tags=["x"])
+    page = tab.page
+    sign_in(tab, site.tokens.read, "read")
+    page.goto(f"{site.server.url}/#/checkpoints/{evil['id']}")
+    page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+    assert page.text_content("#ckpt-title") == f"Checkpoint {EVIL}"
+    page.click("#ckpt-tensors")
+    page.wait_for_selector("#tensors")
+    names = page.eval_on_selector_all("#tensors tbody tr td:first-child", "cs => cs.map(c => c.textContent)")
+    assert sorted(names) == sorted([f"{EVIL}.weight", EVIL_IMG, "ok.bias"])
+    for tag in ("script", "img"):  # no element was made from a name
+        assert page.eval_on_selector_all(f"main {tag}", "s => s.length") == 0, tag
+    assert EVIL in page.text_content("svg.lineage-graph a.current title")
+    page.click("a[data-nav=checkpoints]")
+    page.wait_for_selector(f"#ckpts-body tr[data-checkpoint='{evil['id']}']")
+    assert EVIL in page.text_content(f"#ckpts-body tr[data-checkpoint='{evil['id']}']")
+    page.fill("#filter-tag", "x")  # the registry's filters: only the checkpoint tagged x
+    page.press("#filter-tag", "Enter")
+    rows_become(page, "#ckpts-body tr[data-checkpoint]", "checkpoint", [evil["id"]])
+    assert page.url == f"{site.server.url}/#/checkpoints?tag=x"
+    tab.shot("checkpoint-markup")
+    assert tab.dialogs == []  # alert() never ran
+    assert page.eval_on_selector_all("script", "s => s.length") == 1
+
+
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
+def test_wheel_ships_the_dashboard(tmp_path: Path) -> None:
+    """Built from a copy of the source tree (no build/ left in the checkout), the wheel has every asset."""
+    root = Path(__file__).resolve().parent.parent
+    tree = tmp_path / "src"
+    shutil.copytree(root, tree, ignore=shutil.ignore_patterns(".git", "tests", "benchmarks", "docker", "build",
+                                                              "*.egg-info", "__pycache__", ".*_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("ckpt_service-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {n for n in archive.namelist() if n.startswith("api/dashboard/")}
+    here = STATIC.parent
+    wanted = {f"api/dashboard/{p.relative_to(here).as_posix()}" for p in here.rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts}
+    assert wanted <= shipped
+    assert {"api/dashboard/templates/index.html", "api/dashboard/static/dashboard.css",
+            "api/dashboard/static/js/app.js"} <= shipped
