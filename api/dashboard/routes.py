@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import Scope
 
 from ckpt_service.job_requests import plain
-from ckpt_service.jobs import APPLIES, KINDS, STATES, Format, JobOptions
+from ckpt_service.jobs import APPLIES, KINDS, STATES, TERMINAL, Format, JobOptions
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -90,6 +90,7 @@ def mount(app: FastAPI) -> None:
     version = asset_version()
     templates = Jinja2Templates(directory=HERE / "templates")
     context = {"asset": lambda name: f"{STATIC_URL}/{name}?v={version}", "kinds": KINDS, "states": STATES,
+               "terminal": " ".join(state for state in STATES if state in TERMINAL),
                "formats": typing.get_args(Format), "options": option_fields(), "version": app.version}
     router = APIRouter(include_in_schema=False)
 
