@@ -87,7 +87,8 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
                                      max_shard_size=int(request.max_shard_size),
                                      memory_limit=int(request.memory_limit), overwrite=request.overwrite,
                                      drop_tied=list(request.drop_tied), verify=request.verify,
-                                     export=isinstance(request, ExportRequest))
+                                     export=isinstance(request, ExportRequest),
+                                     to_hf=request.to_hf if isinstance(request, ExportRequest) else None)
     return lambda progress: convert(source, out, convert_options, progress)
 
 

@@ -28,11 +28,12 @@ from pydantic import (
 
 from converters.api import DEFAULT_SHARD_SIZE
 from converters.copier import DEFAULT_MEMORY_LIMIT
+from converters.formats import READERS
 
 from .units import parse_size
 
-#: The engine's reader names (`converters.formats.READERS`; a test keeps the two lists equal).
-Format = Literal["dcp", "accelerate", "hf-dcp", "safetensors", "torch", "rank-files"]
+#: The engine's reader names, in its order (`converters.formats.READERS`).
+Format = Literal[tuple(READERS)]  # type: ignore[valid-type]
 
 
 def choice(values: Any, what: str) -> Any:
@@ -76,8 +77,7 @@ def _size(value: int | str) -> int:
 Size = Annotated[int | str, AfterValidator(_size)]
 
 SourceFormat = Annotated[choice(Format, "format") | None,
-                         Field(description="Force the source format (dcp, accelerate, hf-dcp, safetensors, torch, "
-                                           "rank-files)."), flag("--from")]
+                         Field(description=f"Force the source format ({', '.join(READERS)})."), flag("--from")]
 Only = Annotated[choice(Literal["model", "optim", "all"], "selection"),
                  Field(description="Which entries: model, optim or all."), flag("--only")]
 CleanKeys = Annotated[bool | None, Field(description="Strip wrapper prefixes and containers (false: keep names "
@@ -149,6 +149,9 @@ class ExportRequest(KeyedRequest):
     overwrite: Overwrite = False
     drop_tied: DropTied = Field(default_factory=list)
     verify: VerifyOutput = False
+    to_hf: Annotated[choice(Literal["llama"], "architecture") | None,
+                     Field(description="Map a Megatron / NeMo GPT model to a Hugging Face architecture (llama) and "
+                                       "write its config.json."), flag("--to-hf")] = None
 
 
 class ReshardRequest(KeyedRequest):

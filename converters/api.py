@@ -36,6 +36,7 @@ class ConvertOptions:
     drop_tied: list[str] = field(default_factory=list)
     verify: bool = False
     export: bool = False  # an export for serving: model weights only, never optimizer state
+    to_hf: str | None = None  # "llama": Megatron GPT -> LlamaForCausalLM names, layouts and config.json
 
     def __post_init__(self) -> None:
         if self.export and self.keys.only != "model":
@@ -48,6 +49,10 @@ class ConvertOptions:
             raise OptionError("--max-shard-size must be positive")
         if self.memory_limit < 1024 * 1024:
             raise OptionError("--memory-limit must be at least 1MiB")
+        if self.to_hf is not None and self.to_hf != "llama":
+            raise OptionError(f"--to-hf {self.to_hf}: choose llama")
+        if self.to_hf and (self.to != "safetensors" or not self.keys.clean or self.keys.only != "model"):
+            raise OptionError("--to-hf writes model weights as safetensors; drop --keep-keys / --only / --to")
 
 
 @dataclass
@@ -95,6 +100,12 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
     try:
         index = load_index(source, options.source_format, reader=reader)
         view, report, _ = apply(index, options.keys, reader)
+        hf_config = None
+        if options.to_hf:
+            if target.endswith(".safetensors"):
+                raise OptionError(f"--to-hf writes a folder (weights and config.json), not {target}")
+            view, hf_config, notes = _to_hf(source, options, index, view, reader)
+            report += notes
         skipped = []
         if options.to == "safetensors" and view.objects:
             skipped = sorted(view.objects)
@@ -124,6 +135,9 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
 
                 write_safetensors(view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
                                   metadata=metadata)
+            if hf_config is not None:
+                with out.open("config.json") as fh:
+                    fh.write(json.dumps(hf_config, indent=2).encode())
             result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped)
             if options.verify:
                 result.verify = verify_output(view, out.root, options.to, reader, cast_ok=options.dtype is not None,
@@ -135,6 +149,21 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
     finally:
         if own_reader:
             reader.close()
+
+
+def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: CheckpointIndex,
+           reader: storage.RangeReader) -> tuple[CheckpointIndex, dict, list[str]]:
+    from .formats import open_reader
+    from .hf_llama import to_llama
+
+    source_reader = open_reader(source.rstrip("/"), options.source_format or index.format, reader)
+    if not hasattr(source_reader, "model_config"):
+        raise OptionError(f"--to-hf llama maps Megatron-core / NeMo GPT checkpoints; {source} is {index.format}")
+    config, where = source_reader.model_config(index)
+    view, hf_config, report = to_llama(view, config, where)
+    if options.dtype:
+        hf_config["torch_dtype"] = options.dtype
+    return view, hf_config, report
 
 
 def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,

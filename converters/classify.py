@@ -65,9 +65,16 @@ def _candidates(tokens: list[str]) -> list[_Candidate]:
             for i, tok in enumerate(tokens) if tok in OPTIM_SECTIONS and len(tokens) - i >= 3]
 
 
-def classify(entries: Iterable[TensorEntry | ObjectEntry]) -> dict[str, Parts]:
-    """Parts of every entry, keyed by the entry's dotted path (`".".join(entry.path)`)."""
-    paths = {".".join(e.path): e.path for e in entries}
+def classify(entries: Iterable[TensorEntry | ObjectEntry], training_state: Iterable[str] = ()) -> dict[str, Parts]:
+    """Parts of every entry, keyed by the entry's dotted path (`".".join(entry.path)`).
+
+    `training_state` names entries a reader knows to be training state (Megatron's `common.pt`,
+    Lightning's `meta.pt`): they are "other" whatever their names look like."""
+    entries = list(entries)
+    known = set(training_state)
+    fixed = {".".join(e.path): Parts("other", e.path[0], fqn=".".join(e.path[1:]), span=(1, len(e.path)))
+             for e in entries if e.name in known}
+    paths = {".".join(e.path): e.path for e in entries if ".".join(e.path) not in fixed}
     tokens = {name: name.split(".") for name in paths}
     candidates = {name: _candidates(toks) for name, toks in tokens.items()}
     optimizers = {c.container for cs in candidates.values() for c in cs if c.section == "param_groups"}
@@ -95,7 +102,7 @@ def classify(entries: Iterable[TensorEntry | ObjectEntry]) -> dict[str, Parts]:
             out[name] = Parts("other", path[0], fqn=name[len(path[0]) + 1:], span=(path[0].count(".") + 1, n))
         else:
             out[name] = Parts("model", fqn=name, span=(0, n))
-    return out
+    return out | fixed
 
 
 def _optimizer_parts(c: _Candidate, params: set[str]) -> Parts:
@@ -113,4 +120,4 @@ def _optimizer_parts(c: _Candidate, params: set[str]) -> Parts:
 
 
 def index_kinds(index: CheckpointIndex) -> dict[str, Parts]:
-    return classify([*index.tensors.values(), *index.objects.values()])
+    return classify([*index.tensors.values(), *index.objects.values()], index.training_state)

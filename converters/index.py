@@ -92,6 +92,10 @@ class CheckpointIndex:
     objects: dict[str, ObjectEntry] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # layer-stacked tensors (Megatron): name -> the prefix the layer number goes after when unstacked
+    stacked: dict[str, str] = field(default_factory=dict)
+    # entries that are a framework's training state beside the model (Lightning meta.pt, Megatron common.pt)
+    training_state: set[str] = field(default_factory=set)
 
     @property
     def total_bytes(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Literal, NamedTuple
 from .classify import Parts, classify
 from .errors import OptionError
 from .index import CheckpointIndex, ObjectEntry, TensorEntry
+from .stacking import unstack
 from .storage import RangeReader
 from .writers.objects import load_object
 
@@ -157,9 +158,13 @@ def _names(names: list[str]) -> str:
 def apply(index: CheckpointIndex, options: KeyOptions, reader: RangeReader | None = None) -> Selection:
     """A view of `index` with the selected entries under their output names, and a report of what changed.
 
-    `param_groups[*].params` lists stored as data (DCP) are loaded through `reader` to rename them."""
+    `param_groups[*].params` lists stored as data (DCP) are loaded through `reader` to rename them.
+    Layer-stacked tensors (Megatron) are split per layer when keys are cleaned."""
+    unstacked: list[str] = []
+    if options.clean and index.stacked:
+        index, unstacked = unstack(index)
     everything: list[TensorEntry | ObjectEntry] = [*index.tensors.values(), *index.objects.values()]
-    by_path = classify(everything)
+    by_path = classify(everything, index.training_state)
     parts = {id(e): by_path[".".join(e.path)] for e in everything}
     wanted = {"model": {"model"}, "optim": {"optim"}, "all": {"model", "optim", "other", "unknown"}}[options.only]
     entries = [e for e in everything if parts[id(e)].kind in wanted]
@@ -195,7 +200,7 @@ def apply(index: CheckpointIndex, options: KeyOptions, reader: RangeReader | Non
             if new.value is not None:
                 new.value = mapper.value(p, copy.deepcopy(new.value))
             out.objects[name] = new
-    report = [f"stripped {prefix} from {n} keys" for prefix, n in sorted(mapper.counts.items())]
+    report = unstacked + [f"stripped {prefix} from {n} keys" for prefix, n in sorted(mapper.counts.items())]
     report += [f"renamed {n} keys with {pattern}" for pattern, n in mapper.rename_counts.items()]
     if dropped:
         report.append(f"left out {dropped} keys by --include/--exclude")

@@ -275,6 +275,39 @@ BASE_ALLOWED: dict[str, Any] = {
         "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
         "StorageMeta")},
     f"{_DCP}.filesystem._StorageInfo": stub_token(f"{_DCP}.filesystem._StorageInfo"),
+    # Megatron-core's planner keeps every rank's save plan in `.metadata` (`all_local_plans`)
+    **{f"{_DCP}.planner.{name}": stub_token(f"{_DCP}.planner.{name}") for name in (
+        "SavePlan", "WriteItem", "TensorWriteData")},
+    f"{_DCP}.planner.WriteItemType": Token(f"{_DCP}.planner.WriteItemType", enum_int("WriteItemType")),
+}
+
+
+def enum_value(qualname: str) -> Token:
+    """An enum member (REDUCE with its value) as the text `Class(value)`."""
+    short = qualname.rsplit(".", 1)[-1]
+
+    def make(args: tuple) -> str:
+        check_args(args, qualname, 1, 1)
+        if type(args[0]) not in (int, str):
+            raise Bad(f"{qualname} takes an int or str value, got {describe(args[0])}")
+        return f"{short}({args[0]!r})"
+
+    return Token(qualname, make)
+
+
+# Megatron-core `common.pt` (the non-sharded part of a dist checkpoint): what megatron.core.safe_globals
+# lets torch.load read, less numpy (its RNG states are sharded objects, not in common.pt).
+MEGATRON_ALLOWED: dict[str, Any] = {
+    **BASE_ALLOWED,
+    "argparse.Namespace": stub_token("argparse.Namespace"),
+    "types.SimpleNamespace": stub_token("types.SimpleNamespace"),
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig":
+        stub_token("megatron.core.optimizer.optimizer_config.OptimizerConfig"),
+    **{name: enum_value(name) for name in (
+        "megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
+        "megatron.core.transformer.enums.CudaGraphScope", "megatron.core.rerun_state_machine.RerunDiagnostic",
+        "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState",
+        "signal.Signals")},
 }
 
 

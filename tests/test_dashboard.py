@@ -92,7 +92,7 @@ def test_shell_is_served_with_a_strict_policy(site: Site) -> None:
     assert all(attrs.get("style") is None for _, attrs in parser.tags)
     # every option of every kind is on the form, marked with the kinds it applies to
     fields = {attrs["name"]: attrs for tag, attrs in parser.tags if (attrs.get("name") or "").startswith("options.")}
-    assert len(fields) == 21
+    assert len(fields) == 22
     assert "ckptctl token create" in response.text
 
     asset = scripts[0]["src"]

@@ -25,7 +25,7 @@ WIRE = {
     "convert": {"source_format", "to", "only", "clean_keys", "rename", "include", "exclude", "dtype",
                 "max_shard_size", "memory_limit", "overwrite", "drop_tied", "verify"},
     "export": {"source_format", "only", "clean_keys", "rename", "include", "exclude", "dtype", "max_shard_size",
-               "memory_limit", "overwrite", "drop_tied", "verify"},
+               "memory_limit", "overwrite", "drop_tied", "verify", "to_hf"},  # to_hf: added with the Megatron reader
     "reshard": {"source_format", "only", "clean_keys", "rename", "include", "exclude", "dtype", "dtype_optim",
                 "memory_limit", "overwrite", "verify", "world_size", "layout", "shard_dim_rule"},
     "verify": {"source_format", "target_format", "only", "clean_keys", "rename", "include", "exclude",

@@ -18,6 +18,8 @@ READERS: dict[str, str] = {
     "safetensors": "converters.formats.safetensors:SafetensorsReader",
     "torch": "converters.formats.torchsave:TorchSaveReader",
     "rank-files": "converters.formats.rankfiles:RankFilesReader",
+    "megatron": "converters.formats.megatron:MegatronReader",
+    "lightning": "converters.formats.lightning:LightningReader",
 }
 RANK_FILE = re.compile(r"^(?P<stem>.*?)_?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -61,6 +63,12 @@ def detect(uri: str) -> str:
             raise FormatError(f"{uri}: point at the folder that holds .metadata, not the file itself")
         raise FormatError(f"{uri}: unknown file type; pass --from with one of {', '.join(READERS)}")
     names = storage.listdir(uri)
+    from .megatron import is_megatron
+
+    if is_megatron(uri, names):
+        return "megatron"
+    if ".metadata" in names and "meta.pt" in names:
+        return "lightning"
     if ".metadata" in names:
         return "dcp"
     if "model.safetensors.index.json" in names:

@@ -101,11 +101,19 @@ class TorchSaveReader:
             archive = read_archive(self.reader, path)
             if not isinstance(archive.obj, dict):
                 raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a state dict")
-            for path, value in flatten(archive.obj).items():
-                name = ".".join(path)
-                if isinstance(value, TensorRef):
-                    index.tensors[name] = tensor_entry(name, value, archive)
-                    index.tensors[name].path = path
-                else:
-                    index.objects[name] = ObjectEntry(name, value=value, path=path)
+            add_entries(index, archive)
         return index
+
+
+def add_entries(index: CheckpointIndex, archive: Archive, obj: Any = None) -> list[str]:
+    """Add the tensors and values of a torch.save archive (or of `obj`, a part of it) to `index`; their names."""
+    names = []
+    for path, value in flatten(archive.obj if obj is None else obj).items():
+        name = ".".join(path)
+        if isinstance(value, TensorRef):
+            index.tensors[name] = tensor_entry(name, value, archive)
+            index.tensors[name].path = path
+        else:
+            index.objects[name] = ObjectEntry(name, value=value, path=path)
+        names.append(name)
+    return names
