@@ -29,7 +29,7 @@ in one table here (`EXIT_CODES`).
 
 from __future__ import annotations
 
-from converters.errors import CkptError
+from converters import CkptError
 
 
 class ServiceError(CkptError):

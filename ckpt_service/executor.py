@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from converters import storage
-from converters.errors import CkptError, VerifyError
+from converters import CkptError, VerifyError, storage
+from converters.names import tmp_prefix
 
 from . import logs, roots
 from .helpers import remove_tree
@@ -35,7 +35,7 @@ EngineCall = Callable[[Callable[[Any], None] | None], Any]
 
 
 def key_options(request: KeyedRequest) -> Any:
-    from converters.transforms import KeyOptions
+    from converters import KeyOptions
 
     return KeyOptions(only=request.only, clean=request.clean_keys, renames=KeyOptions.parse_renames(request.rename),
                       include=list(request.include), exclude=list(request.exclude))
@@ -51,7 +51,7 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
         source, fmt = source_for(source, request.source_format, request.tag, request.weights)  # type: ignore[attr-defined]
         request = request.model_copy(update={"source_format": fmt, "tag": None, "weights": None})
     if isinstance(request, InspectRequest):
-        from converters.api import inspect
+        from converters import inspect
 
         from .summary import summarize
 
@@ -61,7 +61,7 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
         raise TypeError(f"no engine call for {type(request).__name__}")
     keys, out = key_options(request), target or ""
     if isinstance(request, VerifyRequest):
-        from converters.api import verify
+        from converters import verify
 
         keys.nest = False
         vr = request
@@ -74,8 +74,8 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
             return report
         return run_verify
     if isinstance(request, ReshardRequest):
+        from converters import ReshardOptions, reshard
         from converters.layouts import parse_dim_rules
-        from converters.reshard import ReshardOptions, reshard
 
         reshard_options = ReshardOptions(world_size=request.world_size, layout=request.layout,
                                          dim_rules=parse_dim_rules(request.shard_dim_rule), keys=keys,
@@ -85,7 +85,7 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
         return lambda progress: reshard(source, out, reshard_options, progress)
     if not isinstance(request, ConvertRequest | ExportRequest):
         raise TypeError(f"no engine call for {type(request).__name__}")
-    from converters.api import ConvertOptions, convert
+    from converters import ConvertOptions, convert
 
     to = request.to if isinstance(request, ConvertRequest) else "safetensors"
     convert_options = ConvertOptions(to=to, source_format=request.source_format, keys=keys, dtype=request.dtype,
@@ -136,7 +136,7 @@ def clean_target(target: str | None, overwrite: bool) -> list[str]:
     parent, base = os.path.split(path)
     found = []
     if os.path.isdir(parent):
-        found = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f".{base}.tmp-")]
+        found = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(tmp_prefix(base))]
     if not overwrite and os.path.lexists(path):
         found.append(path)
     for item in found:
@@ -149,7 +149,7 @@ class _Lost(Exception):
 
 
 def _summary(uri: str, source_format: str | None = None) -> dict[str, Any] | None:
-    from converters.api import inspect
+    from converters import inspect
 
     from .summary import summarize
 

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 
+from converters.output import remove_tree
 
-def remove_tree(path: str | os.PathLike[str], ignore_errors: bool = True) -> None:
-    """Remove a folder with its contents, or a file or symlink (a link is removed, never followed).
-
-    A missing path is fine; other failures are ignored unless `ignore_errors` is false."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=ignore_errors)
-        return
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        if not ignore_errors:
-            raise
+__all__ = ["free_port", "remove_tree"]
 
 
 def free_port() -> int:

@@ -26,9 +26,9 @@ from pydantic import (
     WrapValidator,
 )
 
+from converters import READERS
 from converters.api import DEFAULT_SHARD_SIZE
 from converters.copier import DEFAULT_MEMORY_LIMIT
-from converters.formats import READERS
 
 from .units import parse_size
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from converters.errors import CkptError
+from converters import CkptError
 
 from . import roots
 from .auth import Principal
@@ -144,7 +144,7 @@ class CkptService:
     # -- checkpoints -------------------------------------------------------------------------------
 
     def _summary(self, uri: str, source_format: str | None, tensors: bool = False) -> dict[str, Any]:
-        from converters.api import inspect
+        from converters import inspect
 
         from .summary import summarize
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from converters.errors import OptionError
+from converters import OptionError
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
           "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1024, "M": 1024**2, "G": 1024**3}

@@ -13,12 +13,13 @@ from typing import Literal
 from . import dtypes, storage
 from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
-from .errors import OptionError, TargetError
+from .errors import OptionError
 from .formats import load_index
 from .index import CheckpointIndex
 from .output import open_output
 from .transforms import KeyOptions, apply
 from .verify import VerifyReport, find_tie, verify_indexes, verify_output
+from .writers import WRITERS
 
 OutputFormat = Literal["safetensors", "torch"]
 DEFAULT_SHARD_SIZE = 5 * 1000**3
@@ -89,6 +90,7 @@ def _drop_tied(index: CheckpointIndex, names: list[str], copier: Copier) -> dict
     return ties
 
 
+@storage.with_io_errors
 def convert(source: str, target: str, options: ConvertOptions | None = None,
             on_progress: Callable[[Progress], None] | None = None,
             reader: storage.RangeReader | None = None) -> ConvertResult:
@@ -126,15 +128,8 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
             report.append("dropped tied " + ", ".join(f"{a} (= {b})" for a, b in ties.items()))
         single = options.to == "torch" or target.endswith(".safetensors")
         with open_output(target, options.overwrite, options.to, single_file=single) as out:
-            if options.to == "torch":
-                from .writers.torchsave import write_torch
-
-                write_torch(view, out, copier, cast_to=options.dtype)
-            else:
-                from .writers.safetensors import write_safetensors
-
-                write_safetensors(view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
-                                  metadata=metadata)
+            WRITERS[options.to](view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
+                                metadata=metadata)
             if hf_config is not None:
                 with out.open("config.json") as fh:
                     fh.write(json.dumps(hf_config, indent=2).encode())
@@ -144,8 +139,6 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
                                               memory_limit=options.memory_limit, target=target)
         report.extend(reader.fetch_note())
         return result
-    except OSError as exc:
-        raise TargetError(f"{target}: {exc.strerror or exc}") from None
     finally:
         if own_reader:
             reader.close()

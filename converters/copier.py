@@ -26,21 +26,22 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, err
 
 @dataclass
 class Progress:
-    """Counts bytes and tensors done; `callback` (if any) gets the object after each step."""
+    """Counts bytes and tensors done; `callback` (if any) gets the object after each step, one call at a
+    time (writer threads share this object), each seeing the counts of its own step."""
 
     total_bytes: int = 0
     total_tensors: int = 0
     done_bytes: int = 0
     done_tensors: int = 0
     callback: Callable[[Progress], None] | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def add(self, nbytes: int = 0, tensors: int = 0) -> None:
         with self._lock:
             self.done_bytes += nbytes
             self.done_tensors += tensors
-        if self.callback is not None:
-            self.callback(self)
+            if self.callback is not None:
+                self.callback(self)
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:

@@ -8,7 +8,7 @@ dtype: float8, uint16/32/64, complex32, float4, bits).
 
 from __future__ import annotations
 
-from .errors import OptionError
+from .errors import FormatError, OptionError, short
 
 # canonical name -> (itemsize, safetensors code, torch legacy storage class name)
 _TABLE: dict[str, tuple[int, str | None, str | None]] = {
@@ -50,7 +50,6 @@ FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3f
 CAST_TARGETS = ("float32", "bfloat16", "float16")
 
 _BY_SAFETENSORS = {code: name for name, (_, code, _) in _TABLE.items() if code}
-_BY_STORAGE = {storage: name for name, (_, _, storage) in _TABLE.items() if storage}
 
 
 def names() -> list[str]:
@@ -95,15 +94,13 @@ def check_dcp(dtype: str, name: str) -> None:
                           "out (--exclude) or convert --to torch instead")
 
 
-def from_safetensors(code: str) -> str:
-    try:
+def from_safetensors(code: object, path: str, key: str | None = None) -> str:
+    """The dtype of a safetensors header code read from `path` (entry `key`); a code we do not know means
+    the file is damaged (or newer than this reader): a FormatError naming the file and the entry."""
+    if isinstance(code, str) and code in _BY_SAFETENSORS:
         return _BY_SAFETENSORS[code]
-    except KeyError:
-        raise OptionError(f"unsupported safetensors dtype {code!r}") from None
-
-
-def from_storage_class(name: str) -> str | None:
-    return _BY_STORAGE.get(name)
+    where = f"{path} ({key!r})" if key is not None else path
+    raise FormatError(f"{where}: unsupported dtype {short(code)}", uri=path, key=key)
 
 
 def storage_class(dtype: str) -> str | None:
@@ -126,3 +123,27 @@ def numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a contiguous (row-major) tensor of `shape`."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))
+
+
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a view of `shape` with `stride` is contiguous (dimensions of size 1 may have any stride)."""
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def strided_span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """How many storage elements a view of `shape` with `stride` reaches, from its first to its last (0 if empty)."""
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0

@@ -25,6 +25,12 @@ def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, A
     return exc
 
 
+def short(value: Any, limit: int = 60) -> str:
+    """repr of a value from a damaged file, cut short for an error line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class CkptError(Exception):
     """Root of every error raised on purpose. `uri` and `key` name the file and the entry, where known."""
 

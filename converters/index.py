@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes
-from .errors import FormatError
+from .errors import FormatError, short
 
 OPTIM_CONTAINERS = ("optim", "optimizer", "optimizer_state_dict", "optim_state_dict")
 OPTIM_SECTIONS = ("state", "param_groups")
@@ -117,17 +117,11 @@ def check_tiling(entry: TensorEntry, where: str) -> None:
         if len(chunk.offsets) != len(entry.shape) or any(
                 o < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, entry.shape)):
             raise FormatError(f"{where}: chunk {chunk.offsets}+{chunk.sizes} of {entry.name!r} lies outside "
-                              f"its shape {entry.shape}; the metadata is damaged")
+                              f"its shape {entry.shape}; the metadata is damaged", uri=where, key=entry.name)
         total += chunk.numel
     if total != entry.numel:
         raise FormatError(f"{where}: the chunks of {entry.name!r} cover {total} of {entry.numel} elements; "
-                          "the checkpoint is missing ranks or is damaged")
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """repr of a value from a damaged file, cut short for an error line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+                          "the checkpoint is missing ranks or is damaged", uri=where, key=entry.name)
 
 
 def _is_int(value: Any) -> bool:

@@ -24,9 +24,8 @@ from typing import Any, BinaryIO
 
 from . import storage
 from .errors import TargetError
+from .names import MANIFEST, WRITING, tmp_prefix
 
-MANIFEST = "ckpt-manifest.json"
-WRITING = ".ckpt-writing"
 UPLOAD_BLOCK = 16 * 1024 * 1024
 
 
@@ -50,7 +49,7 @@ class _Checksummed:
 
 
 class Output:
-    """A target being written. `local_dir` is set for local targets (writers may use fds and pwrite)."""
+    """A target being written."""
 
     def __init__(self, uri: str, single_file: bool) -> None:
         self.uri = uri.rstrip("/")
@@ -58,7 +57,6 @@ class Output:
         self.local = storage.is_local(uri)
         self.files: dict[str, dict[str, Any]] = {}
         self.root = ""  # where files go now: a temp path locally, the final prefix remotely
-        self.local_dir: str | None = None
 
     def path(self, name: str = "") -> str:
         """Local path of an output file (local targets only); '' names the single-file target itself."""
@@ -100,11 +98,20 @@ class Output:
         return json.dumps(doc, indent=2).encode()
 
 
-def _remove_local(path: str) -> None:
+def remove_tree(path: str | os.PathLike[str], ignore_errors: bool = True) -> None:
+    """Remove a folder with its contents, or a file or symlink (a link is removed, never followed).
+
+    A missing path is fine; other failures are ignored unless `ignore_errors` is false."""
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+        return
+    try:
         os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def _remove_remote(uri: str, settle: float = 0.0) -> None:
@@ -140,26 +147,27 @@ def _local(out: Output, overwrite: bool, kind: str) -> Iterator[Output]:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise TargetError(f"{parent}: cannot create the output folder ({exc.strerror})") from None
-    out.root = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}")
+    out.root = os.path.join(parent, tmp_prefix(os.path.basename(target)) + uuid.uuid4().hex[:8])
     if not out.single_file:
         os.makedirs(out.root)
-    out.local_dir = out.root
     try:
         yield out
         if not out.single_file:
             with open(os.path.join(out.root, MANIFEST), "wb") as fh:
                 fh.write(out.manifest(kind))
         if os.path.lexists(target):
-            _remove_local(target)
+            remove_tree(target)
         os.replace(out.root, target)
     except OSError as exc:
-        _remove_local(out.root)
+        remove_tree(out.root)
+        if storage.names_source(exc, out.uri):
+            raise  # a source file failed: the command names it (storage.io_errors)
         if exc.errno == errno.ENOSPC:
             raise TargetError(f"{target}: disk full while writing; free space or choose another target "
-                              "(nothing was left behind)") from None
-        raise TargetError(f"{target}: cannot write ({exc.strerror or exc})") from None
+                              "(nothing was left behind)", uri=target) from None
+        raise TargetError(f"{target}: cannot write ({exc.strerror or exc})", uri=target) from None
     except BaseException:
-        _remove_local(out.root)
+        remove_tree(out.root)
         raise
 
 

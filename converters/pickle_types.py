@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import dtypes
+
 
 class Stub:
     """Stand-in for an allow-listed class: keeps `args` and `state`, runs no code of the original."""
@@ -111,12 +113,7 @@ class TensorRef:
         return self.storage.dtype or "uint8"
 
     def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
+        return dtypes.is_row_major(self.shape, self.stride)
 
 
 @dataclass(frozen=True)

@@ -141,9 +141,7 @@ def tensor(storage_key: str, dtype: str, shape: tuple[int, ...], location: str =
     Dtypes with a legacy typed storage class: `_rebuild_tensor_v2` over `torch.<X>Storage` (size in
     elements); the others (float8, uint16/32/64, ...): `_rebuild_tensor_v3` over
     `torch.storage.UntypedStorage` (size in bytes) with the dtype as the last argument."""
-    stride = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        stride[d] = stride[d + 1] * shape[d + 1]
+    stride = dtypes.row_major(tuple(shape))
     numel = dtypes.numel(shape)
     hooks = Call(ORDERED_DICT, ())
     storage_class = dtypes.storage_class(dtype)

@@ -75,6 +75,7 @@ def check_optimizer_names(view: CheckpointIndex, parts: dict[str, Parts]) -> Non
                 raise FormatError(f"{name} lists parameter {unknown[0]!r}, which the model does not have")
 
 
+@storage.with_io_errors
 def reshard(source: str, target: str, options: ReshardOptions,
             on_progress: Callable[[Progress], None] | None = None,
             reader: storage.RangeReader | None = None) -> ReshardResult:

@@ -15,23 +15,6 @@ from .index import ByteRange, CheckpointIndex, Chunk, TensorEntry
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-def _strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for size in reversed(sizes):
-        out.append(step)
-        step *= size
-    return tuple(reversed(out))
-
-
-def _contiguous(sizes: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for size, st in zip(reversed(sizes), reversed(stride)):
-        if size != 1 and st != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _sub_chunk(chunk: Chunk, box: Box, item: int, drop: int) -> Chunk | None:
     """The part of `chunk` inside `box`, placed relative to the box, its first `drop` dims removed."""
     lo = tuple(max(o, co) for o, co in zip(box[0], chunk.offsets))
@@ -39,14 +22,13 @@ def _sub_chunk(chunk: Chunk, box: Box, item: int, drop: int) -> Chunk | None:
     if any(h <= low for low, h in zip(lo, hi)):
         return None
     sizes = tuple(h - low for low, h in zip(lo, hi))
-    stride = chunk.data.stride or _strides(chunk.sizes)
+    stride = chunk.data.stride or dtypes.row_major(chunk.sizes)
     start = chunk.data.offset + item * sum((low - co) * st for low, co, st in zip(lo, chunk.offsets, stride))
     sizes, stride = sizes[drop:], stride[drop:]
-    n = dtypes.numel(sizes)
-    span = 1 + sum((s - 1) * st for s, st in zip(sizes, stride)) if n else 0
-    data = ByteRange(chunk.data.uri, start, span * item, None if _contiguous(sizes, stride) else stride)
+    span = dtypes.strided_span(sizes, stride)
+    data = ByteRange(chunk.data.uri, start, span * item, None if dtypes.is_row_major(sizes, stride) else stride)
     if data.stride is None:
-        data = replace(data, length=n * item)
+        data = replace(data, length=dtypes.numel(sizes) * item)
     offsets = tuple(low - o for low, o in zip(lo, box[0]))[drop:]
     return Chunk(offsets, sizes, data)
 

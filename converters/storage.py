@@ -31,12 +31,13 @@ import threading
 import unicodedata
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
-from typing import Any
+from functools import lru_cache, wraps
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .errors import CkptError, FormatError, OptionError, SourceError, TargetError
+from .names import MANIFEST, WRITING, tmp_prefix
 
 #: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
 #: cost few requests; larger reads go straight through.
@@ -104,7 +105,7 @@ def _check_roots(uri: str, real: str | None = None) -> None:
         return
     where = real if real is not None else (os.path.realpath(local_path(uri)) if is_local(uri) else uri)
     if not _inside(where, roots):
-        raise SourceError(f"{uri}: resolves outside the storage roots this job may read; refusing to open it")
+        raise SourceError(f"{uri}: resolves outside the storage roots this job may read; refusing to open it", uri=uri)
 
 
 def _bad_name(name: str) -> str | None:
@@ -145,13 +146,13 @@ def _stat_local(uri: str, missing: str) -> os.stat_result:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise SourceError(f"{uri}: {missing}") from None
+        raise SourceError(f"{uri}: {missing}", uri=uri) from None
     except NotADirectoryError:
-        raise SourceError(f"{uri}: {missing}") from None
+        raise SourceError(f"{uri}: {missing}", uri=uri) from None
     except PermissionError:
-        raise SourceError(f"{uri}: permission denied") from None
+        raise SourceError(f"{uri}: permission denied", uri=uri) from None
     if not stat.S_ISREG(st.st_mode):
-        raise FormatError(f"{uri}: {_kind(st.st_mode)}; refusing to read it")
+        raise FormatError(f"{uri}: {_kind(st.st_mode)}; refusing to read it", uri=uri)
     return st
 
 
@@ -161,13 +162,13 @@ def open_file(uri: str, missing: str = "no such file") -> int:
     try:
         fd = os.open(local_path(uri), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SourceError(f"{uri}: {missing}") from None
+        raise SourceError(f"{uri}: {missing}", uri=uri) from None
     except OSError as exc:
-        raise SourceError(f"{uri}: cannot open ({exc.strerror})") from None
+        raise SourceError(f"{uri}: cannot open ({exc.strerror})", uri=uri) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # swapped between the stat and the open
-            raise FormatError(f"{uri}: {_kind(st.st_mode)}; refusing to read it")
+            raise FormatError(f"{uri}: {_kind(st.st_mode)}; refusing to read it", uri=uri)
         if read_roots() is not None:
             try:
                 real = os.readlink(f"/proc/self/fd/{fd}")
@@ -304,7 +305,7 @@ def size(uri: str, missing: str = "no such file") -> int:
         try:
             return int(fs.size(path))
         except FileNotFoundError:
-            raise SourceError(f"{uri}: {missing}") from None
+            raise SourceError(f"{uri}: {missing}", uri=uri) from None
 
 
 def _too_big(uri: str, cap: int) -> FormatError:
@@ -341,7 +342,7 @@ def read_all(uri: str, cap: int | None = None) -> bytes:
             raise _too_big(uri, cap)
         return b"".join(parts)
     except OSError as exc:
-        raise SourceError(f"{uri}: cannot read ({exc.strerror})") from None
+        raise SourceError(f"{uri}: cannot read ({exc.strerror})", uri=uri) from None
     finally:
         os.close(fd)
 
@@ -381,22 +382,26 @@ class RangeReader:
         """Refuse a range that is negative or reaches past the end of the file, before allocating for it."""
         if offset < 0 or length < 0:
             raise FormatError(f"{uri}: the checkpoint metadata names bytes {offset}..{offset + length}, a negative "
-                              "position or length; the metadata is damaged")
+                              "position or length; the metadata is damaged", uri=uri)
         if offset + length > self.file_size(uri):
             raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted bytes "
-                              f"{offset}..{offset + length}); it is truncated or damaged: re-copy or re-upload it")
+                              f"{offset}..{offset + length}); it is truncated or damaged: re-copy or re-upload it",
+                              uri=uri)
 
     def read(self, uri: str, offset: int, length: int) -> bytes:
         self.check_range(uri, offset, length)
         if length == 0:
             return b""
         if is_local(uri):
-            data = os.pread(self.fd(local_path(uri)), length, offset)
+            try:
+                data = os.pread(self.fd(local_path(uri)), length, offset)
+            except OSError as exc:
+                raise SourceError(f"{uri}: cannot read ({exc.strerror or exc})", uri=uri) from None
         else:
             data = self._remote(uri, offset, length)
         if len(data) != length:
             raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted bytes "
-                              f"{offset}..{offset + length}); it is truncated: re-copy or re-upload it")
+                              f"{offset}..{offset + length}); it is truncated: re-copy or re-upload it", uri=uri)
         return data
 
     def _fetch(self, uri: str, start: int, end: int) -> bytes:
@@ -450,13 +455,16 @@ class RangeReader:
             return
         if is_local(uri):
             fd = self.fd(local_path(uri))
-            got = os.preadv(fd, [view], offset)
-            while got < length:
-                more = os.preadv(fd, [view[got:]], offset + got)
-                if more == 0:
-                    raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted "
-                                      f"bytes {offset}..{offset + length}); it is truncated: re-copy it")
-                got += more
+            try:
+                got = os.preadv(fd, [view], offset)
+                while got < length:
+                    more = os.preadv(fd, [view[got:]], offset + got)
+                    if more == 0:
+                        raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted "
+                                          f"bytes {offset}..{offset + length}); it is truncated: re-copy it", uri=uri)
+                    got += more
+            except OSError as exc:
+                raise SourceError(f"{uri}: cannot read ({exc.strerror or exc})", uri=uri) from None
         else:
             view[:] = self.read(uri, offset, length)
 
@@ -477,7 +485,7 @@ class RangeReader:
         end = offset + length
         if end > len(mapping):
             raise SourceError(f"{path}: file is shorter than the checkpoint metadata says (wanted bytes up to "
-                              f"{end}); it is truncated: re-copy or re-upload it")
+                              f"{end}); it is truncated: re-copy or re-upload it", uri=path)
         view = memoryview(mapping)
         try:
             while offset < end:
@@ -510,10 +518,52 @@ class RangeReader:
         self.close()
 
 
+def _on_target(path: str, target: str) -> bool:
+    """Whether `path` (from an OSError) lies in `target` or in its temporary sibling `.NAME.tmp-...`."""
+    if is_local(target):
+        base = os.path.abspath(local_path(target))
+        path = os.path.abspath(path)
+        parent, name = os.path.split(base)
+        return path == base or path.startswith(base + os.sep) or path.startswith(os.path.join(parent, tmp_prefix(name)))
+    return path.startswith(target.split("://", 1)[-1])
+
+
+def names_source(exc: OSError, target: str) -> bool:
+    """Whether `exc` names a file outside `target` and its temporary sibling (a source file, when converting)."""
+    return isinstance(exc.filename, str | bytes | os.PathLike) and not _on_target(os.fsdecode(exc.filename), target)
+
+
+@contextmanager
+def io_errors(source: str, target: str) -> Iterator[None]:
+    """Name the side an OSError escaping a conversion came from: one naming a file outside `target` (and its
+    temporary sibling) is a SourceError naming that file of `source`; any other is a TargetError naming `target`."""
+    try:
+        yield
+    except OSError as exc:
+        if names_source(exc, target):
+            name = os.fsdecode(exc.filename)
+            raise SourceError(f"{name}: cannot read ({exc.strerror or exc}); check the source {source}",
+                              uri=name) from None
+        raise TargetError(f"{target}: {exc.strerror or exc}", uri=target) from None
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def with_io_errors(fn: Callable[Concatenate[str, str, _P], _R]) -> Callable[Concatenate[str, str, _P], _R]:
+    """`io_errors` around a command `fn(source, target, ...)` (convert, reshard)."""
+    @wraps(fn)
+    def run(source: str, target: str, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with io_errors(source, target):
+            return fn(source, target, *args, **kwargs)
+    return run
+
+
 def check_target(uri: str, overwrite: bool) -> None:
     """Refuse to write over an existing output, unless asked, or unless it is one we never finished."""
     if exists(uri) and not overwrite and not is_incomplete(uri):
-        raise TargetError(f"{uri}: already exists; pass --overwrite to replace it, or choose another target")
+        raise TargetError(f"{uri}: already exists; pass --overwrite to replace it, or choose another target", uri=uri)
 
 
 def is_incomplete(uri: str) -> bool:
@@ -521,5 +571,5 @@ def is_incomplete(uri: str) -> bool:
     if is_local(uri) or not isdir(uri):
         return False
     names = listdir(uri)
-    return ".ckpt-writing" in names and "ckpt-manifest.json" not in names
+    return WRITING in names and MANIFEST not in names
 

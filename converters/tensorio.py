@@ -71,15 +71,10 @@ def _copy_general(reader: RangeReader, entry: TensorEntry, chunk: Chunk, inter: 
     data = chunk.data
     first = inter[0][0] - chunk.offsets[0]
     rows = inter[1][0]
-    if data.stride is None:
-        stride = [1] * len(chunk.sizes)
-        for d in range(len(chunk.sizes) - 2, -1, -1):
-            stride[d] = stride[d + 1] * chunk.sizes[d + 1]
-    else:
-        stride = list(data.stride)
+    stride = data.stride or dtypes.row_major(chunk.sizes)
     # read the span of storage that holds rows [first, first+rows) of the chunk
     lo = first * stride[0]
-    span = 1 + (rows - 1) * stride[0] + sum((s - 1) * st for s, st in zip(chunk.sizes[1:], stride[1:]))
+    span = dtypes.strided_span((rows, *chunk.sizes[1:]), tuple(stride))
     raw = bytearray(span * item)
     reader.readinto(data.uri, data.offset + lo * item, memoryview(raw))
     src = np.lib.stride_tricks.as_strided(

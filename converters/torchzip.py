@@ -45,7 +45,8 @@ class Archive:
         for name, member in self.members.items():
             if name.endswith(f"/data/{key}") or name == f"data/{key}":
                 return member
-        raise FormatError(f"{self.uri}: storage data/{key} is missing from the archive; the file is damaged")
+        raise FormatError(f"{self.uri}: storage data/{key} is missing from the archive; the file is damaged",
+                          uri=self.uri)
 
 
 def _zip64_sizes(extra: bytes, comp: int, uncomp: int, offset: int | None = None) -> tuple[int, int, int | None]:
@@ -199,7 +200,7 @@ def storage_range(label: str, name: str, ref: unpickle.TensorRef, member: Member
         raise FormatError(f"{label}: tensor {name!r} has strides {short(ref.stride)} for shape "
                           f"{list(ref.shape)}; the file is damaged")
     contiguous = ref.is_contiguous()
-    span = n if contiguous else (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride)) if n else 0)
+    span = n if contiguous else dtypes.strided_span(ref.shape, ref.stride)
     start = member.data_offset + offset * item
     if start + span * item > member.data_offset + member.size:
         raise FormatError(f"{label}: tensor {name!r} reaches past its storage; the file is damaged")

@@ -71,7 +71,7 @@ def _tensor(storage: Any, offset: Any, size: Any, stride: Any, name: str) -> Ten
     shape, strides = check_ints(size, f"{name}: size"), check_ints(stride, f"{name}: stride")
     if len(shape) != len(strides):
         raise Bad(f"{name}: size {list(shape)} and stride {list(strides)} differ in length")
-    span = 1 + sum((s - 1) * st for s, st in zip(shape, strides)) if all(shape) else 0
+    span = dtypes.strided_span(shape, strides)
     if offset + span > storage.numel:
         raise Bad(f"{name}: a {list(shape)} view at offset {offset} reaches past its storage of "
                   f"{storage.numel} elements")
@@ -338,6 +338,6 @@ def loads(data: bytes, source: str, allowed: dict[str, Any] | None = None,
     except FormatError:
         raise
     except Bad as exc:
-        raise FormatError(f"{source}: {exc}; the file is damaged or crafted, refusing to load it") from None
+        raise FormatError(f"{source}: {exc}; the file is damaged or crafted, refusing to load it", uri=source) from None
     except Exception as exc:  # a defect in a handler must still name the file, never escape as a traceback
-        raise FormatError(f"{source}: not a readable pickle ({type(exc).__name__}: {exc})") from None
+        raise FormatError(f"{source}: not a readable pickle ({type(exc).__name__}: {exc})", uri=source) from None

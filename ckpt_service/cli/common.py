@@ -14,7 +14,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from converters.errors import CkptError
+from converters import CkptError
 
 from ..errors import exit_code
 from ..job_requests import JobRequest, build, flag_of, plain, problems

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from converters.errors import VerifyError
+from converters import VerifyError
 
 from ..errors import DIFFERENT
 from ..executor import engine_call
@@ -121,8 +121,7 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
     from ..sample import make_sample
 
     if os.path.isdir(target) and os.listdir(target):
-        from converters.errors import CkptError
-        from converters.formats import detect
+        from converters import CkptError, detect
 
         try:
             detect(target)

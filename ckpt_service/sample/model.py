@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from converters.errors import OptionError
+from converters import OptionError
 
 from .. import units
 

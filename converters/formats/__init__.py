@@ -4,102 +4,102 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from .. import storage
 from ..errors import FormatError, OptionError, SourceError
 from ..index import CheckpointIndex
-
-READERS: dict[str, str] = {
-    "dcp": "converters.formats.dcp:DcpReader",
-    "accelerate": "converters.formats.accelerate:AccelerateReader",
-    "hf-dcp": "converters.formats.safetensors:SafetensorsReader",
-    "safetensors": "converters.formats.safetensors:SafetensorsReader",
-    "torch": "converters.formats.torchsave:TorchSaveReader",
-    "rank-files": "converters.formats.rankfiles:RankFilesReader",
-    "megatron": "converters.formats.megatron:MegatronReader",
-    "lightning": "converters.formats.lightning:LightningReader",
-    "deepspeed": "converters.formats.deepspeed:DeepSpeedReader",
-    "deepspeed-module": "converters.formats.deepspeed:DeepSpeedModuleReader",
-}
-RANK_FILE = re.compile(r"^(?P<stem>.*?)_?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+from ..names import MANIFEST, TORCH_SUFFIXES, WRITING
+from .base import BaseReader
+from .dcp import METADATA, dcp_subfolders
 
 
-class Reader(Protocol):
-    format: str
+@dataclass(frozen=True)
+class FormatSpec:
+    """A registered format: its reader class (or "module:Class" for an optional one) and how to get it."""
 
-    def index(self, locate: bool = True) -> CheckpointIndex: ...
+    name: str
+    target: type[BaseReader] | str
+    install: str | None = None  # the pip command that provides an optional format's dependencies
+
+    def load(self) -> type[BaseReader]:
+        if not isinstance(self.target, str):
+            return self.target
+        module, cls = self.target.split(":")
+        try:
+            return getattr(importlib.import_module(module), cls)
+        except ImportError as exc:
+            hint = f"; install it with `{self.install}`" if self.install else ""
+            raise OptionError(f"format {self.name!r} needs {exc.name or module}, which is not installed{hint}") \
+                from None
 
 
-def reader_class(name: str) -> type:
-    if name not in READERS:
-        raise OptionError(f"unknown format {name!r}; choose one of {', '.join(READERS)}")
-    module, cls = READERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+#: name -> format, in the order names are listed (CLI help, the job schema's choices)
+FORMATS: dict[str, FormatSpec] = {}
+#: the names `detect` tries, in order: the first reader whose `sniff` says yes names the format
+DETECT_ORDER: list[str] = []
+#: the public view: name -> spec; iterating gives the names
+READERS = FORMATS
 
 
-def _dcp_subfolders(uri: str, names: list[str]) -> list[str]:
-    return [n for n in names if storage.isdir(storage.join(uri, n))
-            and storage.exists(storage.join(uri, n, ".metadata"))]
+def register_format(name: str, cls: type[BaseReader] | str, *, detect: bool = True, before: str | None = None,
+                    install: str | None = None) -> None:
+    """Add a format. `detect`: try its `sniff` in `detect` (after every earlier one, or just `before` another);
+    `cls` as "module:Class" makes it optional: imported when used, with `install` named if that fails."""
+    if name in FORMATS:
+        raise ValueError(f"format {name!r} is already registered")
+    FORMATS[name] = FormatSpec(name, cls, install)
+    if detect:
+        DETECT_ORDER.insert(DETECT_ORDER.index(before) if before else len(DETECT_ORDER), name)
+
+
+def reader_class(name: str) -> type[BaseReader]:
+    if name not in FORMATS:
+        raise OptionError(f"unknown format {name!r}; choose one of {', '.join(FORMATS)}")
+    return FORMATS[name].load()
+
+
+def _sniffers() -> list[tuple[str, type[BaseReader]]]:
+    found = []
+    for name in DETECT_ORDER:
+        try:
+            found.append((name, FORMATS[name].load()))
+        except OptionError:  # an optional format whose package is missing cannot be the one
+            continue
+    return found
+
+
+def _missing(uri: str) -> SourceError:
+    if not storage.is_local(uri):
+        bucket = uri.split("://", 1)[0] + "://" + uri.split("://", 1)[1].split("/", 1)[0]
+        if not storage.exists(bucket):
+            return SourceError(f"{uri}: no such bucket {bucket}; create it or fix the URI", uri=uri)
+    return SourceError(f"{uri}: does not exist; check the path", uri=uri)
 
 
 def detect(uri: str) -> str:
     """Name the format of the checkpoint at `uri`, or raise an error that says what to point at."""
     if not storage.exists(uri):
-        if not storage.is_local(uri):
-            bucket = uri.split("://", 1)[0] + "://" + uri.split("://", 1)[1].split("/", 1)[0]
-            if not storage.exists(bucket):
-                raise SourceError(f"{uri}: no such bucket {bucket}; create it or fix the URI")
-        raise SourceError(f"{uri}: does not exist; check the path")
-    name = storage.basename(uri)
-    if not storage.isdir(uri):
-        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
-            return "safetensors"
-        if RANK_FILE.match(name):
-            return "rank-files"
-        if name.endswith(_TORCH_SUFFIXES) or name.endswith(".bin.index.json"):
-            return "torch"
-        if name == ".metadata":
-            raise FormatError(f"{uri}: point at the folder that holds .metadata, not the file itself")
-        raise FormatError(f"{uri}: unknown file type; pass --from with one of {', '.join(READERS)}")
-    names = storage.listdir(uri)
-    from .megatron import is_megatron
-
-    if is_megatron(uri, names):
-        return "megatron"
-    if ".metadata" in names and "meta.pt" in names:
-        return "lightning"
-    if ".metadata" in names:
-        return "dcp"
-    from .deepspeed import is_deepspeed_folder
-
-    if is_deepspeed_folder(uri, names):
-        return "deepspeed"
-    if "model.safetensors.index.json" in names:
-        return "safetensors"
-    if any(n.endswith(".safetensors") for n in names) or "sharded" in names:
-        return "safetensors"
-    if "pytorch_model.bin.index.json" in names:
-        return "torch"
-    if any(RANK_FILE.match(n) for n in names):
-        return "rank-files"
-    torch_files = [n for n in names if n.endswith(_TORCH_SUFFIXES)]
-    if len(torch_files) == 1:
-        return "torch"
-    subfolders = _dcp_subfolders(uri, names)
+        raise _missing(uri)
+    names = storage.listdir(uri) if storage.isdir(uri) else None
+    for name, cls in _sniffers():
+        if cls.sniff(uri, names):
+            return name
+    if names is None:
+        if storage.basename(uri) == METADATA:
+            raise FormatError(f"{uri}: point at the folder that holds .metadata, not the file itself", uri=uri)
+        raise FormatError(f"{uri}: unknown file type; pass --from with one of {', '.join(FORMATS)}", uri=uri)
+    subfolders = dcp_subfolders(uri, names)
     if subfolders:
-        models = [n for n in subfolders if n.startswith("pytorch_model_fsdp_")]
-        if len(models) == 1:
-            return "accelerate"
         raise FormatError(f"{uri}: no .metadata here; this looks like the parent of DCP checkpoints. Point at "
-                          f"one of the sub-folders: {', '.join(subfolders)}")
+                          f"one of the sub-folders: {', '.join(subfolders)}", uri=uri)
+    torch_files = [n for n in names if n.endswith(TORCH_SUFFIXES)]
     if torch_files:
         raise FormatError(f"{uri}: several torch.save files ({', '.join(torch_files[:5])}) and no index; "
-                          "point at one file")
+                          "point at one file", uri=uri)
     raise FormatError(f"{uri}: no checkpoint found (no .metadata, .safetensors, .pt/.bin or rank files); "
-                      "point at the checkpoint folder")
+                      "point at the checkpoint folder", uri=uri)
 
 
 def read_json(uri: str) -> Any:
@@ -107,7 +107,7 @@ def read_json(uri: str) -> Any:
     try:
         return json.loads(storage.read_all(uri))
     except (ValueError, RecursionError):
-        raise FormatError(f"{uri}: not valid JSON; the file is damaged (re-copy or re-export it)") from None
+        raise FormatError(f"{uri}: not valid JSON; the file is damaged (re-copy or re-export it)", uri=uri) from None
 
 
 def index_files(uri: str) -> list[str]:
@@ -117,12 +117,12 @@ def index_files(uri: str) -> list[str]:
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in weight_map.items()):
         raise FormatError(f"{uri}: weight_map must be a JSON object of tensor name -> file name; the index is "
-                          "damaged")
+                          "damaged", uri=uri)
     base = storage.parent(uri)
     return [storage.member(base, name, f"{uri} (weight_map)") for name in sorted(set(weight_map.values()))]
 
 
-def open_reader(uri: str, fmt: str | None = None, reader: storage.RangeReader | None = None) -> Reader:
+def open_reader(uri: str, fmt: str | None = None, reader: storage.RangeReader | None = None) -> BaseReader:
     name = fmt or detect(uri)
     return reader_class(name)(uri, reader or storage.RangeReader())
 
@@ -132,12 +132,12 @@ def check_complete(uri: str) -> None:
     if storage.is_local(uri) or not storage.isdir(uri):
         return
     names = storage.listdir(uri)
-    if "ckpt-manifest.json" not in names:
-        if ".ckpt-writing" in names:
+    if MANIFEST not in names:
+        if WRITING in names:
             raise SourceError(f"{uri}: incomplete output (an upload started but never finished: no "
-                              "ckpt-manifest.json); re-run the job that writes it")
+                              "ckpt-manifest.json); re-run the job that writes it", uri=uri)
         return
-    where = storage.join(uri, "ckpt-manifest.json")
+    where = storage.join(uri, MANIFEST)
     manifest = read_json(where)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
@@ -147,7 +147,7 @@ def check_complete(uri: str) -> None:
         path = storage.member(uri, name, f"{where} (files)")
         if not storage.exists(path) or storage.size(path) != info.get("bytes"):
             raise SourceError(f"{path}: missing or not the size ckpt-manifest.json records; the output is damaged, "
-                              "re-run the job that wrote it")
+                              "re-run the job that wrote it", uri=path)
 
 
 def load_index(uri: str, fmt: str | None = None, locate: bool = True,
@@ -164,5 +164,29 @@ def load_index(uri: str, fmt: str | None = None, locate: bool = True,
         if own:  # the index holds byte ranges, not descriptors: close what reading it opened
             reader.close()
     if not index.tensors and not index.objects:
-        raise FormatError(f"{uri}: the checkpoint holds no entries")
+        raise FormatError(f"{uri}: the checkpoint holds no entries", uri=uri)
     return index
+
+
+def _register_builtin() -> None:
+    from .accelerate import AccelerateReader
+    from .dcp import DcpReader
+    from .deepspeed import DeepSpeedModuleReader, DeepSpeedReader
+    from .lightning import LightningReader
+    from .megatron import MegatronReader
+    from .rankfiles import RankFilesReader
+    from .safetensors import SafetensorsReader
+    from .torchsave import TorchSaveReader
+
+    for name, cls, detected in (("dcp", DcpReader, True), ("accelerate", AccelerateReader, True),
+                                ("hf-dcp", SafetensorsReader, False), ("safetensors", SafetensorsReader, True),
+                                ("torch", TorchSaveReader, True), ("rank-files", RankFilesReader, True),
+                                ("megatron", MegatronReader, True), ("lightning", LightningReader, True),
+                                ("deepspeed", DeepSpeedReader, True),
+                                ("deepspeed-module", DeepSpeedModuleReader, False)):
+        register_format(name, cls, detect=detected)
+    # a folder can match several sniffs: the most specific layouts first
+    DETECT_ORDER[:] = ["megatron", "lightning", "dcp", "deepspeed", "safetensors", "torch", "rank-files", "accelerate"]
+
+
+_register_builtin()

@@ -7,27 +7,31 @@ from __future__ import annotations
 from .. import storage
 from ..errors import FormatError
 from ..index import CheckpointIndex
-from .dcp import DcpReader
+from .base import BaseReader
+from .dcp import DcpReader, dcp_subfolders
 
 
-class AccelerateReader:
+class AccelerateReader(BaseReader):
     format = "accelerate"
 
-    def __init__(self, uri: str, reader: storage.RangeReader) -> None:
-        self.uri = uri
-        self.reader = reader
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        if names is None:
+            return False
+        return len([n for n in dcp_subfolders(uri, names) if n.startswith("pytorch_model_fsdp_")]) == 1
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
+    def read(self, locate: bool = True) -> CheckpointIndex:
         names = storage.listdir(self.uri)
         model = next((n for n in names if n.startswith("pytorch_model_fsdp_")), None)
         if model is None:
-            raise FormatError(f"{self.uri}: no pytorch_model_fsdp_N folder, so this is not an Accelerate checkpoint")
-        index = DcpReader(storage.join(self.uri, model), self.reader).index(locate)
+            raise FormatError(f"{self.uri}: no pytorch_model_fsdp_N folder, so this is not an Accelerate checkpoint",
+                              uri=self.uri)
+        index = DcpReader(storage.join(self.uri, model), self.reader).read(locate)
         index.uri, index.format, index.producer = self.uri, self.format, "Accelerate"
         index.files = [f"{model}/{f}" for f in index.files]
         optim = f"optimizer_{model.rsplit('_', 1)[-1]}"
         if optim in names and storage.exists(storage.join(self.uri, optim, ".metadata")):
-            opt = DcpReader(storage.join(self.uri, optim), self.reader).index(locate)
+            opt = DcpReader(storage.join(self.uri, optim), self.reader).read(locate)
             index.tensors.update(opt.tensors)
             index.objects.update(opt.objects)
             index.files += [f"{optim}/{f}" for f in opt.files]

@@ -7,9 +7,10 @@ from typing import Any
 
 from .. import dtypes, storage
 from ..errors import CkptError, FormatError
-from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling, count, counts, short
+from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry, count, counts, short
 from ..torchzip import read_archive, storage_range
 from ..unpickle import Stub, TensorRef, loads
+from .base import BaseReader
 
 METADATA = ".metadata"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
@@ -41,22 +42,30 @@ def _dict(value: Any, where: str) -> dict:
     return value
 
 
-class DcpReader:
+def dcp_subfolders(uri: str, names: list[str]) -> list[str]:
+    """The sub-folders of `uri` (listed as `names`) that hold a DCP checkpoint."""
+    return [n for n in names if storage.isdir(storage.join(uri, n)) and storage.exists(storage.join(uri, n, METADATA))]
+
+
+class DcpReader(BaseReader):
     format = "dcp"
 
     def __init__(self, uri: str, reader: storage.RangeReader) -> None:
-        self.uri = uri
-        self.reader = reader
-        self.where = storage.join(uri, METADATA)
+        super().__init__(uri, reader)
+        self.where = self.check_where = storage.join(uri, METADATA)
+
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        return names is not None and METADATA in names
 
     def metadata(self) -> Any:
         path = self.where
         if not storage.exists(path):
-            raise FormatError(f"{self.uri}: no {METADATA} file, so this is not a DCP checkpoint folder")
+            raise FormatError(f"{self.uri}: no {METADATA} file, so this is not a DCP checkpoint folder", uri=self.uri)
         md = loads(storage.read_all(path), path)
         if not (isinstance(md, Stub) and md.qualname.endswith("checkpoint.metadata.Metadata")):
             raise FormatError(f"{path}: not a DCP metadata pickle (found {type(md).__name__}); "
-                              "point at the checkpoint folder written by torch.distributed.checkpoint")
+                              "point at the checkpoint folder written by torch.distributed.checkpoint", uri=path)
         return md
 
     def _storage_data(self, md: Stub) -> dict[tuple[str, tuple[int, ...] | None], Stub]:
@@ -66,14 +75,14 @@ class DcpReader:
             fqn = mi.get("fqn")
             if not isinstance(fqn, str):
                 raise FormatError(f"{self.where}: storage entry name {short(fqn)} is not a string; the metadata is "
-                                  "damaged")
+                                  "damaged", uri=self.where)
             where = f"{self.where} (storage entry for {fqn!r})"
             offset = mi.get("offset")
             key = (fqn, None if offset is None else counts(offset, where, "offset"))
             by_key[key] = _stub(info, "_StorageInfo", where)
         return by_key
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
+    def read(self, locate: bool = True) -> CheckpointIndex:
         md = self.metadata()
         sd_meta = _dict(md.get("state_dict_metadata"), f"{self.where} (state_dict_metadata)")
         by_key = self._storage_data(md)
@@ -87,12 +96,14 @@ class DcpReader:
             index.notes.append("data files named in .metadata are missing: " + ", ".join(missing[:5]))
         for name, meta in sd_meta.items():
             if not isinstance(name, str):
-                raise FormatError(f"{self.where}: entry name {short(name)} is not a string; the metadata is damaged")
+                raise FormatError(f"{self.where}: entry name {short(name)} is not a string; the metadata is damaged",
+                                  uri=self.where)
             where = f"{self.where} ({name!r})"
             if isinstance(meta, Stub) and meta.qualname.endswith("BytesStorageMetadata"):
                 info = by_key.get((name, None))
                 if info is None:
-                    raise FormatError(f"{self.where}: no storage entry for {name!r}; metadata is damaged")
+                    raise FormatError(f"{self.where}: no storage entry for {name!r}; metadata is damaged",
+                                      uri=self.where, key=name)
                 index.objects[name] = ObjectEntry(name, data=self._record(info, sizes, name))
                 continue
             meta = _stub(meta, "TensorStorageMetadata", where)
@@ -107,11 +118,10 @@ class DcpReader:
                 info = by_key.get((name, offsets))
                 if info is None:
                     raise FormatError(f"{self.where}: no storage entry for chunk {offsets} of "
-                                      f"{name!r}; metadata is damaged")
+                                      f"{name!r}; metadata is damaged", uri=self.where)
                 record = self._record(info, sizes, name)
                 data = self._locate(record, entry, sizes_) if locate else record
                 entry.chunks.append(Chunk(offsets, sizes_, data))
-            check_tiling(entry, self.where)
             index.tensors[name] = entry
         planner_data = md.get("planner_data")
         if isinstance(planner_data, dict):
@@ -158,7 +168,7 @@ class DcpReader:
         if info.get("transform_descriptors"):
             raise FormatError(f"{self.uri}/{rel}: {name!r} is stored with transforms "
                               f"{short(info.get('transform_descriptors'))} (e.g. compression), which this tool "
-                              "cannot read; re-save the checkpoint without storage transforms")
+                              "cannot read; re-save the checkpoint without storage transforms", uri=self.uri)
         if rel in sizes and offset + length > sizes[rel]:
             raise FormatError(f"{storage.join(self.uri, rel)}: file is {sizes[rel]} bytes but {METADATA} places "
                               f"{name!r} at bytes {offset}..{offset + length}; the file is truncated "

@@ -19,9 +19,10 @@ from typing import Any
 
 from .. import dtypes, storage
 from ..errors import FormatError, OptionError
-from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
+from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
 from ..torchzip import Archive, read_archive
 from ..unpickle import BASE_ALLOWED, Stub, TensorRef, Token, enum_int, stub_token
+from .base import BaseReader
 from .flatparts import Flat, Piece, entry_of, locate
 from .torchsave import tensor_entry
 
@@ -87,15 +88,14 @@ class _Rank:
     osd: dict  # optimizer_state_dict: DeepSpeed's own state (partitions, paddings, base optimizer state)
 
 
-class DeepSpeedReader:
+class DeepSpeedReader(BaseReader):
     format = "deepspeed"
 
     def __init__(self, uri: str, reader: storage.RangeReader, tag: str | None = None,
                  weights: str = "fp32") -> None:
         if weights not in WEIGHTS:
             raise FormatError(f"--weights {weights}: choose fp32 (master weights) or module (16-bit weights)")
-        self.uri = uri
-        self.reader = reader
+        super().__init__(uri, reader)
         self.tag = tag
         self.weights = weights
 
@@ -111,13 +111,13 @@ class DeepSpeedReader:
             if "latest" not in names:
                 tags = sorted(n for n in names if storage.isdir(storage.join(self.uri, n)))
                 raise FormatError(f"{self.uri}: no 'latest' file and no DeepSpeed files here; point at a tag folder "
-                                  f"({', '.join(tags[:5]) or 'none found'}) or pass --tag")
+                                  f"({', '.join(tags[:5]) or 'none found'}) or pass --tag", uri=self.uri)
             tag = read_latest(self.uri)
         if not _TAG.match(tag) or tag in (".", ".."):
-            raise FormatError(f"{self.uri}: tag {tag!r} is not a folder name; fix 'latest' or pass --tag")
+            raise FormatError(f"{self.uri}: tag {tag!r} is not a folder name; fix 'latest' or pass --tag", uri=self.uri)
         folder = storage.join(self.uri, tag)
         if not storage.isdir(folder):
-            raise FormatError(f"{folder}: the tag folder is missing; pass --tag with one that exists")
+            raise FormatError(f"{folder}: the tag folder is missing; pass --tag with one that exists", uri=folder)
         return folder
 
     def _files(self, folder: str) -> tuple[dict[int, str], dict[int, str], str | None]:
@@ -142,13 +142,17 @@ class DeepSpeedReader:
             missing = sorted(set(range(len(files))) - set(files))
             if missing:
                 raise FormatError(f"{folder}: zero_pp_rank_{missing[0]}_mp_rank_00_{kind}.pt is missing (found "
-                                  f"ranks {sorted(files)}); copy every rank's file")
+                                  f"ranks {sorted(files)}); copy every rank's file", uri=folder)
         return optim, model3, model
 
     # ------------------------------------------------------------------ index
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
-        folder = self.folder()
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        return names is not None and is_deepspeed_folder(uri, names)
+
+    def read(self, locate: bool = True) -> CheckpointIndex:
+        folder = self.check_where = self.folder()
         optim_files, model3_files, model_file = self._files(folder)
         index = CheckpointIndex(uri=self.uri, format=self.format)
         try:
@@ -158,22 +162,20 @@ class DeepSpeedReader:
                 self._fp32_index(index, folder, optim_files, model3_files, model_file)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise FormatError(f"{folder}: not a DeepSpeed ZeRO checkpoint as DeepSpeed writes it "
-                              f"({type(exc).__name__}: {exc}); the files are damaged") from None
-        for entry in index.tensors.values():
-            check_tiling(entry, folder)
+                              f"({type(exc).__name__}: {exc}); the files are damaged", uri=folder) from None
         return index
 
     def _archive(self, path: str) -> Archive:
         archive = read_archive(self.reader, path, allowed=ALLOWED)
         if not isinstance(archive.obj, dict):
-            raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a DeepSpeed state dict")
+            raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a DeepSpeed state dict", uri=path)
         return archive
 
     def _module_index(self, index: CheckpointIndex, folder: str, model3: dict[int, str],
                       model_file: str | None) -> None:
         if model_file is None:
             raise FormatError(f"{folder}: a ZeRO-3 save keeps no 16-bit module weights (they are partitioned); "
-                              "export the fp32 master weights (leave out --weights module)")
+                              "export the fp32 master weights (leave out --weights module)", uri=folder)
         archive = self._archive(model_file)
         module = _get(archive.obj, "module", model_file)
         index.files = [storage.basename(model_file)]
@@ -187,19 +189,20 @@ class DeepSpeedReader:
                     model3_files: dict[int, str], model_file: str | None) -> None:
         if not optim_files:
             raise FormatError(f"{folder}: no zero_pp_rank_*_optim_states.pt files; this is not a ZeRO checkpoint "
-                              "(for the 16-bit weights alone pass --weights module)")
+                              "(for the 16-bit weights alone pass --weights module)", uri=folder)
         ranks = [self._rank(optim_files[r]) for r in range(len(optim_files))]
         stage = _get(ranks[0].osd, "zero_stage", ranks[0].path)
         world = ranks[0].osd.get("partition_count")
         world = max(world) if isinstance(world, list) else world
         if world != len(ranks):
             raise FormatError(f"{folder}: the optimizer states say {world} ranks but {len(ranks)} optim_states files "
-                              "are here; copy every rank's file (or remove files of an older save)")
+                              "are here; copy every rank's file (or remove files of an older save)", uri=folder)
         models = [self._archive(model3_files[r]) for r in range(len(model3_files))] if stage == 3 else []
         if stage == 3 and len(models) != world:
-            raise FormatError(f"{folder}: ZeRO-3 needs one model_states file per rank ({world}), found {len(models)}")
+            raise FormatError(f"{folder}: ZeRO-3 needs one model_states file per rank ({world}), found {len(models)}",
+                              uri=folder)
         if stage != 3 and model_file is None:
-            raise FormatError(f"{folder}: mp_rank_00_model_states.pt is missing; copy it from the save")
+            raise FormatError(f"{folder}: mp_rank_00_model_states.pt is missing; copy it from the save", uri=folder)
         model = models[0] if stage == 3 else self._archive(model_file)  # type: ignore[arg-type]
         state = model.obj
         index.world_size = world
@@ -236,12 +239,12 @@ class DeepSpeedReader:
         archive = self._archive(path)
         osd = _get(archive.obj, "optimizer_state_dict", path)
         if not isinstance(osd, dict):
-            raise FormatError(f"{path}: optimizer_state_dict is a {type(osd).__name__}, not a dict")
+            raise FormatError(f"{path}: optimizer_state_dict is a {type(osd).__name__}, not a dict", uri=path)
         return _Rank(path, archive, osd)
 
     def _flat(self, archive: Archive, ref: Any, what: str) -> Flat:
         if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or not ref.is_contiguous():
-            raise FormatError(f"{archive.uri}: {what} is not a flat 1-D tensor; the file is damaged")
+            raise FormatError(f"{archive.uri}: {what} is not a flat 1-D tensor; the file is damaged", uri=archive.uri)
         return Flat(tensor_entry(what, ref, archive).chunks[0].data, ref.dtype)
 
     def _frozen(self, index: CheckpointIndex, state: dict, models: list[Archive], stage: int) -> None:

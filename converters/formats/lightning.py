@@ -10,7 +10,7 @@ from .. import storage
 from ..errors import FormatError
 from ..index import CheckpointIndex
 from ..torchzip import read_archive
-from .dcp import DcpReader
+from .dcp import METADATA, DcpReader
 from .torchsave import add_entries
 
 META = "meta.pt"
@@ -19,22 +19,26 @@ META = "meta.pt"
 class LightningReader(DcpReader):
     format = "lightning"
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
-        index = super().index(locate)
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        return names is not None and METADATA in names and META in names
+
+    def read(self, locate: bool = True) -> CheckpointIndex:
+        index = super().read(locate)
         index.format, index.producer = self.format, "Lightning (FSDP, sharded)"
         path = storage.join(self.uri, META)
         if not storage.exists(path):
             raise FormatError(f"{self.uri}: no {META}, so this is not a Lightning sharded checkpoint; "
-                              "pass --from dcp to read the DCP part alone")
+                              "pass --from dcp to read the DCP part alone", uri=self.uri)
         archive = read_archive(self.reader, path)
         if not isinstance(archive.obj, dict):
-            raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a dict")
+            raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a dict", uri=path)
         stored = set(index.names())
         added = add_entries(index, archive)
         clash = sorted(stored & set(added))
         if clash:
             raise FormatError(f"{path}: entries {', '.join(clash[:3])} are also in the DCP part; the checkpoint "
-                              "is damaged")
+                              "is damaged", uri=path)
         index.training_state.update(added)
         index.files.append(META)
         return index

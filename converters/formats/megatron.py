@@ -80,20 +80,25 @@ class MegatronReader(DcpReader):
         if not storage.exists(path):
             if any(n.startswith("mp_rank_") for n in storage.listdir(self.uri)):
                 raise FormatError(f"{self.uri}: a legacy Megatron-LM checkpoint (mp_rank_XX folders), not a "
-                                  "dist checkpoint; re-save it with --ckpt-format torch_dist")
-            raise FormatError(f"{self.uri}: no metadata.json, so this is not a Megatron-core dist checkpoint")
+                                  "dist checkpoint; re-save it with --ckpt-format torch_dist", uri=self.uri)
+            raise FormatError(f"{self.uri}: no metadata.json, so this is not a Megatron-core dist checkpoint",
+                              uri=self.uri)
         try:
             meta = json.loads(storage.read_all(path))
         except ValueError:
-            raise FormatError(f"{path}: not valid JSON; the checkpoint is damaged") from None
+            raise FormatError(f"{path}: not valid JSON; the checkpoint is damaged", uri=path) from None
         backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
         if backend != "torch_dist":
             raise FormatError(f"{path}: sharded_backend {backend!r} is not supported (only torch_dist); "
-                              "re-save the checkpoint with the torch_dist backend")
+                              "re-save the checkpoint with the torch_dist backend", uri=path)
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        return names is not None and is_megatron(uri, names)
+
+    def read(self, locate: bool = True) -> CheckpointIndex:
         self._check_backend()
-        index = super().index(locate)
+        index = super().read(locate)
         sub = self.uri[len(self.root):].strip("/")
         index.uri, index.format, index.producer = self.root, self.format, self.producer
         index.files = ["metadata.json", *index.files]
@@ -105,7 +110,7 @@ class MegatronReader(DcpReader):
         if storage.exists(common):
             archive = read_archive(self.reader, common, allowed=MEGATRON_ALLOWED)
             if not isinstance(archive.obj, dict):
-                raise FormatError(f"{common}: holds a {type(archive.obj).__name__}, not a dict")
+                raise FormatError(f"{common}: holds a {type(archive.obj).__name__}, not a dict", uri=common)
             index.training_state.update(add_entries(index, archive, _plain(archive.obj)))
             index.files.append(COMMON)
         if sub:
@@ -120,7 +125,7 @@ class MegatronReader(DcpReader):
                 if name.startswith("args.") and e.value is not None}
         if not args:
             raise FormatError(f"{self.root}: no model config found (no args in {COMMON}, no NeMo context/); "
-                              "the architecture cannot be read from the tensors alone")
+                              "the architecture cannot be read from the tensors alone", uri=self.root)
         return args, f"{storage.join(self.uri, COMMON)} args"
 
 
@@ -133,8 +138,8 @@ def _nemo_config(context: str) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(storage.read_all(path))
     except yaml.YAMLError as exc:
-        raise FormatError(f"{path}: not valid YAML ({str(exc)[:200]})") from None
+        raise FormatError(f"{path}: not valid YAML ({str(exc)[:200]})", uri=path) from None
     config = doc.get("config") if isinstance(doc, dict) else None
     if not isinstance(config, dict):
-        raise FormatError(f"{path}: no `config:` mapping with the model's settings")
+        raise FormatError(f"{path}: no `config:` mapping with the model's settings", uri=path)
     return config

@@ -9,13 +9,13 @@ computed from the global shape with `torch.chunk` semantics and read as a prefix
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from .. import dtypes, storage
 from ..errors import FormatError
-from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
+from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
 from ..layouts import chunk_bounds
+from ..names import RANK_FILE
 from ..torchzip import Archive, read_archive
 from ..unpickle import (
     BASE_ALLOWED,
@@ -33,10 +33,8 @@ from ..unpickle import (
     enum_int,
     stub_token,
 )
+from .base import BaseReader
 from .torchsave import flatten, tensor_entry
-
-_RANK = re.compile(r"^(?P<stem>.*?)_?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
-
 
 _SHARD = "torch.distributed._shard"
 _STUBS = [
@@ -116,30 +114,32 @@ def _fields(obj: Any) -> dict[str, Any]:
     return state if isinstance(state, dict) else {}
 
 
-class RankFilesReader:
+class RankFilesReader(BaseReader):
     format = "rank-files"
 
-    def __init__(self, uri: str, reader: storage.RangeReader) -> None:
-        self.uri = uri
-        self.reader = reader
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        if names is None:
+            return bool(RANK_FILE.match(storage.basename(uri)))
+        return any(RANK_FILE.match(n) for n in names)
 
     def _groups(self) -> dict[str, dict[int, str]]:
         """stem -> {rank: path}, e.g. {"": {0: rank0.pt, 1: rank1.pt}, "optim_": {...}}."""
         folder = self.uri if storage.isdir(self.uri) else storage.parent(self.uri)
         groups: dict[str, dict[int, str]] = {}
         for name in storage.listdir(folder):
-            m = _RANK.match(name)
+            m = RANK_FILE.match(name)
             if m:
                 groups.setdefault(m.group("stem"), {})[int(m.group("rank"))] = storage.join(folder, name)
         if not storage.isdir(self.uri):
-            stem = _RANK.match(storage.basename(self.uri))
+            stem = RANK_FILE.match(storage.basename(self.uri))
             groups = {stem.group("stem"): groups[stem.group("stem")]} if stem else {}
         return groups
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
+    def read(self, locate: bool = True) -> CheckpointIndex:
         groups = self._groups()
         if not groups:
-            raise FormatError(f"{self.uri}: no per-rank files (rank0.pt, …_rank0.bin) found")
+            raise FormatError(f"{self.uri}: no per-rank files (rank0.pt, …_rank0.bin) found", uri=self.uri)
         world = {len(g) for g in groups.values()}
         index = CheckpointIndex(uri=self.uri, format=self.format, world_size=max(world),
                                 files=sorted(storage.basename(p) for g in groups.values() for p in g.values()))
@@ -149,7 +149,7 @@ class RankFilesReader:
             missing = sorted(set(range(n)) - set(files))
             if missing:
                 raise FormatError(f"{self.uri}: {stem}rank{missing[0]} file is missing (found ranks "
-                                  f"{sorted(files)}); copy every rank's file")
+                                  f"{sorted(files)}); copy every rank's file", uri=self.uri)
             optimizer = "optim" in stem.lower()
             for rank, path in sorted(files.items()):
                 archive = read_archive(self.reader, path, allowed=ALLOWED)
@@ -158,16 +158,14 @@ class RankFilesReader:
                 except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
                     # the stand-ins hold what the pickle said; fields of the wrong shape end here, by file
                     raise FormatError(f"{path}: not a sharded state dict as torch writes it "
-                                      f"({type(exc).__name__}: {exc}); the file is damaged") from None
-        for entry in index.tensors.values():
-            check_tiling(entry, self.uri)
+                                      f"({type(exc).__name__}: {exc}); the file is damaged", uri=path) from None
         index.producer = " + ".join(sorted(kinds)) or "torch.save per rank"
         return index
 
     def _add_file(self, index: CheckpointIndex, archive: Archive, rank: int, world: int,
                   prefix: tuple[str, ...], kinds: set[str]) -> None:
         if not isinstance(archive.obj, dict):
-            raise FormatError(f"{archive.uri}: holds a {type(archive.obj).__name__}, not a state dict")
+            raise FormatError(f"{archive.uri}: holds a {type(archive.obj).__name__}, not a state dict", uri=archive.uri)
         for path, value in flatten(archive.obj).items():
             path = (*prefix, *path)
             name = ".".join(path)

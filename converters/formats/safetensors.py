@@ -7,11 +7,12 @@ import json
 import struct
 
 from .. import dtypes, storage
-from ..errors import CkptError, FormatError
-from ..index import ByteRange, CheckpointIndex, Chunk, TensorEntry, check_tiling, count, counts, short
+from ..errors import FormatError
+from ..index import ByteRange, CheckpointIndex, Chunk, TensorEntry, count, counts, short
+from ..names import SAFETENSORS_INDEX
 from . import index_files
+from .base import BaseReader
 
-INDEX_NAME = "model.safetensors.index.json"
 SHARDING_KEY = "DCP_SHARDING_INFO"
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -21,19 +22,19 @@ def read_header(reader: storage.RangeReader, uri: str) -> tuple[dict, int]:
     against the file's real size before it is read."""
     size = reader.file_size(uri)
     if size < 8:
-        raise FormatError(f"{uri}: not a safetensors file (shorter than 8 bytes)")
+        raise FormatError(f"{uri}: not a safetensors file (shorter than 8 bytes)", uri=uri)
     (length,) = struct.unpack("<Q", reader.read(uri, 0, 8))
     if length > min(_MAX_HEADER, storage.max_metadata_bytes()):
-        raise FormatError(f"{uri}: not a safetensors file (header length {length} is implausible)")
+        raise FormatError(f"{uri}: not a safetensors file (header length {length} is implausible)", uri=uri)
     if 8 + length > size:
         raise FormatError(f"{uri}: header of {length} bytes runs past the end of the {size}-byte file; the file is "
-                          "truncated (re-copy or re-upload it)")
+                          "truncated (re-copy or re-upload it)", uri=uri)
     try:
         header = json.loads(reader.read(uri, 8, length))
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise FormatError(f"{uri}: not a safetensors file (header is not JSON)") from None
+        raise FormatError(f"{uri}: not a safetensors file (header is not JSON)", uri=uri) from None
     if not isinstance(header, dict):
-        raise FormatError(f"{uri}: safetensors header is a JSON {type(header).__name__}, expected an object")
+        raise FormatError(f"{uri}: safetensors header is a JSON {type(header).__name__}, expected an object", uri=uri)
     return header, 8 + length
 
 
@@ -44,10 +45,7 @@ def _entry(path: str, name: str, info: object) -> tuple[str, tuple[int, ...], in
         raise FormatError(f"{where}: header entry is {short(info)}, expected an object with dtype, shape and "
                           "data_offsets; the file is damaged")
     code = info.get("dtype")
-    try:
-        dtype = dtypes.from_safetensors(code) if isinstance(code, str) else dtypes.from_safetensors(short(code))
-    except CkptError:
-        raise FormatError(f"{where}: unsupported dtype {short(code)}") from None
+    dtype = dtypes.from_safetensors(code, path, name)
     shape = counts(info.get("shape"), where, "shape")
     offsets = info.get("data_offsets")
     if not isinstance(offsets, list) or len(offsets) != 2:
@@ -63,7 +61,7 @@ def _metadata(path: str, header: dict) -> dict[str, tuple[int, ...]]:
     """The string metadata of a header, and from it HF-DCP's saved offsets per tensor (empty if none)."""
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise FormatError(f"{path} (__metadata__): must be an object of strings; the file is damaged")
+        raise FormatError(f"{path} (__metadata__): must be an object of strings; the file is damaged", uri=path)
     if SHARDING_KEY not in meta:
         return {}
     where = f"{path} (__metadata__.{SHARDING_KEY})"
@@ -83,15 +81,16 @@ def check_layout(path: str, spans: list[tuple[int, int, str]], data_bytes: int) 
     last_end, last_name = 0, ""
     for begin, end, name in sorted(spans):
         if begin < last_end:
-            raise FormatError(f"{path} ({name!r}): data_offsets overlap those of {last_name!r}; the file is damaged")
+            raise FormatError(f"{path} ({name!r}): data_offsets overlap those of {last_name!r}; the file is damaged",
+                              uri=path)
         last_end, last_name = end, name
     if last_end > data_bytes:
         raise FormatError(f"{path} ({last_name!r}): data ends at byte {last_end} of a {data_bytes}-byte data "
-                          "section; the file is truncated (re-copy or re-upload it)")
+                          "section; the file is truncated (re-copy or re-upload it)", uri=path)
     covered = sum(end - begin for begin, end, _ in spans)
     if covered != data_bytes:
         raise FormatError(f"{path}: the tensors cover {covered} of the {data_bytes} bytes after the header (the format "
-                          "allows no holes); the header length or data_offsets are damaged")
+                          "allows no holes); the header length or data_offsets are damaged", uri=path)
 
 
 def safetensors_files(uri: str) -> list[str]:
@@ -101,25 +100,28 @@ def safetensors_files(uri: str) -> list[str]:
             return index_files(uri)
         return [uri]
     names = storage.listdir(uri)
-    if INDEX_NAME in names:
-        return safetensors_files(storage.join(uri, INDEX_NAME))
+    if SAFETENSORS_INDEX in names:
+        return safetensors_files(storage.join(uri, SAFETENSORS_INDEX))
     found = [storage.join(uri, n) for n in names if n.endswith(".safetensors")]
     if not found and "sharded" in names:
         return safetensors_files(storage.join(uri, "sharded"))
     return found
 
 
-class SafetensorsReader:
+class SafetensorsReader(BaseReader):
     format = "safetensors"
 
-    def __init__(self, uri: str, reader: storage.RangeReader) -> None:
-        self.uri = uri
-        self.reader = reader
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        if names is None:
+            name = storage.basename(uri)
+            return name.endswith(".safetensors") or name == SAFETENSORS_INDEX
+        return SAFETENSORS_INDEX in names or "sharded" in names or any(n.endswith(".safetensors") for n in names)
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
+    def read(self, locate: bool = True) -> CheckpointIndex:
         files = safetensors_files(self.uri)
         if not files:
-            raise FormatError(f"{self.uri}: no .safetensors files found")
+            raise FormatError(f"{self.uri}: no .safetensors files found", uri=self.uri)
         index = CheckpointIndex(uri=self.uri, format=self.format, producer="safetensors",
                                 files=[storage.basename(f) for f in files])
         sharded = False
@@ -134,14 +136,14 @@ class SafetensorsReader:
                 offsets = saved.get(name, (0,) * len(shape))
                 if len(offsets) != len(shape):
                     raise FormatError(f"{path} ({name!r}): saved_offsets {list(offsets)} do not match shape "
-                                      f"{list(shape)}; the file is damaged")
+                                      f"{list(shape)}; the file is damaged", uri=path)
                 chunk = Chunk(offsets, shape, ByteRange(path, data_start + begin, end - begin))
                 entry = index.tensors.get(name)
                 if entry is None:
                     index.tensors[name] = TensorEntry(name, dtype, shape, [chunk], path=(name,))
                 elif entry.dtype != dtype or len(entry.shape) != len(shape):
                     raise FormatError(f"{path} ({name!r}): {dtype}{list(shape)} here, {entry.dtype}"
-                                      f"{list(entry.shape)} in another file; the checkpoint is damaged")
+                                      f"{list(entry.shape)} in another file; the checkpoint is damaged", uri=path)
                 else:
                     entry.chunks.append(chunk)
                     entry.shape = tuple(max(a, o + s) for a, o, s in zip(entry.shape, offsets, shape))
@@ -150,6 +152,4 @@ class SafetensorsReader:
             index.format, index.producer = "hf-dcp", "HuggingFaceStorageWriter"
             ranks = {f.rsplit("shard-", 1)[-1][:5] for f in files if "shard-" in storage.basename(f)}
             index.world_size = len(ranks) or None
-        for entry in index.tensors.values():
-            check_tiling(entry, self.uri)
         return index

@@ -11,11 +11,11 @@ from typing import Any
 from .. import storage
 from ..errors import FormatError
 from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
+from ..names import RANK_FILE, TORCH_INDEX, TORCH_SUFFIXES
 from ..torchzip import Archive, read_archive, storage_range
 from ..unpickle import TensorRef
 from . import index_files
-
-BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+from .base import BaseReader
 
 
 def flatten(obj: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -64,32 +64,37 @@ def tensor_entry(name: str, ref: TensorRef, archive: Archive) -> TensorEntry:
 def torch_files(uri: str) -> list[str]:
     if storage.isdir(uri):
         names = storage.listdir(uri)
-        if BIN_INDEX_NAME in names:
-            return torch_files(storage.join(uri, BIN_INDEX_NAME))
-        found = [storage.join(uri, n) for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt"))]
+        if TORCH_INDEX in names:
+            return torch_files(storage.join(uri, TORCH_INDEX))
+        found = [storage.join(uri, n) for n in names if n.endswith(TORCH_SUFFIXES)]
         if len(found) != 1:
-            raise FormatError(f"{uri}: expected one torch.save file, found {len(found)}; point at the file")
+            raise FormatError(f"{uri}: expected one torch.save file, found {len(found)}; point at the file", uri=uri)
         return found
     if uri.endswith(".json"):
         return index_files(uri)
     return [uri]
 
 
-class TorchSaveReader:
+class TorchSaveReader(BaseReader):
     format = "torch"
 
-    def __init__(self, uri: str, reader: storage.RangeReader) -> None:
-        self.uri = uri
-        self.reader = reader
+    @classmethod
+    def sniff(cls, uri: str, names: list[str] | None) -> bool:
+        if names is None:
+            name = storage.basename(uri)
+            return not RANK_FILE.match(name) and (name.endswith(TORCH_SUFFIXES) or name.endswith(".bin.index.json"))
+        if TORCH_INDEX in names:
+            return True
+        return len([n for n in names if n.endswith(TORCH_SUFFIXES)]) == 1 and not any(RANK_FILE.match(n) for n in names)
 
-    def index(self, locate: bool = True) -> CheckpointIndex:
+    def read(self, locate: bool = True) -> CheckpointIndex:
         files = torch_files(self.uri)
         index = CheckpointIndex(uri=self.uri, format=self.format, producer="torch.save",
                                 files=[storage.basename(f) for f in files])
         for path in files:
             archive = read_archive(self.reader, path)
             if not isinstance(archive.obj, dict):
-                raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a state dict")
+                raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a state dict", uri=path)
             add_entries(index, archive)
         return index
 

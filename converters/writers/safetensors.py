@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from .. import dtypes
 from ..copier import Copier, pwrite_all
 from ..index import CheckpointIndex, TensorEntry
+from ..names import SAFETENSORS_INDEX as INDEX_NAME
 from ..output import Output
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
