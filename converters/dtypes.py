@@ -87,6 +87,18 @@ def to_safetensors(dtype: str, name: str = "") -> str:
     return code
 
 
+# the order `safetensors` lays tensors out in a file: by this rank of the dtype code (highest first), then by
+# name; it puts 8-byte items first, so every tensor starts aligned to its item size
+_SAFETENSORS_RANK = {code: rank for rank, code in enumerate(
+    ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32",
+     "U32", "F32", "C64", "F64", "I64", "U64"))}
+
+
+def safetensors_order(dtype: str, name: str) -> tuple[int, str]:
+    """Sort key that puts tensors in the order `safetensors.torch.save_file` writes them."""
+    return -_SAFETENSORS_RANK.get(_TABLE[dtype][1] or "", -1), name
+
+
 def check_dcp(dtype: str, name: str) -> None:
     """Refuse, naming the tensor, a dtype that torch.distributed.checkpoint cannot load."""
     if dtype in _NOT_IN_DCP:

@@ -56,6 +56,7 @@ def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cas
                metadata: dict[str, str], pool: ThreadPoolExecutor) -> None:
     """One safetensors file: the header, then each tensor. Locally the tensors are written at their
     offsets by several threads at once; to object storage they stream in order."""
+    items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))  # as save_file does
     header = header_bytes(items, metadata)
     total = len(header) + sum(item.nbytes for item in items)
     if not out.local:
