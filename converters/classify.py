@@ -87,9 +87,9 @@ def classify(entries: Iterable[TensorEntry | ObjectEntry], training_state: Itera
                 optimizers.add(c.container)
     out: dict[str, Parts] = {}
     for name, cs in candidates.items():
-        c = next((c for c in cs if c.container in optimizers), None)
-        if c is not None:
-            out[name] = _optimizer_parts(c, params)
+        found = next((c for c in cs if c.container in optimizers), None)
+        if found is not None:
+            out[name] = _optimizer_parts(found, params)
         elif tokens[name][0] in OPTIM_CONTAINERS and len(tokens[name]) > 1:
             out[name] = Parts("unknown", tokens[name][0], fqn=".".join(tokens[name][1:]), span=(1, len(tokens[name])))
     rest = {name: path for name, path in paths.items() if name not in out}

@@ -166,6 +166,7 @@ def _sample(entries: list[TensorEntry], budget: int) -> Iterator[TensorEntry]:
 def _dcp(written: CheckpointIndex, root: str, reader: RangeReader, budget: int, res: ConsumerResult) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = storage.local_path(root)
     try:
@@ -178,7 +179,7 @@ def _dcp(written: CheckpointIndex, root: str, reader: RangeReader, budget: int, 
         res.different.append(f"{name} ({'missing from' if name not in keys else 'only in'} DCP's metadata)")
     for name, entry in written.tensors.items():
         meta = metadata.state_dict_metadata.get(name)
-        if meta is not None and (not hasattr(meta, "size") or tuple(meta.size) != entry.shape
+        if meta is not None and (not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != entry.shape
                                  or str(meta.properties.dtype).removeprefix("torch.") != entry.dtype):
             res.different.append(f"{name} (DCP's metadata disagrees on dtype or shape)")
     entries = [e for e in written.tensors.values() if e.name in keys]

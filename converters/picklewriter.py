@@ -56,7 +56,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, tuple, l
 _PLAIN_GLOBALS = (codecs.encode, bytes, bytearray, set, frozenset, complex)
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python pickler lets us add opcodes
+class _Pickler(pickle._Pickler):  # the pure-Python pickler lets us add opcodes
     def persistent_id(self, obj: Any) -> Any:
         return obj.pid if isinstance(obj, Persistent) else None
 
@@ -110,7 +110,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Pytho
         self.write(pickle.EMPTY_LIST)
         self._batch_appends(iter(obj))
 
-    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)
     dispatch[dict] = save_dict
     dispatch[list] = save_list
 

@@ -132,7 +132,7 @@ def cast(data: memoryview | bytes, src: str, dst: str) -> memoryview:
             if via_f32:
                 block = block.astype(np.float32)
             np.copyto(out[i: i + _CAST_BLOCK], block, casting="unsafe")
-    return memoryview(out.view(np.uint8))
+    return out.view(np.uint8).data
 
 
 _CAST_BLOCK = 1 << 20

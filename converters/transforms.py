@@ -146,7 +146,7 @@ class KeyMapper:
 class Selection(NamedTuple):
     """The selected entries under their output names, what changed, and each output entry's parts."""
 
-    index: CheckpointIndex
+    index: CheckpointIndex  # type: ignore[assignment]  # shadows tuple.index on purpose: callers read .index
     report: list[str]
     parts: dict[str, Parts]
 

@@ -125,10 +125,11 @@ class DcpReader(BaseReader):
             index.tensors[name] = entry
         planner_data = md.get("planner_data")
         if isinstance(planner_data, dict):
-            for entry in [*index.tensors.values(), *index.objects.values()]:
-                path = planner_data.get(entry.name)
+            items: list[TensorEntry | ObjectEntry] = [*index.tensors.values(), *index.objects.values()]
+            for item in items:
+                path = planner_data.get(item.name)
                 if isinstance(path, tuple | list) and path:
-                    entry.path = tuple(str(p) for p in path)
+                    item.path = tuple(str(p) for p in path)
         index.producer = _producer(self.uri, index.names())
         return index
 

@@ -133,9 +133,9 @@ class DeepSpeedReader(BaseReader):
             if name.startswith("layer_") and name.endswith("model_states.pt"):
                 raise FormatError(f"{storage.join(folder, name)}: a pipeline-parallel DeepSpeed save; only plain "
                                   "ZeRO data parallelism is supported")
-            if _OPTIM.match(name):
+            if m and _OPTIM.match(name):
                 optim[int(m.group("rank"))] = storage.join(folder, name)
-            elif _MODEL3.match(name):
+            elif m and _MODEL3.match(name):
                 model3[int(m.group("rank"))] = storage.join(folder, name)
         model = storage.join(folder, "mp_rank_00_model_states.pt") if "mp_rank_00_model_states.pt" in names else None
         for kind, files in (("optim_states", optim), ("model_states", model3)):
@@ -311,11 +311,11 @@ class DeepSpeedReader(BaseReader):
                 shape = _shape(shape, f"param_shapes[{name}]")
                 numel = dtypes.numel(shape)
 
-                def pieces(per_group: list[list[Flat]], start: int = offset, n: int = numel,
-                           grp: int = g) -> list[Piece]:
+                def group_pieces(per_group: list[list[Flat]], start: int = offset, n: int = numel,
+                                 grp: int = g) -> list[Piece]:
                     return locate([r[grp] for r in per_group], start, n)
 
-                self._add(index, name, shape, pieces, flats, state_flats, steps.get(g), ranks[0])
+                self._add(index, name, shape, group_pieces, flats, state_flats, steps.get(g), ranks[0])
                 offset += numel + pad
                 names.append(name)
             align = 2 * world

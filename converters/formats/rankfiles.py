@@ -218,7 +218,7 @@ class RankFilesReader(BaseReader):
                  world: int) -> list[Chunk]:
         state = _fields(value.state)
         local, spec = state.get("_local_tensor"), _fields(state.get("_spec"))
-        placements = spec.get("placements") or ()
+        placements = list(spec.get("placements") or [])
         if not isinstance(local, TensorRef):
             raise FormatError(f"{where}: DTensor holds no local tensor")
         if len(placements) != 1:

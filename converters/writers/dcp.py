@@ -127,7 +127,7 @@ def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[li
         sd_meta[name] = _tensor_meta(copier.out_dtype(entry, dtype), entry.shape, chunks[name])
     for name in index.objects:
         sd_meta[name] = Obj(Global(_MD, "BytesStorageMetadata"), {})
-    planner_data = {name: _planner_path(e.path) for name, e in [*index.tensors.items(), *index.objects.items()]}
+    planner_data = {name: _planner_path(e.path) for name, e in [*index.tensors.items(), *index.objects.items()]}  # type: ignore[attr-defined]  # both entry kinds have .path; mypy joins them to object
     storage_meta = Obj(Global(_MD, "StorageMeta"), {"checkpoint_id": None, "save_id": str(uuid.uuid4()),
                                                     "load_id": None, "modules": []})
     metadata = Obj(Global(_MD, "Metadata"), {"state_dict_metadata": sd_meta, "planner_data": planner_data,
