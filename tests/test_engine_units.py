@@ -86,6 +86,11 @@ def test_a_new_format_is_one_class_and_one_line(toy: object, tmp_path: Path) -> 
     with pytest.raises(FormatError, match=r"chunk \(1, 0\)\+\(3, 4\) of 'w' lies outside its shape") as info:
         check_index(index, str(tmp_path))
     assert (info.value.uri, info.value.key) == (str(tmp_path), "w")
+    (tmp_path / "weights.toy").write_text(json.dumps([["w", "int64", [3, 4], "blob", 0]]))  # 48 bytes, not 96
+    index = ToyReader(str(tmp_path), RangeReader()).read()
+    index.tensors["w"].chunks[0] = Chunk((0, 0), (3, 4), ByteRange(str(tmp_path / "blob"), 0, 48))
+    with pytest.raises(FormatError, match=r"blob: chunk \(0, 0\) of 'w' holds 48 bytes, but int64\[3, 4\] needs 96"):
+        check_index(index, str(tmp_path))
 
 
 def test_registered_format_is_in_the_job_schema(tmp_path: Path) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .. import storage
+from .. import dtypes, storage
 from ..errors import FormatError
-from ..index import CheckpointIndex, check_tiling
+from ..index import CheckpointIndex, TensorEntry, check_tiling
 
 
 class BaseReader:
@@ -30,12 +30,13 @@ class BaseReader:
     def index(self, locate: bool = True) -> CheckpointIndex:
         """The checkpoint's index, checked the same way for every format."""
         index = self.read(locate)
-        check_index(index, self.check_where)
+        check_index(index, self.check_where, located=locate)
         return index
 
 
-def check_index(index: CheckpointIndex, where: str) -> None:
-    """Names are strings, no name is both a tensor and a value, every tensor's chunks tile its shape once."""
+def check_index(index: CheckpointIndex, where: str, located: bool = True) -> None:
+    """Names are strings, no name is both a tensor and a value, every tensor's chunks tile its shape once and,
+    once located, each chunk's byte range is exactly the size its dtype and shape (and strides) need."""
     for name in index.names():
         if not isinstance(name, str) or not name:
             raise FormatError(f"{where}: entry name {name!r} is not a non-empty string; the checkpoint is damaged",
@@ -46,3 +47,17 @@ def check_index(index: CheckpointIndex, where: str) -> None:
                           uri=where, key=both[0])
     for entry in index.tensors.values():
         check_tiling(entry, where)
+        if located:
+            check_sizes(entry, where)
+
+
+def check_sizes(entry: TensorEntry, where: str) -> None:
+    item = dtypes.itemsize(entry.dtype)
+    for chunk in entry.chunks:
+        data = chunk.data
+        need = item * (dtypes.numel(chunk.sizes) if data.stride is None else dtypes.strided_span(chunk.sizes,
+                                                                                                   data.stride))
+        if data.length != need:
+            raise FormatError(f"{data.uri}: chunk {chunk.offsets} of {entry.name!r} holds {data.length} bytes, but "
+                              f"{entry.dtype}{list(chunk.sizes)} needs {need}; the checkpoint is damaged",
+                              uri=data.uri, key=entry.name)
