@@ -317,15 +317,19 @@ def checkpoints_list(name: Annotated[str | None, typer.Option("--name")] = None,
 
 
 @checkpoints_app.command("show")
-def checkpoints_show(checkpoint_id: str, tensors: Annotated[bool, typer.Option("--tensors")] = False,
+def checkpoints_show(checkpoint_id: Annotated[str, typer.Argument(help="Checkpoint id or ALIAS@RUN.")],
+                     tensors: Annotated[bool, typer.Option("--tensors")] = False,
                      as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Show a registered checkpoint (with --tensors, its tensor table)."""
+    from .cli_manage import print_managed, resolve_ref
+
     with connect(server, token) as client:
-        c = client.checkpoint(checkpoint_id, tensors)
-    if as_json:
-        out.print_json(json.dumps(c))
-        return
-    print_checkpoint(c)
+        c = client.checkpoint(resolve_ref(client, checkpoint_id), tensors)
+        if as_json:
+            out.print_json(json.dumps(c))
+            return
+        print_checkpoint(c)
+        print_managed(client, c["id"])
     if tensors:
         table = Table("name", "dtype", "shape", "chunks")
         for row in c["summary"].get("tensor_table", []):
@@ -379,3 +383,6 @@ def checkpoints_delete(checkpoint_id: str,
     with connect(server, token) as client:
         c = client.delete(checkpoint_id, purge)
     out.print(f"unregistered {c['id']} ({c['uri']})" + ("; data deleted" if purge else ""), highlight=False)
+
+
+from . import cli_manage  # noqa: E402, F401  (checkpoint management commands; they use the client helpers above)

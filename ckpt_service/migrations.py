@@ -87,7 +87,79 @@ V2_REGISTRY = [
     "CREATE INDEX lineage_by_parent ON lineage (parent_id)",
 ]
 
-MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY]
+#: checkpoint management (catalog.py, retention.py, rules.py): runs and steps, aliases with history, retention
+#: policies and the deletion log, rules and the (rule, checkpoint) triggers that make each rule fire once.
+V3_MANAGE = [
+    """CREATE TABLE checkpoint_runs (
+        checkpoint_id TEXT PRIMARY KEY REFERENCES checkpoints (id) ON DELETE CASCADE,
+        run TEXT,
+        step INTEGER,
+        rule_id TEXT,
+        deleted_at REAL
+    )""",
+    "CREATE INDEX checkpoint_runs_by_run ON checkpoint_runs (run, step)",
+    """CREATE TABLE aliases (
+        namespace TEXT NOT NULL,
+        name TEXT NOT NULL,
+        checkpoint_id TEXT NOT NULL REFERENCES checkpoints (id) ON DELETE CASCADE,
+        updated_by TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (namespace, name)
+    )""",
+    "CREATE INDEX aliases_by_checkpoint ON aliases (checkpoint_id)",
+    """CREATE TABLE alias_history (
+        id TEXT PRIMARY KEY,
+        namespace TEXT NOT NULL,
+        name TEXT NOT NULL,
+        checkpoint_id TEXT,
+        previous_id TEXT,
+        changed_by TEXT NOT NULL,
+        changed_at REAL NOT NULL
+    )""",
+    "CREATE INDEX alias_history_by_name ON alias_history (namespace, name, changed_at)",
+    """CREATE TABLE retention_policies (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        spec TEXT NOT NULL,
+        created_by TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    """CREATE TABLE deletions (
+        id TEXT PRIMARY KEY,
+        checkpoint_id TEXT NOT NULL,
+        uri TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        policy TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        requested_by TEXT NOT NULL,
+        state TEXT NOT NULL,
+        error TEXT,
+        planned_at REAL NOT NULL,
+        done_at REAL
+    )""",
+    "CREATE INDEX deletions_by_state ON deletions (state, planned_at)",
+    """CREATE TABLE rules (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        spec TEXT NOT NULL,
+        paused INTEGER NOT NULL DEFAULT 0,
+        created_by TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    """CREATE TABLE rule_triggers (
+        rule_id TEXT NOT NULL REFERENCES rules (id) ON DELETE CASCADE,
+        uri TEXT NOT NULL,
+        checkpoint_id TEXT,
+        state TEXT NOT NULL,
+        job_id TEXT,
+        detail TEXT,
+        claimed_at REAL NOT NULL,
+        PRIMARY KEY (rule_id, uri)
+    )""",
+    "CREATE INDEX rule_triggers_by_job ON rule_triggers (job_id)",
+]
+
+MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE]
 LATEST = len(MIGRATIONS)
 
 

@@ -90,6 +90,14 @@ class Settings(BaseSettings):
                                           "(0: none); keeps shared filesystems usable while jobs run.")
     job_nice: int = Field(10, ge=0, le=19, description="Niceness of job processes, so the API stays responsive.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # checkpoint management (catalog.py, retention.py, rules.py)
+    run_pattern: str = Field("{run}/step_{step}", min_length=1, max_length=512, description="Where a checkpoint's "
+                             "path names its run and step: the last path segments, {run} and {step} in them.")
+    discover_seconds: float = Field(30.0, ge=0, le=86400, description="How often rules look for new complete "
+                                    "checkpoints (0: only on POST /v1/notify).")
+    gc_seconds: float = Field(0.0, ge=0, le=30 * 86400, description="How often the service runs garbage collection "
+                              "under the retention policies (0: only on request).")
+    gc_batch: int = Field(50, ge=1, le=10_000, description="Checkpoints marked deleted per transaction.")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
