@@ -72,7 +72,7 @@ def get_tags(checkpoint_id: Id, request: Request, _: Reader) -> Tags:
     return Tags(checkpoint_id=checkpoint_id, tags=request.app.state.service.registry.get(checkpoint_id).tags)
 
 
-@router.post("/checkpoints/{checkpoint_id}/tags", response_model=Tags, responses=errors(401, 403, 404, 422, 503),
+@router.post("/checkpoints/{checkpoint_id}/tags", response_model=Tags, responses=errors(400, 413, 401, 403, 404, 422, 503),
              summary="Set or remove tags")
 def set_tags(checkpoint_id: Id, body: TagUpdate, request: Request, _: Writer) -> Tags:
     """`key=value` tags replace the tag with the same key; `pin` protects a checkpoint from GC."""
@@ -99,7 +99,7 @@ def get_alias(namespace: Id, name: Id, request: Request, _: Reader) -> ManagedVi
     return catalog.managed(catalog.resolve(namespace, name))
 
 
-@router.put("/aliases/{namespace}/{name}", response_model=ManagedView, responses=errors(401, 403, 404, 422, 503),
+@router.put("/aliases/{namespace}/{name}", response_model=ManagedView, responses=errors(400, 413, 401, 403, 404, 422, 503),
             summary="Point an alias at a checkpoint")
 def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, principal: Writer) -> ManagedView:
     """Moves the alias atomically (its history keeps every move)."""
@@ -142,7 +142,7 @@ def list_policies(request: Request, _: Reader) -> list[PolicyView]:
     return _retention(request).policies()
 
 
-@router.post("/policies", status_code=201, response_model=PolicyView, responses=errors(401, 403, 409, 422, 503),
+@router.post("/policies", status_code=201, response_model=PolicyView, responses=errors(400, 413, 401, 403, 409, 422, 503),
              summary="Add a retention policy (admin)")
 def add_policy(body: PolicySpec, request: Request) -> PolicyView:
     return _retention(request).add_policy(body, _admin(request).name)
@@ -155,7 +155,7 @@ def remove_policy(policy_id: Id, request: Request) -> PolicyView:
     return _retention(request).remove_policy(policy_id)
 
 
-@router.post("/gc", response_model=GcReport, responses=errors(401, 403, 422, 503), summary="Garbage-collect")
+@router.post("/gc", response_model=GcReport, responses=errors(400, 413, 401, 403, 422, 503), summary="Garbage-collect")
 def gc(body: GcRequest, request: Request, principal: Reader) -> GcReport:
     """The plan (what, which policy and why, bytes); without `dry_run` (admin) it is carried out."""
     if not body.dry_run:
@@ -178,7 +178,7 @@ def list_rules(request: Request, _: Reader) -> list[RuleView]:
     return _rules(request).list()
 
 
-@router.post("/rules", status_code=201, response_model=RuleView, responses=errors(401, 403, 409, 422, 503),
+@router.post("/rules", status_code=201, response_model=RuleView, responses=errors(400, 413, 401, 403, 409, 422, 503),
              summary="Add a rule")
 def add_rule(body: RuleSpec, request: Request, principal: Writer) -> RuleView:
     return _rules(request).add(body, principal.name)
@@ -214,7 +214,7 @@ def rule_triggers(rule_id: Id, request: Request, _: Reader) -> list[TriggerView]
     return _rules(request).triggers(rule_id)
 
 
-@router.post("/notify", response_model=NotifyResult, responses=errors(401, 403, 409, 422, 503),
+@router.post("/notify", response_model=NotifyResult, responses=errors(400, 413, 401, 403, 409, 422, 503),
              summary="A checkpoint finished writing")
 def notify(body: NotifyRequest, request: Request, principal: Writer) -> NotifyResult:
     """Registers the checkpoint (409 while it is incomplete) and fires the rules whose pattern matches it."""
