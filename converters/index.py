@@ -124,6 +124,31 @@ def check_tiling(entry: TensorEntry, where: str) -> None:
                           "the checkpoint is missing ranks or is damaged")
 
 
+def short(value: Any, limit: int = 60) -> str:
+    """repr of a value from a damaged file, cut short for an error line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def count(value: Any, where: str, what: str) -> int:
+    """A non-negative integer read from a file (offset, length), or a FormatError naming `where` and `what`."""
+    if not _is_int(value) or value < 0:
+        raise FormatError(f"{where}: {what} is {short(value)}, expected a non-negative integer; the file is damaged")
+    return value
+
+
+def counts(value: Any, where: str, what: str) -> tuple[int, ...]:
+    """A shape or offsets: a list/tuple of non-negative integers, or a FormatError naming `where` and `what`."""
+    if not isinstance(value, tuple | list) or len(value) > 64 or not all(_is_int(v) and v >= 0 for v in value):
+        raise FormatError(f"{where}: {what} is {short(value)}, expected a list of non-negative integers; the file "
+                          "is damaged")
+    return tuple(value)
+
+
 def split_path(name: str) -> tuple[str, ...]:
     """Best guess of the nested keys behind a flat dotted name, used when the format does not record them.
 

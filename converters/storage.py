@@ -1,14 +1,34 @@
 """Byte-level I/O over local paths and fsspec URIs, and outputs that appear atomically.
 
 Reads are explicit byte ranges (`os.pread` on local files, ranged `cat_file` elsewhere); no file
-is mmapped or read whole unless it is small metadata.
+is mmapped or read whole unless it is small metadata, and then never past a size cap.
+
+Every byte the engine reads from a checkpoint goes through this module, which confines it:
+
+- `member(base, name, where)` turns a file name that checkpoint metadata names (an index's `weight_map`, a
+  DCP `relative_path`) into a path inside the checkpoint's folder, refusing names that leave it
+  (absolute paths, `..`, backslashes, percent-escapes and their Unicode-normalised forms);
+- local files are opened only when they are regular files (never a FIFO, device or socket: checked
+  before opening, and again on the open descriptor, which is opened non-blocking);
+- with read roots set (`confine_reads(roots)`, or the `CKPT_CONFINE_READS` environment variable: a JSON
+  list of roots, or one root; a job process sets it to its read roots plus its write roots, since
+  it reads back what it writes), every local file must resolve, symlinks followed, inside one
+  of them, checked before opening and again on the opened descriptor; remote URIs must lie below one
+  of the roots given as URIs. Without roots (offline), member symlinks are followed;
+- whole-file reads (`read_all`) stop at `max_metadata_bytes()` (`CKPT_MAX_METADATA_BYTES`), checked
+  against the file's real size first; ranged reads are checked against the real size before any
+  buffer is allocated.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import re
+import stat
 import threading
+import unicodedata
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -16,7 +36,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
-from .errors import CkptError, SourceError, TargetError
+from .errors import CkptError, FormatError, OptionError, SourceError, TargetError
 
 #: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
 #: cost few requests; larger reads go straight through.
@@ -25,6 +45,139 @@ _CACHE_BLOCKS = 256  # 64 MiB at most
 _CRC_WINDOW = 64 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
+
+
+READ_ROOTS_ENV = "CKPT_CONFINE_READS"
+MAX_METADATA_ENV = "CKPT_MAX_METADATA_BYTES"
+DEFAULT_MAX_METADATA = 256 * 1024 * 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_roots: list[str] | None = None
+
+
+def max_metadata_bytes() -> int:
+    """The cap on every whole-file read (metadata, index JSON, zip directory, pickles): CKPT_MAX_METADATA_BYTES."""
+    text = os.environ.get(MAX_METADATA_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_METADATA
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OptionError(f"{MAX_METADATA_ENV}={text!r}: give a positive number of bytes")
+    return value
+
+
+def confine_reads(roots: list[str] | None) -> None:
+    """Allow reads only inside `roots` (local folders or URI prefixes), symlinks resolved; None: no check
+    beyond the `CKPT_CONFINE_READS` environment variable."""
+    global _roots
+    _roots = None if roots is None else [_root(r) for r in roots]
+
+
+def _root(text: str) -> str:
+    return os.path.realpath(local_path(text)) if is_local(text) else text.rstrip("/")
+
+
+def read_roots() -> list[str] | None:
+    """The read roots in force: set by `confine_reads`, else from CKPT_CONFINE_READS, else None (no check)."""
+    if _roots is not None:
+        return _roots
+    text = os.environ.get(READ_ROOTS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        items = json.loads(text) if text.startswith("[") else [text]
+    except ValueError:
+        raise OptionError(f"{READ_ROOTS_ENV}: not a JSON list of roots") from None
+    return [_root(str(r)) for r in items if str(r).strip()]
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _check_roots(uri: str, real: str | None = None) -> None:
+    roots = read_roots()
+    if roots is None:
+        return
+    where = real if real is not None else (os.path.realpath(local_path(uri)) if is_local(uri) else uri)
+    if not _inside(where, roots):
+        raise SourceError(f"{uri}: resolves outside the storage roots this job may read; refusing to open it")
+
+
+def _bad_name(name: str) -> str | None:
+    """Why a file name from checkpoint metadata may not be used, or None when it stays inside the folder."""
+    if _CONTROL.search(name) or "\\" in name:
+        return "holds control characters or backslashes"
+    if "%" in name:
+        return "holds percent-escapes"
+    for form in dict.fromkeys((name, unicodedata.normalize("NFKC", name))):
+        if "://" in form or form.startswith("/") or _DRIVE.match(form) or "\\" in form:
+            return "is an absolute path or a URI"
+        if any(part in ("", ".", "..") for part in form.split("/")):
+            return "has '..', '.' or empty path segments"
+    return None
+
+
+def member(base: str, name: object, where: str) -> str:
+    """The path of file `name`, as the checkpoint metadata in `where` names it, inside the folder `base`.
+
+    Names that would leave the folder are refused before anything is looked up."""
+    if not isinstance(name, str) or not name:
+        raise FormatError(f"{where}: names a data file {name!r}, which is not a file name; the metadata is damaged")
+    why = _bad_name(name)
+    if why:
+        raise FormatError(f"{where}: names the data file {name!r}, which {why}; a checkpoint may only name files "
+                          "inside its own folder, so it was not read")
+    return join(base, name)
+
+
+def _kind(mode: int) -> str:
+    return "a folder" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+
+
+def _stat_local(uri: str, missing: str) -> os.stat_result:
+    """stat() of a local file we are about to read: inside the read roots, existing, a regular file."""
+    path = local_path(uri)
+    _check_roots(uri)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SourceError(f"{uri}: {missing}") from None
+    except NotADirectoryError:
+        raise SourceError(f"{uri}: {missing}") from None
+    except PermissionError:
+        raise SourceError(f"{uri}: permission denied") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{uri}: {_kind(st.st_mode)}; refusing to read it")
+    return st
+
+
+def open_file(uri: str, missing: str = "no such file") -> int:
+    """A read-only descriptor of a local regular file inside the read roots; never blocks (a FIFO is refused)."""
+    _stat_local(uri, missing)
+    try:
+        fd = os.open(local_path(uri), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SourceError(f"{uri}: {missing}") from None
+    except OSError as exc:
+        raise SourceError(f"{uri}: cannot open ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped between the stat and the open
+            raise FormatError(f"{uri}: {_kind(st.st_mode)}; refusing to read it")
+        if read_roots() is not None:
+            try:
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                real = os.path.realpath(local_path(uri))
+            _check_roots(uri, real)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def is_local(uri: str) -> bool:
@@ -124,6 +277,11 @@ def exists(uri: str) -> bool:
     return os.path.exists(local_path(uri)) if is_local(uri) else bool(_remote_call(uri, "exists"))
 
 
+def lexists(uri: str) -> bool:
+    """exists(), but true for a local symlink whose target is missing (so that reading it says why)."""
+    return os.path.lexists(local_path(uri)) if is_local(uri) else exists(uri)
+
+
 def isdir(uri: str) -> bool:
     return os.path.isdir(local_path(uri)) if is_local(uri) else bool(_remote_call(uri, "isdir"))
 
@@ -136,21 +294,56 @@ def listdir(uri: str) -> list[str]:
     return sorted(basename(p) for p in _remote_call(uri, "ls", detail=False) if p.rstrip("/") != own)
 
 
-def size(uri: str) -> int:
-    return os.path.getsize(local_path(uri)) if is_local(uri) else int(_remote_call(uri, "size"))
+def size(uri: str, missing: str = "no such file") -> int:
+    """Size of a file we may read (local: a regular file inside the read roots)."""
+    if is_local(uri):
+        return _stat_local(uri, missing).st_size
+    _check_roots(uri)
+    fs, path = filesystem(uri)
+    with translate_errors(uri):
+        try:
+            return int(fs.size(path))
+        except FileNotFoundError:
+            raise SourceError(f"{uri}: {missing}") from None
 
 
-def read_all(uri: str) -> bytes:
-    """Read a whole (small, metadata) file."""
+def _too_big(uri: str, cap: int) -> FormatError:
+    return FormatError(f"{uri}: larger than the {cap}-byte limit for metadata files; the file is damaged or not "
+                       f"what its name says (if it is genuine, raise {MAX_METADATA_ENV})")
+
+
+def read_all(uri: str, cap: int | None = None) -> bytes:
+    """Read a whole metadata file, refusing one larger than `cap` (default `max_metadata_bytes()`).
+
+    The real size is checked before reading, and at most cap+1 bytes are read (a growing file too)."""
+    cap = max_metadata_bytes() if cap is None else cap
+    if not is_local(uri):
+        if size(uri) > cap:
+            raise _too_big(uri, cap)
+        _check_roots(uri)
+        data = bytes(_remote_call(uri, "cat_file", start=0, end=cap + 1))
+        if len(data) > cap:
+            raise _too_big(uri, cap)
+        return data
+    fd = open_file(uri)
     try:
-        if is_local(uri):
-            with open(local_path(uri), "rb") as fh:
-                return fh.read()
-        return bytes(_remote_call(uri, "cat_file"))
-    except FileNotFoundError:
-        raise SourceError(f"{uri}: no such file") from None
-    except IsADirectoryError:
-        raise SourceError(f"{uri}: is a folder, expected a file") from None
+        if os.fstat(fd).st_size > cap:
+            raise _too_big(uri, cap)
+        parts: list[bytes] = []
+        got = 0
+        while got <= cap:
+            piece = os.read(fd, min(cap + 1 - got, 1 << 24))
+            if not piece:
+                break
+            parts.append(piece)
+            got += len(piece)
+        if got > cap:
+            raise _too_big(uri, cap)
+        return b"".join(parts)
+    except OSError as exc:
+        raise SourceError(f"{uri}: cannot read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 class RangeReader:
@@ -161,6 +354,7 @@ class RangeReader:
         self._lock = threading.Lock()
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._maps: dict[str, mmap.mmap] = {}
+        self._sizes: dict[str, int] = {}
         self.requested = 0  # bytes asked for by the engine (remote files)
         self.fetched = 0  # bytes transferred from remote storage
         self.requests = 0
@@ -175,7 +369,25 @@ class RangeReader:
                     fd = self._fds[path] = self._open(path)
         return fd
 
+    def file_size(self, uri: str) -> int:
+        """The real size of a file being read (local: of the open descriptor), cached."""
+        known = self._sizes.get(uri)
+        if known is None:
+            known = os.fstat(self.fd(local_path(uri))).st_size if is_local(uri) else size(uri)
+            self._sizes[uri] = known
+        return known
+
+    def check_range(self, uri: str, offset: int, length: int) -> None:
+        """Refuse a range that is negative or reaches past the end of the file, before allocating for it."""
+        if offset < 0 or length < 0:
+            raise FormatError(f"{uri}: the checkpoint metadata names bytes {offset}..{offset + length}, a negative "
+                              "position or length; the metadata is damaged")
+        if offset + length > self.file_size(uri):
+            raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted bytes "
+                              f"{offset}..{offset + length}); it is truncated or damaged: re-copy or re-upload it")
+
     def read(self, uri: str, offset: int, length: int) -> bytes:
+        self.check_range(uri, offset, length)
         if length == 0:
             return b""
         if is_local(uri):
@@ -233,6 +445,7 @@ class RangeReader:
 
     def readinto(self, uri: str, offset: int, view: memoryview) -> None:
         length = len(view)
+        self.check_range(uri, offset, length)
         if length == 0:
             return
         if is_local(uri):
@@ -278,11 +491,7 @@ class RangeReader:
         return crc
 
     def _open(self, path: str) -> int:
-        try:
-            return os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise SourceError(f"{path}: data file is missing; the checkpoint is incomplete (re-copy or re-upload "
-                              "it)") from None
+        return open_file(path, "data file is missing; the checkpoint is incomplete (re-copy or re-upload it)")
 
     def close(self) -> None:
         with self._lock:
@@ -292,6 +501,7 @@ class RangeReader:
             for mapping in self._maps.values():
                 mapping.close()
             self._maps.clear()
+            self._sizes.clear()
 
     def __enter__(self) -> RangeReader:
         return self

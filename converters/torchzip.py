@@ -12,9 +12,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from . import unpickle
+from . import dtypes, unpickle
 from .errors import FormatError
-from .storage import RangeReader
+from .index import ByteRange, count, counts, short
+from .storage import RangeReader, max_metadata_bytes
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length (30 bytes)
 _LOCAL_SIG = 0x04034B50
@@ -96,37 +97,113 @@ def _walk_local_headers(head: bytes, base: int, limit: int) -> tuple[list[Member
     return members, bool(members) and any(m.name.endswith("data.pkl") for m in members)
 
 
-def _central_members(reader: RangeReader, uri: str, base: int, length: int) -> list[Member]:
+def _damaged(label: str, what: str) -> FormatError:
+    return FormatError(f"{label}: damaged zip directory ({what}); the file is damaged or not a PyTorch checkpoint")
+
+
+def _central_members(reader: RangeReader, uri: str, base: int, length: int, label: str) -> list[Member]:
+    """Members from the zip's central directory; every size and offset is checked against `length` (the
+    archive's real extent) before anything is read or allocated."""
     tail_len = min(length, 65536 + 22)
     tail = reader.read(uri, base + length - tail_len, tail_len)
     at = tail.rfind(_EOCD_SIG)
-    if at < 0:
-        raise FormatError(f"{uri}: not a torch.save archive (no zip directory at byte {base}); "
+    if at < 0 or at + 22 > len(tail):
+        raise FormatError(f"{label}: not a torch.save archive (no zip directory); "
                           "the file is damaged or not a PyTorch checkpoint")
-    count, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
-    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:
+    entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
+    if cd_offset == 0xFFFFFFFF or entries == 0xFFFF or cd_size == 0xFFFFFFFF:
         loc = tail.rfind(_EOCD64_LOC_SIG, 0, at)
+        if loc < 0 or loc + 20 > at:
+            raise _damaged(label, "zip64 locator missing")
         (eocd64_offset,) = struct.unpack_from("<Q", tail, loc + 8)
+        if eocd64_offset + 56 > length:
+            raise _damaged(label, "zip64 record outside the archive")
         eocd64 = reader.read(uri, base + eocd64_offset, 56)
-        count, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
+        if eocd64[:4] != b"PK\x06\x06":
+            raise _damaged(label, "bad zip64 record")
+        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
+    if cd_offset + cd_size > length:
+        raise _damaged(label, f"directory of {cd_size} bytes at {cd_offset} lies outside the {length}-byte archive")
+    if cd_size > max_metadata_bytes() or entries * _CENTRAL.size > cd_size:
+        raise _damaged(label, f"{entries} entries in a {cd_size}-byte directory")
     directory = reader.read(uri, base + cd_offset, cd_size)
     members: list[Member] = []
+    starts: list[int] = []
     pos = 0
-    for _ in range(count):
+    for _ in range(entries):
+        if pos + _CENTRAL.size > len(directory):
+            raise _damaged(label, "entries run past the directory")
         fields = _CENTRAL.unpack_from(directory, pos)
         if fields[0] != _CENTRAL_SIG:
-            raise FormatError(f"{uri}: damaged zip directory")
+            raise _damaged(label, "bad entry signature")
         comp, uncomp, name_len, extra_len, comment_len, local_offset = (fields[8], fields[9], fields[10],
                                                                        fields[11], fields[12], fields[16])
         name = directory[pos + 46: pos + 46 + name_len].decode("utf-8", "replace")
         extra = directory[pos + 46 + name_len: pos + 46 + name_len + extra_len]
         comp, uncomp, local_offset = _zip64_sizes(extra, comp, uncomp, local_offset)
-        local = reader.read(uri, base + local_offset, _LOCAL.size)
-        lf = _LOCAL.unpack(local)
-        data_offset = base + local_offset + _LOCAL.size + lf[9] + lf[10]
+        if fields[4] != 0 or comp != uncomp:
+            raise FormatError(f"{label}: zip member {name!r} is compressed (or its sizes disagree); torch.save "
+                              "archives store members uncompressed, so the file was re-packed or is damaged")
+        if local_offset is None or local_offset + _LOCAL.size > length:
+            raise _damaged(label, f"member {name!r} starts outside the archive")
+        data_offset = _local_data_offset(reader, uri, base, local_offset, length, name,
+                                         directory[pos + 46: pos + 46 + name_len], label)
         members.append(Member(name, data_offset, comp))
+        starts.append(base + local_offset)
         pos += 46 + name_len + extra_len + comment_len
+    # each member's data must end where the next header (or the directory) starts, but for a data descriptor
+    # that repeats its size: a shifted start (a damaged length field) cannot pass
+    bounds = sorted([*starts, base + cd_offset])
+    for member in members:
+        end = member.data_offset + member.size
+        nxt = next((b for b in bounds if b >= member.data_offset), base + cd_offset)
+        if end > nxt or (nxt > end and not _is_descriptor(reader.read(uri, end, min(nxt - end, 24)), nxt - end,
+                                                           member.size)):
+            raise _damaged(label, f"member {member.name!r} does not end where the next entry starts")
     return members
+
+
+def _is_descriptor(data: bytes, gap: int, size: int) -> bool:
+    """True when the `gap` bytes after a member are its data descriptor (crc, sizes), with or without signature."""
+    body = data[4:] if data[:4] == b"PK\x07\x08" else data
+    if len(data) != gap or len(body) not in (12, 20):
+        return False
+    return struct.unpack_from("<I" if len(body) == 12 else "<Q", body, 4)[0] == size
+
+
+def _local_data_offset(reader: RangeReader, uri: str, base: int, local_offset: int, length: int, name: str,
+                       central_name: bytes, label: str) -> int:
+    """Where a member's data starts, from its local header, which must agree with the directory: same name, an
+    extra field made of whole records (a flipped length would shift the data silently)."""
+    lf = _LOCAL.unpack(reader.read(uri, base + local_offset, _LOCAL.size))
+    name_len, extra_len = lf[9], lf[10]
+    if lf[0] != _LOCAL_SIG or local_offset + _LOCAL.size + name_len + extra_len > length:
+        raise _damaged(label, f"member {name!r} has no local header")
+    rest = reader.read(uri, base + local_offset + _LOCAL.size, name_len + extra_len)
+    if rest[:name_len] != central_name:
+        raise _damaged(label, f"member {name!r} is named differently in its local header")
+    extra, at = rest[name_len:], 0
+    while at + 4 <= len(extra):
+        at += 4 + struct.unpack_from("<H", extra, at + 2)[0]
+    if at != len(extra):
+        raise _damaged(label, f"member {name!r} has a malformed extra field")
+    return base + local_offset + _LOCAL.size + name_len + extra_len
+
+
+def storage_range(label: str, name: str, ref: unpickle.TensorRef, member: Member, uri: str) -> ByteRange:
+    """The bytes of tensor `ref` inside its storage `member`, refused when they reach outside it."""
+    item = dtypes.itemsize(ref.dtype)
+    n = dtypes.numel(counts(ref.shape, label, f"shape of {name!r}"))
+    offset = count(ref.offset, label, f"storage offset of {name!r}")
+    if len(ref.stride) != len(ref.shape) or any(st < 0 for st in ref.stride):
+        raise FormatError(f"{label}: tensor {name!r} has strides {short(ref.stride)} for shape "
+                          f"{list(ref.shape)}; the file is damaged")
+    contiguous = ref.is_contiguous()
+    span = n if contiguous else (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride)) if n else 0)
+    start = member.data_offset + offset * item
+    if start + span * item > member.data_offset + member.size:
+        raise FormatError(f"{label}: tensor {name!r} reaches past its storage; the file is damaged")
+    return ByteRange(uri, start, span * item, None if contiguous else ref.stride)
 
 
 def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | None = None,
@@ -139,17 +216,22 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
     """
     label = label or uri
     if length is None:
-        from .storage import size
-
-        length = size(uri) - offset
+        length = reader.file_size(uri) - offset
     head = reader.read(uri, offset, min(length, _HEAD_READ))
     members, complete = _walk_local_headers(head, offset, length) if single_storage else ([], False)
     if not complete:
-        members = _central_members(reader, uri, offset, length)
+        members = _central_members(reader, uri, offset, length, label)
+    for member in members:
+        if member.data_offset + member.size > offset + length:
+            raise FormatError(f"{label}: zip member {member.name!r} reaches past the end of the archive; the file is "
+                              "truncated or damaged")
     by_name = {m.name: m for m in members}
     pkl = next((m for m in members if m.name.endswith("data.pkl")), None)
     if pkl is None:
         raise FormatError(f"{label}: not a torch.save archive (no data.pkl)")
+    if pkl.size > max_metadata_bytes():
+        raise FormatError(f"{label}: data.pkl is {pkl.size} bytes, more than the limit for metadata; the file is "
+                          "damaged (if it is genuine, raise CKPT_MAX_METADATA_BYTES)")
     rel = pkl.data_offset - offset
     pkl_bytes = head[rel: rel + pkl.size] if rel + pkl.size <= len(head) else reader.read(
         uri, pkl.data_offset, pkl.size)

@@ -48,6 +48,11 @@ class Samples:
         return self.group(key, (layout,), **kwargs)[layout]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-long", action="store_true", help="tests/test_fuzz.py: thousands of mutations per reader")
+    parser.addoption("--fuzz-seed", type=int, default=0, help="tests/test_fuzz.py: first mutation number")
+
+
 @pytest.fixture(scope="session")
 def samples(tmp_path_factory: pytest.TempPathFactory) -> Samples:
     return Samples(tmp_path_factory.mktemp("samples"))

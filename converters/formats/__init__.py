@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 from .. import storage
 from ..errors import FormatError, OptionError, SourceError
@@ -102,6 +102,26 @@ def detect(uri: str) -> str:
                       "point at the checkpoint folder")
 
 
+def read_json(uri: str) -> Any:
+    """A JSON metadata file (size-capped), or a FormatError naming it."""
+    try:
+        return json.loads(storage.read_all(uri))
+    except (ValueError, RecursionError):
+        raise FormatError(f"{uri}: not valid JSON; the file is damaged (re-copy or re-export it)") from None
+
+
+def index_files(uri: str) -> list[str]:
+    """The data files an HF index (`*.index.json`) names in its `weight_map`, each confined to its folder."""
+    doc = read_json(uri)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise FormatError(f"{uri}: weight_map must be a JSON object of tensor name -> file name; the index is "
+                          "damaged")
+    base = storage.parent(uri)
+    return [storage.member(base, name, f"{uri} (weight_map)") for name in sorted(set(weight_map.values()))]
+
+
 def open_reader(uri: str, fmt: str | None = None, reader: storage.RangeReader | None = None) -> Reader:
     name = fmt or detect(uri)
     return reader_class(name)(uri, reader or storage.RangeReader())
@@ -117,9 +137,14 @@ def check_complete(uri: str) -> None:
             raise SourceError(f"{uri}: incomplete output (an upload started but never finished: no "
                               "ckpt-manifest.json); re-run the job that writes it")
         return
-    manifest = json.loads(storage.read_all(storage.join(uri, "ckpt-manifest.json")))
-    for name, info in manifest.get("files", {}).items():
-        path = storage.join(uri, name)
+    where = storage.join(uri, "ckpt-manifest.json")
+    manifest = read_json(where)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise FormatError(f"{where}: files must be a JSON object of file name -> {{bytes, crc32}}; the manifest is "
+                          "damaged")
+    for name, info in files.items():
+        path = storage.member(uri, name, f"{where} (files)")
         if not storage.exists(path) or storage.size(path) != info.get("bytes"):
             raise SourceError(f"{path}: missing or not the size ckpt-manifest.json records; the output is damaged, "
                               "re-run the job that wrote it")
@@ -131,7 +156,13 @@ def load_index(uri: str, fmt: str | None = None, locate: bool = True,
     uri = uri.rstrip("/") if len(uri) > 1 else uri
     if complete:
         check_complete(uri)
-    index = open_reader(uri, fmt, reader).index(locate=locate)
+    own = reader is None
+    reader = reader or storage.RangeReader()
+    try:
+        index = open_reader(uri, fmt, reader).index(locate=locate)
+    finally:
+        if own:  # the index holds byte ranges, not descriptors: close what reading it opened
+            reader.close()
     if not index.tensors and not index.objects:
         raise FormatError(f"{uri}: the checkpoint holds no entries")
     return index

@@ -5,6 +5,7 @@ optionally, `optimizer_0/`: one index over both DCP folders (their keys are alre
 from __future__ import annotations
 
 from .. import storage
+from ..errors import FormatError
 from ..index import CheckpointIndex
 from .dcp import DcpReader
 
@@ -18,7 +19,9 @@ class AccelerateReader:
 
     def index(self, locate: bool = True) -> CheckpointIndex:
         names = storage.listdir(self.uri)
-        model = next(n for n in names if n.startswith("pytorch_model_fsdp_"))
+        model = next((n for n in names if n.startswith("pytorch_model_fsdp_")), None)
+        if model is None:
+            raise FormatError(f"{self.uri}: no pytorch_model_fsdp_N folder, so this is not an Accelerate checkpoint")
         index = DcpReader(storage.join(self.uri, model), self.reader).index(locate)
         index.uri, index.format, index.producer = self.uri, self.format, "Accelerate"
         index.files = [f"{model}/{f}" for f in index.files]

@@ -6,18 +6,14 @@ import re
 from typing import Any
 
 from .. import dtypes, storage
-from ..errors import FormatError, SourceError
-from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling
-from ..torchzip import read_archive
-from ..unpickle import Stub, loads
+from ..errors import CkptError, FormatError
+from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry, check_tiling, count, counts, short
+from ..torchzip import read_archive, storage_range
+from ..unpickle import Stub, TensorRef, loads
 
 METADATA = ".metadata"
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 _ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
-
-
-def _tuple(value: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
 
 
 def _producer(uri: str, names: list[str]) -> str:
@@ -31,15 +27,30 @@ def _producer(uri: str, names: list[str]) -> str:
     return "torch.distributed.checkpoint"
 
 
+def _stub(value: Any, kind: str, where: str) -> Stub:
+    if not (isinstance(value, Stub) and value.qualname.endswith(kind)):
+        raise FormatError(f"{where}: expected a {kind}, found {short(value)}; the metadata is damaged")
+    return value
+
+
+def _dict(value: Any, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: expected a dict, found {type(value).__name__}; the metadata is damaged")
+    return value
+
+
 class DcpReader:
     format = "dcp"
 
     def __init__(self, uri: str, reader: storage.RangeReader) -> None:
         self.uri = uri
         self.reader = reader
+        self.where = storage.join(uri, METADATA)
 
     def metadata(self) -> Any:
-        path = storage.join(self.uri, METADATA)
+        path = self.where
         if not storage.exists(path):
             raise FormatError(f"{self.uri}: no {METADATA} file, so this is not a DCP checkpoint folder")
         md = loads(storage.read_all(path), path)
@@ -48,39 +59,59 @@ class DcpReader:
                               "point at the checkpoint folder written by torch.distributed.checkpoint")
         return md
 
+    def _storage_data(self, md: Stub) -> dict[tuple[str, tuple[int, ...] | None], Stub]:
+        by_key: dict[tuple[str, tuple[int, ...] | None], Stub] = {}
+        for mi, info in _dict(md.get("storage_data"), f"{self.where} (storage_data)").items():
+            mi = _stub(mi, "MetadataIndex", f"{self.where} (storage_data)")
+            fqn = mi.get("fqn")
+            if not isinstance(fqn, str):
+                raise FormatError(f"{self.where}: storage entry name {short(fqn)} is not a string; the metadata is "
+                                  "damaged")
+            where = f"{self.where} (storage entry for {fqn!r})"
+            offset = mi.get("offset")
+            key = (fqn, None if offset is None else counts(offset, where, "offset"))
+            by_key[key] = _stub(info, "_StorageInfo", where)
+        return by_key
+
     def index(self, locate: bool = True) -> CheckpointIndex:
         md = self.metadata()
-        sd_meta: dict[str, Stub] = md.get("state_dict_metadata") or {}
-        storage_data: dict[Any, Stub] = md.get("storage_data") or {}
-        by_key: dict[tuple[str, tuple[int, ...] | None], Stub] = {}
-        for mi, info in storage_data.items():
-            offset = mi.get("offset")
-            by_key[(mi.get("fqn"), None if offset is None else _tuple(offset))] = info
-        files = sorted({info.get("relative_path") for info in storage_data.values()})
-        sizes = self._file_sizes(files) if locate else {}
+        sd_meta = _dict(md.get("state_dict_metadata"), f"{self.where} (state_dict_metadata)")
+        by_key = self._storage_data(md)
+        files = sorted({self._rel(info) for info in by_key.values()})
+        sizes = self._file_sizes(files, missing_ok=not locate)
         ranks = {int(m.group(1)) for f in files if (m := _RANK_FILE.search(f))}
         index = CheckpointIndex(uri=self.uri, format=self.format, world_size=(max(ranks) + 1) if ranks else None,
                                 files=[METADATA, *files])
+        missing = sorted(set(files) - set(sizes))
+        if missing:
+            index.notes.append("data files named in .metadata are missing: " + ", ".join(missing[:5]))
         for name, meta in sd_meta.items():
-            if meta.qualname.endswith("BytesStorageMetadata"):
+            if not isinstance(name, str):
+                raise FormatError(f"{self.where}: entry name {short(name)} is not a string; the metadata is damaged")
+            where = f"{self.where} ({name!r})"
+            if isinstance(meta, Stub) and meta.qualname.endswith("BytesStorageMetadata"):
                 info = by_key.get((name, None))
                 if info is None:
-                    raise FormatError(f"{self.uri}/{METADATA}: no storage entry for {name!r}; metadata is damaged")
-                index.objects[name] = ObjectEntry(name, data=self._record(info, sizes, name, locate))
+                    raise FormatError(f"{self.where}: no storage entry for {name!r}; metadata is damaged")
+                index.objects[name] = ObjectEntry(name, data=self._record(info, sizes, name))
                 continue
-            props = meta.get("properties")
-            dtype_name = props.state[0] if isinstance(props.state, tuple) else props.get("dtype")
-            entry = TensorEntry(name, dtypes.canonical(str(dtype_name)), _tuple(meta.get("size")), [])
-            for chunk_meta in meta.get("chunks"):
-                offsets, sizes_ = _tuple(chunk_meta.get("offsets")), _tuple(chunk_meta.get("sizes"))
+            meta = _stub(meta, "TensorStorageMetadata", where)
+            entry = TensorEntry(name, self._dtype(meta, where), counts(meta.get("size"), where, "size"), [])
+            chunk_list = meta.get("chunks")
+            if not isinstance(chunk_list, list | tuple):
+                raise FormatError(f"{where}: chunks is {short(chunk_list)}, expected a list; the metadata is damaged")
+            for chunk_meta in chunk_list:
+                chunk_meta = _stub(chunk_meta, "ChunkStorageMetadata", where)
+                offsets = counts(chunk_meta.get("offsets"), where, "chunk offsets")
+                sizes_ = counts(chunk_meta.get("sizes"), where, "chunk sizes")
                 info = by_key.get((name, offsets))
                 if info is None:
-                    raise FormatError(f"{self.uri}/{METADATA}: no storage entry for chunk {offsets} of "
+                    raise FormatError(f"{self.where}: no storage entry for chunk {offsets} of "
                                       f"{name!r}; metadata is damaged")
-                record = self._record(info, sizes, name, locate)
+                record = self._record(info, sizes, name)
                 data = self._locate(record, entry, sizes_) if locate else record
                 entry.chunks.append(Chunk(offsets, sizes_, data))
-            check_tiling(entry, f"{self.uri}/{METADATA}")
+            check_tiling(entry, self.where)
             index.tensors[name] = entry
         planner_data = md.get("planner_data")
         if isinstance(planner_data, dict):
@@ -91,26 +122,45 @@ class DcpReader:
         index.producer = _producer(self.uri, index.names())
         return index
 
-    def _file_sizes(self, files: list[str]) -> dict[str, int]:
+    @staticmethod
+    def _dtype(meta: Stub, where: str) -> str:
+        props = meta.get("properties")
+        if not isinstance(props, Stub):
+            raise FormatError(f"{where}: tensor properties are {short(props)}; the metadata is damaged")
+        state = props.state
+        dtype_name = state[0] if isinstance(state, tuple) and state else props.get("dtype")
+        try:
+            return dtypes.canonical(str(dtype_name))
+        except CkptError:
+            raise FormatError(f"{where}: unknown dtype {short(dtype_name)}; the metadata is damaged") from None
+
+    def _file_sizes(self, files: list[str], missing_ok: bool) -> dict[str, int]:
         sizes = {}
         for rel in files:
             path = storage.join(self.uri, rel)
-            try:
-                sizes[rel] = storage.size(path)
-            except (FileNotFoundError, OSError):
-                raise SourceError(f"{path}: data file named in {METADATA} is missing; the checkpoint is "
-                                  "incomplete (re-copy or re-upload it)") from None
+            if missing_ok and not storage.lexists(path):
+                continue
+            sizes[rel] = storage.size(path, f"data file named in {METADATA} is missing; the checkpoint is "
+                                            "incomplete (re-copy or re-upload it)")
         return sizes
 
-    def _record(self, info: Stub, sizes: dict[str, int], name: str, locate: bool) -> ByteRange:
+    def _rel(self, info: Stub) -> str:
+        """The data file a storage entry names, refused when the name leaves the checkpoint folder."""
         rel = info.get("relative_path")
-        offset, length = int(info.get("offset")), int(info.get("length"))
+        storage.member(self.uri, rel, self.where)
+        return rel
+
+    def _record(self, info: Stub, sizes: dict[str, int], name: str) -> ByteRange:
+        where = f"{self.where} (storage entry for {name!r})"
+        rel = self._rel(info)
+        offset = count(info.get("offset"), where, "offset")
+        length = count(info.get("length"), where, "length")
         if info.get("transform_descriptors"):
             raise FormatError(f"{self.uri}/{rel}: {name!r} is stored with transforms "
-                              f"{info.get('transform_descriptors')} (e.g. compression), which this tool cannot "
-                              "read; re-save the checkpoint without storage transforms")
-        if locate and offset + length > sizes[rel]:
-            raise SourceError(f"{storage.join(self.uri, rel)}: file is {sizes[rel]} bytes but {METADATA} places "
+                              f"{short(info.get('transform_descriptors'))} (e.g. compression), which this tool "
+                              "cannot read; re-save the checkpoint without storage transforms")
+        if rel in sizes and offset + length > sizes[rel]:
+            raise FormatError(f"{storage.join(self.uri, rel)}: file is {sizes[rel]} bytes but {METADATA} places "
                               f"{name!r} at bytes {offset}..{offset + length}; the file is truncated "
                               "(re-copy or re-upload it)")
         return ByteRange(storage.join(self.uri, rel), offset, length)
@@ -120,15 +170,10 @@ class DcpReader:
         archive = read_archive(self.reader, record.uri, record.offset, record.length, label=label,
                                single_storage=True)
         ref = archive.obj
-        if not hasattr(ref, "storage"):
+        if not isinstance(ref, TensorRef):
             raise FormatError(f"{label}: record for {entry.name!r} holds no tensor")
         if ref.shape != sizes or ref.dtype != entry.dtype:
             raise FormatError(f"{label}: record for {entry.name!r} is {ref.dtype}{list(ref.shape)}, metadata says "
                               f"{entry.dtype}{list(sizes)}; the checkpoint is damaged")
         member = archive.storage(ref.storage.key)
-        item = dtypes.itemsize(ref.dtype)
-        start = member.data_offset + ref.offset * item
-        if ref.is_contiguous():
-            return ByteRange(record.uri, start, dtypes.numel(sizes) * item)
-        span = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride)) if dtypes.numel(sizes) else 0
-        return ByteRange(record.uri, start, span * item, ref.stride)
+        return storage_range(label, entry.name, ref, member, record.uri)

@@ -6,14 +6,14 @@ byte ranges of their storages, so tied weights (two names, one storage) stay two
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from .. import dtypes, storage
+from .. import storage
 from ..errors import FormatError
-from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry
-from ..torchzip import Archive, read_archive
+from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
+from ..torchzip import Archive, read_archive, storage_range
 from ..unpickle import TensorRef
+from . import index_files
 
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 
@@ -57,17 +57,7 @@ def _structured_lists(obj: Any) -> set[int]:
 
 
 def tensor_entry(name: str, ref: TensorRef, archive: Archive) -> TensorEntry:
-    member = archive.storage(ref.storage.key)
-    item = dtypes.itemsize(ref.dtype)
-    start = member.data_offset + ref.offset * item
-    n = dtypes.numel(ref.shape)
-    if ref.is_contiguous():
-        data = ByteRange(archive.uri, start, n * item)
-    else:
-        span = 1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride)) if n else 0
-        data = ByteRange(archive.uri, start, span * item, ref.stride)
-    if start + data.length > member.data_offset + member.size:
-        raise FormatError(f"{archive.uri}: tensor {name!r} reaches past its storage; the file is damaged")
+    data = storage_range(archive.uri, name, ref, archive.storage(ref.storage.key), archive.uri)
     return TensorEntry(name, ref.dtype, ref.shape, [Chunk((0,) * len(ref.shape), ref.shape, data)])
 
 
@@ -81,8 +71,7 @@ def torch_files(uri: str) -> list[str]:
             raise FormatError(f"{uri}: expected one torch.save file, found {len(found)}; point at the file")
         return found
     if uri.endswith(".json"):
-        weight_map = json.loads(storage.read_all(uri)).get("weight_map", {})
-        return [storage.join(storage.parent(uri), n) for n in sorted(set(weight_map.values()))]
+        return index_files(uri)
     return [uri]
 
 
