@@ -72,8 +72,8 @@ def get_tags(checkpoint_id: Id, request: Request, _: Reader) -> Tags:
     return Tags(checkpoint_id=checkpoint_id, tags=request.app.state.service.registry.get(checkpoint_id).tags)
 
 
-@router.post("/checkpoints/{checkpoint_id}/tags", response_model=Tags, responses=errors(400, 413, 401, 403, 404, 422, 503),
-             summary="Set or remove tags")
+@router.post("/checkpoints/{checkpoint_id}/tags", response_model=Tags,
+             responses=errors(400, 413, 401, 403, 404, 422, 503), summary="Set or remove tags")
 def set_tags(checkpoint_id: Id, body: TagUpdate, request: Request, _: Writer) -> Tags:
     """`key=value` tags replace the tag with the same key; `pin` protects a checkpoint from GC."""
     return Tags(checkpoint_id=checkpoint_id,
@@ -99,8 +99,8 @@ def get_alias(namespace: Id, name: Id, request: Request, _: Reader) -> ManagedVi
     return catalog.managed(catalog.resolve(namespace, name))
 
 
-@router.put("/aliases/{namespace}/{name}", response_model=ManagedView, responses=errors(400, 413, 401, 403, 404, 422, 503),
-            summary="Point an alias at a checkpoint")
+@router.put("/aliases/{namespace}/{name}", response_model=ManagedView,
+            responses=errors(400, 413, 401, 403, 404, 422, 503), summary="Point an alias at a checkpoint")
 def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, principal: Writer) -> ManagedView:
     """Moves the alias atomically (its history keeps every move)."""
     return request.app.state.service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name)
@@ -142,8 +142,8 @@ def list_policies(request: Request, _: Reader) -> list[PolicyView]:
     return _retention(request).policies()
 
 
-@router.post("/policies", status_code=201, response_model=PolicyView, responses=errors(400, 413, 401, 403, 409, 422, 503),
-             summary="Add a retention policy (admin)")
+@router.post("/policies", status_code=201, response_model=PolicyView,
+             responses=errors(400, 413, 401, 403, 409, 422, 503), summary="Add a retention policy (admin)")
 def add_policy(body: PolicySpec, request: Request) -> PolicyView:
     return _retention(request).add_policy(body, _admin(request).name)
 

@@ -1,0 +1,134 @@
+"""Runs, tags, aliases and retention planning through the service library (real SQLite store, real DCP
+checkpoints on disk); the end-to-end flow against a live server is in test_manage.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckpt_service.auth import Principal
+from ckpt_service.catalog import compile_pattern
+from ckpt_service.errors import InvalidRequest, NotFound
+from ckpt_service.jobs import JobSpec
+from ckpt_service.registry import RegisterRequest
+from ckpt_service.retention import PolicySpec, Retention
+from ckpt_service.service import CkptService
+from ckpt_service.settings import Settings
+
+ADMIN = Principal("tester", "admin")
+
+
+def save(folder: Path, seed: int) -> str:
+    torch.manual_seed(seed)
+    dcp.save({"w": torch.randn(8, 4), "step": torch.tensor(seed)}, checkpoint_id=str(folder))
+    return str(folder)
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> CkptService:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "frozen").mkdir()
+    settings = Settings(data_dir=tmp_path / "data", read_roots=[str(tmp_path / "runs"), str(tmp_path / "frozen")],
+                        write_roots=[str(tmp_path / "runs")], allow_anonymous=True)
+    settings.prepare()
+    return CkptService(settings)
+
+
+def register(svc: CkptService, uri: str, **metadata: object) -> str:
+    return svc.register(RegisterRequest(uri=uri, metadata=metadata)).id  # type: ignore[arg-type]
+
+
+def test_run_pattern_reads_run_and_step_from_the_path() -> None:
+    default = compile_pattern("{run}/step_{step}")
+    assert default.search("/d/runs/r-1/step_0020")["run"] == "r-1"  # type: ignore[index]
+    assert int(default.search("/d/runs/r-1/step_0020")["step"]) == 20  # type: ignore[index]
+    assert default.search("/d/runs/r-1/other") is None
+    custom = compile_pattern("{run}/checkpoints/ckpt-{step}.pt")
+    assert custom.search("/x/gpt/checkpoints/ckpt-7.pt").groupdict() == {"run": "gpt", "step": "7"}  # type: ignore[union-attr]
+    with pytest.raises(InvalidRequest, match=r"name \{run\} once"):
+        compile_pattern("step_{step}")
+
+
+def test_tags_aliases_history_and_alias_sources(svc: CkptService, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    a = register(svc, save(runs / "r1" / "step_10", 10))
+    b = register(svc, save(runs / "r1" / "step_20", 20))
+    c = register(svc, save(runs / "loose" / "ckpt", 3), run="r2", step=5)  # given at registration
+    cat = svc.catalog
+    assert [(m.run, m.step) for m in (cat.managed(a), cat.managed(b), cat.managed(c))] == [
+        ("r1", 10), ("r1", 20), ("r2", 5)]
+    assert cat.latest("r1").checkpoint.id == b and cat.resolve("r1", "latest") == b
+    assert [(r.run, r.checkpoints, r.latest_step) for r in cat.runs()] == [("r1", 2, 20), ("r2", 1, 5)]
+
+    assert cat.set_tags(a, {"owner": "alice", "pin": ""}, []) == ["owner=alice", "pin"]
+    assert cat.set_tags(a, {"owner": "bob"}, ["pin"]) == ["owner=bob"]
+    with pytest.raises(InvalidRequest, match=r"tags\.bad key"):
+        cat.set_tags(a, {"bad key": "x"}, [])
+
+    cat.set_alias(None, "prod", a, "alice")  # namespace: the checkpoint's run
+    moved = cat.set_alias(None, "prod", b, "bob")
+    assert moved.aliases == ["latest@r1", "prod@r1"]
+    assert [(h.checkpoint_id, h.previous_id, h.changed_by) for h in cat.history("r1", "prod")] == [
+        (a, None, "alice"), (b, a, "bob")]
+    with pytest.raises(InvalidRequest, match="alias"):
+        cat.set_alias(None, "no/slash", a, "x")
+
+    job, _ = svc.submit(JobSpec(kind="inspect", source="alias:r1/prod"), ADMIN)
+    assert job.spec.source == str(runs / "r1" / "step_20")  # resolved at submit time, then the roots checks
+    with pytest.raises(InvalidRequest, match="source: no alias missing@r1"):
+        svc.submit(JobSpec(kind="inspect", source="alias:r1/missing"), ADMIN)
+    cat.remove_alias("r1", "prod", "carol")
+    with pytest.raises(NotFound):
+        cat.resolve("r1", "prod")
+    assert cat.history("r1", "prod")[-1].checkpoint_id is None
+
+
+def test_retention_plan_keep_every_pins_outputs_and_roots(svc: CkptService, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    ids = {step: register(svc, save(runs / "r" / f"step_{step}", step)) for step in (10, 20, 30, 40, 50, 60)}
+    frozen = register(svc, save(tmp_path / "frozen" / "r" / "step_5", 5))  # readable, not writable
+    export = save(runs / "exports" / "r-10", 99)  # a job output derived from step 10
+    with svc.store.transaction() as conn:
+        svc.registry.record_output(conn, uri=export, summary={"format": "dcp"}, job_id="job_x",
+                                   source_uri=str(runs / "r" / "step_10"), source_summary=None)
+    svc.catalog.set_tags(ids[30], {"pin": "keep-me"}, [])
+    retention = Retention(svc)
+    retention.add_policy(PolicySpec(name="thin", run="r", applies_to="sources", keep_last=1, keep_every=20), "t")
+    plan = retention.plan()
+    assert [(p.step, p.policy) for p in plan] == [(50, "thin")]  # 10: its output stays; 30: pinned; 5: frozen
+    assert plan[0].reason.startswith("run r step 50: not kept by policy thin (keep_last 1, keep_every 20)")
+    assert plan[0].bytes == sum(f.stat().st_size for f in (runs / "r" / "step_50").iterdir())
+    assert frozen not in {p.checkpoint_id for p in plan}
+
+    retention.remove_policy("thin")
+    retention.add_policy(PolicySpec(name="thin", run="r", keep_last=1, keep_every=20,
+                                    delete_with_outputs=True), "t")
+    assert [p.step for p in retention.plan()] == [10, 50]
+    assert [p.step for p in retention.plan(now=time.time())] == [10, 50]
+    retention.add_policy(PolicySpec(name="young", run="r", keep_younger_than="1h"), "t")
+    assert retention.plan() == []  # every checkpoint is younger than an hour: a covering policy keeps it
+
+    with pytest.raises(ValueError, match="at least one of keep_last"):
+        PolicySpec(name="x", run="r")
+
+
+def test_interrupted_gc_finishes_on_the_next_run(svc: CkptService, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for step in (1, 2, 3):
+        register(svc, save(runs / "r" / f"step_{step}", step))
+    retention = Retention(svc)
+    retention.add_policy(PolicySpec(name="last1", run="r", keep_last=1), "t")
+    plan = retention.plan()
+    retention._mark(plan, "t")  # the registry side of a GC that was killed before removing files
+    assert (runs / "r" / "step_1").exists() and retention.plan() == []
+    assert [d.state for d in retention.deletions()] == ["pending", "pending"]
+    report = retention.run(dry_run=False, by="t")
+    assert report.plan == [] and len(report.deleted) == 2
+    assert sorted(p.name for p in (runs / "r").iterdir()) == ["step_3"]
+    assert sorted(d.uri for d in retention.deletions(state="done")) == [str(runs / "r" / "step_1"),
+                                                                       str(runs / "r" / "step_2")]
+    assert [m.step for m in svc.catalog.steps("r")] == [3]
