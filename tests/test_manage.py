@@ -158,3 +158,64 @@ def test_rule_exports_each_step_once_and_gc_keeps_last_two_and_pinned(env) -> No
 
 def tmp_tree(*tops: Path) -> list[Path]:
     return [p for top in tops for p in top.rglob("*")]
+
+
+def torch_step(folder: Path, step: int, truncate: bool = False) -> None:
+    """A `torch.save` checkpoint folder; with `truncate`, the archive is cut short (its writer still busy)."""
+    folder.mkdir(parents=True)
+    torch.manual_seed(step)
+    torch.save({"w": torch.randn(32, 16), "b": torch.randn(32)}, folder / "model.pt")
+    if truncate:
+        data = (folder / "model.pt").read_bytes()
+        (folder / "model.pt").write_bytes(data[: len(data) - 64])
+
+
+def test_notify_latest_only_pause_and_scopes(tmp_path: Path) -> None:
+    from tests.service_harness import Tokens
+
+    runs, exports = tmp_path / "runs", tmp_path / "exports"
+    runs.mkdir(), exports.mkdir()
+    tokens = Tokens.make()
+    server = make_server(tmp_path / "data", read_roots=[runs, exports], write_roots=[runs, exports], workers=1,
+                         tokens=tokens.entries, extra_env={"CKPT_DISCOVER_SECONDS": "0"}).start()  # pushes only
+    try:
+        with server.http(tokens.write) as http, server.http(tokens.read) as reader:
+            rule = {"name": "newest", "pattern": f"{runs}/*/step_*", "latest_only": True,
+                    "job": {"kind": "convert", "target": f"{exports}/{{run}}-{{step}}",
+                            "options": {"to": "safetensors"}}}
+            assert reader.post("/v1/rules", json=rule).status_code == 403
+            assert http.post("/v1/rules", json=rule).status_code == 201
+            outside = http.post("/v1/rules", json={**rule, "name": "o", "pattern": f"{tmp_path}/elsewhere/*"})
+            assert outside.status_code == 403 and outside.json()["error"]["type"] == "outside_storage_roots"
+
+            torch_step(runs / "r" / "step_1", 1, truncate=True)
+            half = http.post("/v1/notify", json={"uri": str(runs / "r" / "step_1")})
+            assert half.status_code == 409 and "model.pt" in half.json()["error"]["message"]
+            (runs / "r" / "step_1" / "model.pt").unlink()
+            torch.save({"w": torch.randn(32, 16), "b": torch.randn(32)}, runs / "r" / "step_1" / "model.pt")
+            first = http.post("/v1/notify", json={"uri": str(runs / "r" / "step_1")}).json()
+            assert (first["run"], first["step"], [t["state"] for t in first["triggers"]]) == ("r", 1, ["submitted"])
+
+            torch_step(runs / "r" / "step_3", 3)
+            torch_step(runs / "r" / "step_2", 2)
+            third = http.post("/v1/notify", json={"uri": str(runs / "r" / "step_3")}).json()
+            second = http.post("/v1/notify", json={"uri": str(runs / "r" / "step_2")}).json()
+            assert [t["state"] for t in third["triggers"]] == ["submitted"]
+            assert [t["state"] for t in second["triggers"]] == ["superseded"]  # step 3 came first
+
+            assert http.post("/v1/rules/newest/pause").json()["paused"] is True
+            torch_step(runs / "r" / "step_4", 4)
+            paused = http.post("/v1/notify", json={"uri": str(runs / "r" / "step_4")}).json()
+            assert (paused["step"], paused["triggers"]) == (4, [])  # registered, latest moved, no job
+            assert http.get("/v1/runs/r/latest").json()["step"] == 4
+
+            for job_id in (first["triggers"][0]["job_id"], third["triggers"][0]["job_id"]):
+                assert server.wait_job(job_id, ("succeeded", "failed"), token=tokens.read)["state"] == "succeeded"
+            assert sorted(p.name for p in exports.iterdir()) == ["r-1", "r-3"]
+
+            assert http.post("/v1/gc", json={"dry_run": False}).status_code == 403  # deleting data takes admin
+            assert http.post("/v1/gc", json={"dry_run": True}).json()["plan"] == []
+            policy = {"name": "p", "run": "r", "keep_last": 1}
+            assert http.post("/v1/policies", json=policy).status_code == 403
+    finally:
+        server.stop()
