@@ -96,10 +96,11 @@ class Catalog:
 
     def place(self, conn: sqlite3.Connection, checkpoint_id: str, run: str | None, step: int | None,
               by: str, rule_id: str | None = None) -> None:
-        """Inside a transaction: record the run and step of a checkpoint; move `latest@run` when it is newer."""
+        """Inside a transaction: record the run and step of a checkpoint (whose data exists now: a job may have
+        re-made an output GC deleted); move `latest@run` when it is newer."""
         conn.execute("INSERT INTO checkpoint_runs (checkpoint_id, run, step, rule_id) VALUES (?, ?, ?, ?) "
                      "ON CONFLICT (checkpoint_id) DO UPDATE SET run = excluded.run, step = excluded.step, "
-                     "rule_id = COALESCE(excluded.rule_id, checkpoint_runs.rule_id)",
+                     "rule_id = COALESCE(excluded.rule_id, checkpoint_runs.rule_id), deleted_at = NULL",
                      (checkpoint_id, run, step, rule_id))
         if run is None or step is None or rule_id is not None:
             return  # `latest` names a run's newest training checkpoint, not a rule's output

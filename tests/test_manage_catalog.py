@@ -132,3 +132,26 @@ def test_interrupted_gc_finishes_on_the_next_run(svc: CkptService, tmp_path: Pat
     assert sorted(d.uri for d in retention.deletions(state="done")) == [str(runs / "r" / "step_1"),
                                                                        str(runs / "r" / "step_2")]
     assert [m.step for m in svc.catalog.steps("r")] == [3]
+
+
+def test_scheduled_gc_runs_on_its_interval(svc: CkptService, tmp_path: Path) -> None:
+    from ckpt_service.rules import Rules, Scheduler
+
+    runs = tmp_path / "runs"
+    for step in (1, 2):
+        register(svc, save(runs / "r" / f"step_{step}", step))
+    retention = Retention(svc)
+    retention.add_policy(PolicySpec(name="last1", run="r", keep_last=1), "t")
+    scheduler = Scheduler(Rules(svc), retention, discover_seconds=0, gc_seconds=0.2)
+    started = time.monotonic()
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not retention.deletions(state="done") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        scheduler.stop()
+    assert time.monotonic() - started >= 0.2  # not before its first interval
+    assert [(d.uri, d.requested_by, d.policy) for d in retention.deletions()] == [
+        (str(runs / "r" / "step_1"), "scheduler", "last1")]
+    assert sorted(p.name for p in (runs / "r").iterdir()) == ["step_2"]
