@@ -89,11 +89,12 @@ V2_REGISTRY = [
 
 #: checkpoint management (catalog.py, retention.py, rules.py): runs and steps, aliases with history, retention
 #: policies and the deletion log, rules and the (rule, checkpoint) triggers that make each rule fire once.
+#: Steps and byte counts are BIGINT (past 2**31 on PostgreSQL); timestamps are epoch seconds like v1/v2's.
 V3_MANAGE = [
     """CREATE TABLE checkpoint_runs (
         checkpoint_id TEXT PRIMARY KEY REFERENCES checkpoints (id) ON DELETE CASCADE,
         run TEXT,
-        step INTEGER,
+        step BIGINT,
         rule_id TEXT,
         deleted_at REAL
     )""",
@@ -128,7 +129,7 @@ V3_MANAGE = [
         id TEXT PRIMARY KEY,
         checkpoint_id TEXT NOT NULL,
         uri TEXT NOT NULL,
-        bytes INTEGER NOT NULL,
+        bytes BIGINT NOT NULL,
         policy TEXT NOT NULL,
         reason TEXT NOT NULL,
         requested_by TEXT NOT NULL,
