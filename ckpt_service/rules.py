@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
@@ -153,10 +154,13 @@ class Rules:
         spec = spec.model_copy(update={"pattern": pattern + spec.pattern[len(fixed.rstrip("/")):]})
         probe = render(spec.job.target, "run", 1, "name")
         roots.check(probe, s.write_locations, field="job.target", purpose="write")
-        if roots.overlap(fixed, _fixed_part(spec.job.target)):
+        parts = probe.rstrip("/").split("/")
+        if (any(matches(spec.pattern, "/".join(parts[:i])) for i in range(1, len(parts) + 1))
+                or roots.parse(probe, resolve=False).contains(roots.parse(fixed, resolve=False))):
             raise InvalidRequest("job.target: outputs would land where the pattern looks; write them elsewhere",
                                  "job.target")
-        self.service.normalise(JobSpec(kind=spec.job.kind, source=fixed, target=probe,
+        example = re.sub(r"\[[^\]/]*\]|[*?]", "x", spec.pattern)  # a path the pattern would match
+        self.service.normalise(JobSpec(kind=spec.job.kind, source=example, target=probe,
                                        options=spec.job.options.model_copy(update={"overwrite": True})))
         rule_id, now = new_id("rule"), time.time()
         with self.store.transaction() as conn:

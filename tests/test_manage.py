@@ -127,6 +127,13 @@ def test_rule_exports_each_step_once_and_gc_keeps_last_two_and_pinned(env) -> No
     cli(server, "checkpoints", "tag", "latest@run-a", "owner=alice")
     step_1 = next(i for i, s in by_id.items() if s == 1)
     assert cli(server, "checkpoints", "tag", step_1, "pin", "--json")["tags"] == ["pin"]
+    assert "best@run-a -> " + step_1 in cli(server, "checkpoints", "alias", step_1, "best")
+    assert cli(server, "checkpoints", "show", "best@run-a", "--json")["id"] == step_1
+    assert "run run-a  step 1  aliases: best@run-a" in cli(server, "checkpoints", "show", "best@run-a")
+    assert [(a["name"], a["checkpoint_id"]) for a in cli(server, "aliases", "--run", "run-a", "--json")] == [
+        ("best", step_1), ("latest", latest["checkpoint"]["id"])]
+    missing = cli(server, "checkpoints", "show", "nope@run-a", check=False)
+    assert missing.returncode == 2 and "no alias nope@run-a" in missing.stderr
     shutil.copytree(dcp_checkpoint(staging, 0), readonly / "run-a" / "step_0")
     with server.client() as client:
         client.register(str(readonly / "run-a" / "step_0"))

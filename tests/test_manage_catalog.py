@@ -155,3 +155,32 @@ def test_scheduled_gc_runs_on_its_interval(svc: CkptService, tmp_path: Path) -> 
     assert [(d.uri, d.requested_by, d.policy) for d in retention.deletions()] == [
         (str(runs / "r" / "step_1"), "scheduler", "last1")]
     assert sorted(p.name for p in (runs / "r").iterdir()) == ["step_2"]
+
+
+def test_rules_refuse_targets_outside_roots_and_options_of_other_kinds(svc: CkptService, tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from ckpt_service.errors import OutsideRoots
+    from ckpt_service.rules import Rules, RuleSpec
+
+    rules, runs = Rules(svc), tmp_path / "runs"
+
+    def spec(target: str, pattern: str = f"{runs}/*/step_*", **options: object) -> RuleSpec:
+        return RuleSpec.model_validate({"name": "r", "pattern": pattern,
+                                        "job": {"kind": "export", "target": target, "options": options}})
+
+    with pytest.raises(OutsideRoots, match=r"job\.target: '\.\.' path segments"):
+        rules.add(spec(f"{runs}/out/{{run}}/../../x"), "t")
+    with pytest.raises(OutsideRoots, match=r"job\.target: .* outside the storage roots this server may write"):
+        rules.add(spec(f"{tmp_path}/frozen/{{run}}"), "t")
+    with pytest.raises(OutsideRoots, match=r"pattern: .* outside the storage roots"):
+        rules.add(spec(f"{runs}/out/{{run}}", pattern=f"{tmp_path}/elsewhere/*"), "t")
+    with pytest.raises(InvalidRequest, match=r"job\.target: outputs would land where the pattern looks"):
+        rules.add(spec(f"{runs}/{{run}}-export/{{step}}", pattern=f"{runs}/*"), "t")
+    with pytest.raises(InvalidRequest, match=r"options\.world_size: does not apply to export jobs"):
+        rules.add(spec(f"{runs}/out/{{run}}/{{step}}", world_size=8), "t")
+    with pytest.raises(ValidationError, match=r"job\.kind"):
+        RuleSpec.model_validate({"name": "r", "pattern": "/x/*", "job": {"kind": "verify", "target": "/y"}})
+    made = rules.add(spec(f"{runs}/out/{{run}}/{{step}}", dtype="bfloat16"), "t")
+    assert (made.spec.job.options.dtype, made.spec.job.options.model_fields_set) == ("bfloat16", {"dtype"})
+    assert rules.list()[0].spec.pattern == f"{runs}/*/step_*"
