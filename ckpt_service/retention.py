@@ -8,7 +8,8 @@ are ranked separately):
 
 - an alias or a `pin` tag (`pin` or `pin=…`) protects a checkpoint always;
 - a checkpoint with a derived output that stays is kept, unless the policy says `delete_with_outputs`;
-- a checkpoint a queued or running job reads or writes waits for the next run;
+- a checkpoint a queued or running job reads or writes, or that an active rule has yet to fire on, waits
+  for a later run;
 - nothing outside the write roots is ever planned (and `roots.check` runs again before each removal).
 
 GC plans first (what, which policy and why, bytes). Executing marks the plan's entries deleted in the
@@ -228,6 +229,17 @@ class Retention:
             return False
         return True
 
+    def _unconverted(self, uris: set[str]) -> set[str]:
+        """Those of `uris` that an active rule matches and has not fired on yet (its job is still to come)."""
+        from .rules import RuleSpec, matches
+
+        fired = {(r["rule_id"], r["uri"]) for r in self.store.query("SELECT rule_id, uri FROM rule_triggers")}
+        waiting = set()
+        for row in self.store.query("SELECT id, spec FROM rules WHERE paused = 0"):
+            pattern = RuleSpec.model_validate_json(row["spec"]).pattern
+            waiting |= {u for u in uris if matches(pattern, u) and (row["id"], u) not in fired}
+        return waiting
+
     def plan(self, now: float | None = None) -> list[PlanItem]:
         now = time.time() if now is None else now
         live = self._live()
@@ -249,6 +261,9 @@ class Retention:
             if (checkpoint_id in kept_by_some or checkpoint_id in aliased or pinned or c["uri"] in busy
                     or not self._writable(c["uri"])):
                 del doomed[checkpoint_id]
+        waiting = self._unconverted({c["uri"] for i, c in by_id.items() if i in doomed})
+        for checkpoint_id in [i for i in doomed if by_id[i]["uri"] in waiting]:
+            del doomed[checkpoint_id]
         children: dict[str, list[str]] = defaultdict(list)
         for row in self.store.query("SELECT child_id, parent_id FROM lineage"):
             children[row["parent_id"]].append(row["child_id"])

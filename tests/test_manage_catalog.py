@@ -184,3 +184,18 @@ def test_rules_refuse_targets_outside_roots_and_options_of_other_kinds(svc: Ckpt
     made = rules.add(spec(f"{runs}/out/{{run}}/{{step}}", dtype="bfloat16"), "t")
     assert (made.spec.job.options.dtype, made.spec.job.options.model_fields_set) == ("bfloat16", {"dtype"})
     assert rules.list()[0].spec.pattern == f"{runs}/*/step_*"
+
+
+def test_gc_waits_for_active_rules_to_fire(svc: CkptService, tmp_path: Path) -> None:
+    from ckpt_service.rules import Rules, RuleSpec
+
+    runs = tmp_path / "runs"
+    for step in (1, 2, 3):
+        register(svc, save(runs / "r" / f"step_{step}", step))
+    rules, retention = Rules(svc), Retention(svc)
+    retention.add_policy(PolicySpec(name="last1", run="r", keep_last=1), "t")
+    rules.add(RuleSpec.model_validate({"name": "ex", "pattern": f"{runs}/r/step_*",
+                                       "job": {"kind": "export", "target": f"{runs}/out/{{step}}"}}), "t")
+    assert retention.plan() == []  # the rule has not exported them yet
+    rules.pause("ex", True)
+    assert [p.step for p in retention.plan()] == [1, 2]
