@@ -134,6 +134,17 @@ class Settings(BaseSettings):
         CallbackPolicy.parse(value)
         return value
 
+    @field_validator("run_pattern", mode="after")
+    @classmethod
+    def _run_pattern(cls, value: str) -> str:
+        from .catalog import compile_pattern
+
+        try:
+            compile_pattern(value)
+        except ServiceError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
     @field_validator("tokens", mode="after")
     @classmethod
     def _tokens(cls, value: list[str]) -> list[str]:

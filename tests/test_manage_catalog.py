@@ -18,6 +18,7 @@ from ckpt_service.registry import RegisterRequest
 from ckpt_service.retention import PolicySpec, Retention
 from ckpt_service.service import CkptService
 from ckpt_service.settings import Settings
+from tests.conftest import ckptctl
 
 ADMIN = Principal("tester", "admin")
 
@@ -51,6 +52,12 @@ def test_run_pattern_reads_run_and_step_from_the_path() -> None:
     assert custom.search("/x/gpt/checkpoints/ckpt-7.pt").groupdict() == {"run": "gpt", "step": "7"}  # type: ignore[union-attr]
     with pytest.raises(InvalidRequest, match=r"name \{run\} once"):
         compile_pattern("step_{step}")
+    proc = ckptctl("serve", "--print-config", check=False)
+    assert proc.returncode == 0 and '"run_pattern": "{run}/step_{step}"' in proc.stdout
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CKPT_RUN_PATTERN", "ckpt-{step}")
+        bad = ckptctl("serve", "--print-config", check=False)
+    assert bad.returncode == 2 and "setting run_pattern: run_pattern: name {run} once" in bad.stderr
 
 
 def test_tags_aliases_history_and_alias_sources(svc: CkptService, tmp_path: Path) -> None:
