@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -94,7 +93,7 @@ class Catalog:
         step = match.groupdict().get("step")
         return match["run"], int(step) if step is not None else None
 
-    def place(self, conn: sqlite3.Connection, checkpoint_id: str, run: str | None, step: int | None,
+    def place(self, conn: Any, checkpoint_id: str, run: str | None, step: int | None,
               by: str, rule_id: str | None = None) -> None:
         """Inside a transaction: record the run and step of a checkpoint (whose data exists now: a job may have
         re-made an output GC deleted); move `latest@run` when it is newer."""
@@ -183,7 +182,7 @@ class Catalog:
 
     # -- aliases -----------------------------------------------------------------------------------
 
-    def _move(self, conn: sqlite3.Connection, namespace: str, name: str, checkpoint_id: str | None, by: str) -> None:
+    def _move(self, conn: Any, namespace: str, name: str, checkpoint_id: str | None, by: str) -> None:
         now = time.time()
         row = conn.execute("SELECT checkpoint_id FROM aliases WHERE namespace = ? AND name = ?",
                            (namespace, name)).fetchone()

@@ -142,7 +142,8 @@ class Registry:
     def list(self, name: str | None = None, tag: str | None = None, format: str | None = None, limit: int = 50,
              after: str | None = None) -> tuple[list[CheckpointView], str | None]:
         """Ordered by id; returns (page, id to pass as `after` for the next page, or None)."""
-        where, params = ["1 = 1"], []
+        where: list[str] = ["id NOT IN (SELECT checkpoint_id FROM checkpoint_runs WHERE deleted_at IS NOT NULL)"]
+        params: list[Any] = []  # ^ garbage-collected entries stay (for lineage) but are not listed
         if name is not None:
             where.append("name = ?")
             params.append(name)

@@ -160,6 +160,8 @@ def test_rule_exports_each_step_once_and_gc_keeps_last_two_and_pinned(env) -> No
     assert {(d["state"], d["policy"], d["requested_by"]) for d in log} == {("done", "keep2", "anonymous")}
     assert sum(d["bytes"] for d in log) == done["bytes"] > 0
     assert cli(server, "gc", "--dry-run", "--json")["plan"] == []  # re-running finds nothing more
+    listed = {c["uri"] for c in cli(server, "checkpoints", "list", "--json")["items"]}
+    assert listed.isdisjoint(expected) and str(run / "step_1") in listed
     assert [m["step"] for m in cli(server, "runs", "show", "run-a", "--json") if m["rule_id"] is None] == [0, 1, 3, 4]
 
 
