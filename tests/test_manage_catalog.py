@@ -206,3 +206,33 @@ def test_gc_waits_for_active_rules_to_fire(svc: CkptService, tmp_path: Path) -> 
     assert retention.plan() == []  # the rule has not exported them yet
     rules.pause("ex", True)
     assert [p.step for p in retention.plan()] == [1, 2]
+
+
+def test_two_replicas_scanning_together_fire_each_checkpoint_once(svc: CkptService, tmp_path: Path) -> None:
+    import threading
+
+    from ckpt_service.rules import Rules, RuleSpec
+    from ckpt_service.store import JobStore
+
+    runs = tmp_path / "runs"
+    for step in range(1, 7):
+        save(runs / "r" / f"step_{step}", step)
+    Rules(svc).add(RuleSpec.model_validate({"name": "ex", "pattern": f"{runs}/r/step_*", "max_concurrent": 10,
+                                            "job": {"kind": "export", "target": f"{runs}/out/{{step}}"}}), "t")
+    replicas = [Rules(CkptService(svc.settings, JobStore(svc.settings.db_path))) for _ in range(2)]
+    barrier, counts = threading.Barrier(2), []
+
+    def scan(rules: Rules) -> None:
+        barrier.wait()
+        counts.append(rules.scan())
+
+    threads = [threading.Thread(target=scan, args=(r,)) for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    jobs, _ = svc.store.list_jobs(kind="export", limit=100)
+    assert sum(counts) == len(jobs) == 6
+    assert sorted(j.spec["source"] for j in jobs) == [str(runs / "r" / f"step_{n}") for n in range(1, 7)]
+    assert Rules(svc).scan() == 0  # and again later: nothing new
+    assert [c.step for c in svc.catalog.steps("r")] == [1, 2, 3, 4, 5, 6]
