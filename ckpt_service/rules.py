@@ -97,6 +97,11 @@ class NotifyResult(BaseModel):
     triggers: list[TriggerView]
 
 
+def trigger_key(rule_id: str, uri: str) -> str:
+    """The idempotency key of the job a rule submits for a checkpoint (the same on every replica and retry)."""
+    return "rule-" + hashlib.sha256(f"{rule_id}\n{uri}".encode()).hexdigest()[:40]
+
+
 def render(template: str, run: str | None, step: int | None, uri: str) -> str:
     for key, value in (("{run}", run), ("{step}", step)):
         if key in template and value is None:
@@ -149,7 +154,7 @@ class Rules:
 
     def add(self, spec: RuleSpec, by: str) -> RuleView:
         s = self.service.settings
-        fixed = "/".join(p for p in _fixed_part(spec.pattern).split("/"))
+        fixed = _fixed_part(spec.pattern)
         pattern = roots.check(fixed, s.read_locations, field="pattern", purpose="read").rstrip("/")
         spec = spec.model_copy(update={"pattern": pattern + spec.pattern[len(fixed.rstrip("/")):]})
         probe = render(spec.job.target, "run", 1, "name")
@@ -335,8 +340,8 @@ class Rules:
             if spec.skip_existing and storage.exists(target):
                 return "skipped", None, f"target {target} exists"
             job = JobSpec(kind=spec.job.kind, source=uri, target=target, options=spec.job.options)
-            key = "rule-" + hashlib.sha256(f"{rule_id}\n{uri}".encode()).hexdigest()[:40]
-            view, _ = self.service.submit(job, Principal(f"rule:{spec.name}", "write"), idempotency_key=key)
+            view, _ = self.service.submit(job, Principal(f"rule:{spec.name}", "write"),
+                                          idempotency_key=trigger_key(rule_id, uri))
         except (ServiceError, CkptError, OSError) as exc:
             return "failed", None, str(exc)[:500]
         return "submitted", view.id, None

@@ -236,3 +236,24 @@ def test_two_replicas_scanning_together_fire_each_checkpoint_once(svc: CkptServi
     assert sorted(j.spec["source"] for j in jobs) == [str(runs / "r" / f"step_{n}") for n in range(1, 7)]
     assert Rules(svc).scan() == 0  # and again later: nothing new
     assert [c.step for c in svc.catalog.steps("r")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_claim_left_by_a_crash_is_finished_without_a_second_job(svc: CkptService, tmp_path: Path) -> None:
+    from ckpt_service.rules import STALE_CLAIM_SECONDS, Rules, RuleSpec, complete, trigger_key
+
+    runs = tmp_path / "runs"
+    source = save(runs / "r" / "step_1", 1)
+    rules = Rules(svc)
+    rule = rules.add(RuleSpec.model_validate({"name": "ex", "pattern": f"{runs}/r/step_*",
+                                              "job": {"kind": "export", "target": f"{runs}/out/{{step}}"}}), "t")
+    checkpoint_id, _, _ = rules._registered(source, complete, "t")  # type: ignore[misc]
+    claimed_at = time.time() - STALE_CLAIM_SECONDS - 1
+    with svc.store.transaction() as conn:  # the crash came after the claim and after the job was queued
+        conn.execute("INSERT INTO rule_triggers (rule_id, uri, checkpoint_id, state, claimed_at) "
+                     "VALUES (?, ?, ?, 'claimed', ?)", (rule.id, source, checkpoint_id, claimed_at))
+    queued, _ = svc.submit(JobSpec(kind="export", source=source, target=str(runs / "out" / "1")),
+                           Principal("rule:ex", "write"), idempotency_key=trigger_key(rule.id, source))
+    assert rules.scan() == 1
+    [trigger] = rules.triggers("ex")
+    assert (trigger.state, trigger.job_id) == ("submitted", queued.id)
+    assert [j.id for j in svc.store.list_jobs(kind="export")[0]] == [queued.id]
