@@ -61,7 +61,8 @@ def env(tmp_path: Path):
 
 
 def triggers(server: Server, rule: str) -> dict[str, dict]:
-    return {Path(t["uri"]).name: t for t in cli(server, "rules", "triggers", rule, "--json")}
+    with server.http() as http:
+        return {Path(t["uri"]).name: t for t in http.get(f"/v1/rules/{rule}/triggers").json()}
 
 
 def wait_done(server: Server, rule: str, step: str) -> dict[str, dict]:
@@ -96,6 +97,7 @@ def test_rule_exports_each_step_once_and_gc_keeps_last_two_and_pinned(env) -> No
     wait_done(server, "export-all", "step_2")
     land(staging, run / "step_4", 4)
     seen = wait_done(server, "export-all", "step_4")
+    assert {Path(t["uri"]).name: t for t in cli(server, "rules", "triggers", "export-all", "--json")} == seen
     assert sorted(seen) == ["step_1", "step_2", "step_3", "step_4"]
     assert {t["state"] for t in seen.values()} == {"done"}
 
