@@ -55,7 +55,7 @@ class JobTemplate(BaseModel):
     kind: Literal["convert", "export", "reshard"]
     target: str = Field(min_length=1, max_length=4096, description="With {run}, {step} and {name} (the source's "
                         "last path segment), e.g. s3://bucket/exports/{run}/{step}.")
-    options: JobOptions = Field(default_factory=JobOptions)
+    options: JobOptions = Field(default_factory=JobOptions)  # type: ignore[valid-type]
 
 
 class RuleSpec(BaseModel):

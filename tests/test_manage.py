@@ -16,6 +16,8 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import ckptctl
 from tests.service_harness import Server, make_server, wait_for
 
+pytestmark = pytest.mark.slow  # real servers: the full suite (CI), not the edit loop
+
 
 def dcp_checkpoint(staging: Path, seed: int) -> Path:
     """A small real DCP checkpoint written by torch, in a staging folder."""

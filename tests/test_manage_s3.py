@@ -12,6 +12,8 @@ import torch.distributed.checkpoint as dcp
 from .s3server import S3, s3_fixture, s3_server_fixture  # noqa: F401  (fixtures s3 and s3_server)
 from .service_harness import make_server, wait_for
 
+pytestmark = pytest.mark.slow  # a real server and S3 server: the full suite (CI), not the edit loop
+
 
 def staged(tmp_path: Path, step: int) -> Path:
     torch.manual_seed(step)
@@ -20,7 +22,6 @@ def staged(tmp_path: Path, step: int) -> Path:
     return folder
 
 
-@pytest.mark.slow
 def test_rule_and_gc_over_s3(s3: S3, tmp_path: Path) -> None:
     runs, exports = s3.uri("runs"), s3.uri("exports")
     server = make_server(tmp_path / "data", read_roots=[runs, exports], write_roots=[runs, exports],  # type: ignore[list-item]

@@ -9,10 +9,10 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .cli import AsJson, app, fail, out
-from .cli_client import Server, Token, as_uri, checkpoints_app, connect
-from .client import DEFAULT_SERVER, ServiceClient
-from .units import human
+from ..client import DEFAULT_SERVER, ServiceClient
+from ..units import human
+from .client import Server, Token, as_uri, checkpoints_app, connect
+from .common import AsJson, app, fail, out
 
 
 def get(client: ServiceClient, path: str, **params: Any) -> Any:
