@@ -175,7 +175,7 @@ def deletions(request: Request, _: Reader,
 
 @router.get("/rules", response_model=list[RuleView], responses=errors(401, 403, 503), summary="List rules")
 def list_rules(request: Request, _: Reader) -> list[RuleView]:
-    return _rules(request).list()
+    return _rules(request).all()
 
 
 @router.post("/rules", status_code=201, response_model=RuleView, responses=errors(400, 413, 401, 403, 409, 422, 503),

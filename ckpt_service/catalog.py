@@ -239,7 +239,8 @@ class Catalog:
                             changed_at=when(r["changed_at"])) for r in rows]  # type: ignore[arg-type]
 
     def aliases(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        sql, params = "SELECT namespace, name, checkpoint_id, updated_by, updated_at FROM aliases", ()
+        sql = "SELECT namespace, name, checkpoint_id, updated_by, updated_at FROM aliases"
+        params: tuple[str, ...] = ()
         if namespace is not None:
             sql, params = sql + " WHERE namespace = ?", (namespace,)
         return [{"namespace": r["namespace"], "name": r["name"], "checkpoint_id": r["checkpoint_id"],

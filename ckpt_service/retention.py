@@ -186,7 +186,7 @@ class Retention:
         return [dict(r) for r in rows]
 
     def _busy(self) -> set[str]:
-        busy = set()
+        busy: set[str] = set()
         for row in self.store.query("SELECT spec FROM jobs WHERE state IN ('queued', 'running')"):
             spec = json.loads(row["spec"])
             busy.update(u for u in (spec.get("source"), spec.get("target")) if u)
@@ -317,7 +317,8 @@ class Retention:
         """Remove the data of every pending deletion (this run's and any an interrupted run left)."""
         from .service import remove_data
 
-        done, failed = [], []
+        done: list[str] = []
+        failed: list[str] = []
         for row in self.store.query("SELECT id, uri FROM deletions WHERE state = 'pending' ORDER BY planned_at, id"):
             state, error = "done", None
             try:
@@ -336,7 +337,8 @@ class Retention:
         return done, failed
 
     def deletions(self, state: str | None = None, limit: int = 100) -> list[DeletionView]:
-        sql, params = "SELECT * FROM deletions", ()
+        sql = "SELECT * FROM deletions"
+        params: tuple[str, ...] = ()
         if state is not None:
             sql, params = sql + " WHERE state = ?", (state,)
         rows = self.store.query(sql + " ORDER BY planned_at DESC, id LIMIT ?", (*params, limit))

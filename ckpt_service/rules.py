@@ -165,8 +165,9 @@ class Rules:
             raise InvalidRequest("job.target: outputs would land where the pattern looks; write them elsewhere",
                                  "job.target")
         example = re.sub(r"\[[^\]/]*\]|[*?]", "x", spec.pattern)  # a path the pattern would match
-        self.service.normalise(JobSpec(kind=spec.job.kind, source=example, target=probe,
-                                       options=spec.job.options.model_copy(update={"overwrite": True})))
+        options = spec.job.options.model_copy(update={"overwrite": True})  # type: ignore[attr-defined]
+        self.service.normalise(JobSpec(kind=spec.job.kind, source=example, target=probe, options=options,
+                                       callback_url=None))
         rule_id, now = new_id("rule"), time.time()
         with self.store.transaction() as conn:
             if conn.execute("SELECT 1 FROM rules WHERE name = ?", (spec.name,)).fetchone():
@@ -188,7 +189,7 @@ class Rules:
                         created_by=row["created_by"], created_at=when(row["created_at"]),  # type: ignore[arg-type]
                         triggers=counts)
 
-    def list(self) -> list[RuleView]:
+    def all(self) -> list[RuleView]:
         return [self._view(r) for r in self.store.query("SELECT * FROM rules ORDER BY name")]
 
     def remove(self, rule_id: str) -> RuleView:
@@ -339,7 +340,7 @@ class Rules:
             target = render(spec.job.target, run, step, uri)
             if spec.skip_existing and storage.exists(target):
                 return "skipped", None, f"target {target} exists"
-            job = JobSpec(kind=spec.job.kind, source=uri, target=target, options=spec.job.options)
+            job = JobSpec(kind=spec.job.kind, source=uri, target=target, options=spec.job.options, callback_url=None)
             view, _ = self.service.submit(job, Principal(f"rule:{spec.name}", "write"),
                                           idempotency_key=trigger_key(rule_id, uri))
         except (ServiceError, CkptError, OSError) as exc:
@@ -381,7 +382,7 @@ class Rules:
             why = reasons[-1] if reasons else "it was deleted by garbage collection"
             raise Conflict(f"{uri} is not a complete checkpoint ({why}); notify again once it is written")
         checkpoint_id, run, step = found
-        fired = []
+        fired: list[TriggerView] = []
         with self._scan_lock:
             self.link_outputs()
             for row in self.store.query("SELECT * FROM rules WHERE paused = 0 ORDER BY name"):

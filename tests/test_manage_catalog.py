@@ -190,7 +190,7 @@ def test_rules_refuse_targets_outside_roots_and_options_of_other_kinds(svc: Ckpt
         RuleSpec.model_validate({"name": "r", "pattern": "/x/*", "job": {"kind": "verify", "target": "/y"}})
     made = rules.add(spec(f"{runs}/out/{{run}}/{{step}}", dtype="bfloat16"), "t")
     assert (made.spec.job.options.dtype, made.spec.job.options.model_fields_set) == ("bfloat16", {"dtype"})
-    assert rules.list()[0].spec.pattern == f"{runs}/*/step_*"
+    assert rules.all()[0].spec.pattern == f"{runs}/*/step_*"
 
 
 def test_gc_waits_for_active_rules_to_fire(svc: CkptService, tmp_path: Path) -> None:
