@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .service import CkptService
 
 STALE_CLAIM_SECONDS = 300.0
+HELD_BACK_SECONDS = 2.0  # with polling off: how often checkpoints held back by max_concurrent are retried
 _GLOB = set("*?[")
 
 
@@ -235,23 +236,28 @@ class Rules:
         logs.event("rules.discovered", uri=uri, checkpoint_id=checkpoint_id, run=run, step=step)
         return checkpoint_id, run, step
 
-    def scan(self, by: str = "discovery") -> int:
-        """One discovery pass over every active rule; returns the number of jobs submitted."""
+    def scan(self, by: str = "discovery", look: bool = True) -> int:
+        """One pass over every active rule; returns the number of jobs submitted. It fires on registered
+        checkpoints the rule matches and has not fired on (e.g. held back by max_concurrent) and, with `look`,
+        on new complete checkpoints its pattern finds."""
         with self._scan_lock:
             self.link_outputs()
             submitted = 0
             for row in self.store.query("SELECT * FROM rules WHERE paused = 0 ORDER BY name"):
                 try:
-                    submitted += self._scan_rule(row["id"], RuleSpec.model_validate_json(row["spec"]), by)
+                    submitted += self._scan_rule(row["id"], RuleSpec.model_validate_json(row["spec"]), by, look)
                 except (ServiceError, CkptError, OSError) as exc:
                     logs.event("rules.scan_failed", rule=row["name"], error=str(exc)[:300])
             return submitted
 
-    def _scan_rule(self, rule_id: str, spec: RuleSpec, by: str) -> int:
+    def _scan_rule(self, rule_id: str, spec: RuleSpec, by: str, look: bool) -> int:
         seen = {r["uri"]: r for r in self.store.query(
             "SELECT uri, state, claimed_at FROM rule_triggers WHERE rule_id = ?", (rule_id,))}
         fresh: list[tuple[str, str, str | None, int | None]] = []
-        for uri in expand(spec.pattern):
+        registered = [r["uri"] for r in self.store.query(
+            "SELECT c.uri FROM checkpoints c LEFT JOIN checkpoint_runs r ON r.checkpoint_id = c.id "
+            "WHERE c.made_by_job IS NULL AND r.deleted_at IS NULL") if matches(spec.pattern, r["uri"])]
+        for uri in sorted(set(registered) | set(expand(spec.pattern) if look else ())):
             if uri in seen:
                 continue
             try:
@@ -415,7 +421,8 @@ def _trigger(row: Any) -> TriggerView:
 
 
 class Scheduler(threading.Thread):
-    """Discovery every `discover_seconds` and GC every `gc_seconds` (each 0: off), inside the API process."""
+    """Discovery every `discover_seconds` (0: pushes only, and what max_concurrent held back is retried every
+    HELD_BACK_SECONDS) and GC every `gc_seconds` (0: off), inside the API process."""
 
     def __init__(self, rules: Rules, retention: Any, discover_seconds: float, gc_seconds: float) -> None:
         super().__init__(name="ckpt-manage", daemon=True)
@@ -430,9 +437,9 @@ class Scheduler(threading.Thread):
         while not self.stopping.is_set():
             now = time.monotonic()
             try:
-                if self.discover_seconds and now >= next_scan:
-                    next_scan = now + self.discover_seconds
-                    self.rules.scan()
+                if now >= next_scan:  # without polling, still fire what max_concurrent held back after pushes
+                    next_scan = now + (self.discover_seconds or HELD_BACK_SECONDS)
+                    self.rules.scan(look=bool(self.discover_seconds))
                 if self.gc_seconds and now >= next_gc:
                     next_gc = now + self.gc_seconds
                     self.retention.run(dry_run=False, by="scheduler")

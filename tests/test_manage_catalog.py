@@ -257,3 +257,22 @@ def test_a_claim_left_by_a_crash_is_finished_without_a_second_job(svc: CkptServi
     [trigger] = rules.triggers("ex")
     assert (trigger.state, trigger.job_id) == ("submitted", queued.id)
     assert [j.id for j in svc.store.list_jobs(kind="export")[0]] == [queued.id]
+
+
+def test_held_back_checkpoints_fire_when_a_slot_frees(svc: CkptService, tmp_path: Path) -> None:
+    from ckpt_service.rules import Rules, RuleSpec
+
+    runs = tmp_path / "runs"
+    rules = Rules(svc)
+    rules.add(RuleSpec.model_validate({"name": "one", "pattern": f"{runs}/r/step_*", "max_concurrent": 1,
+                                       "job": {"kind": "export", "target": f"{runs}/out/{{step}}"}}), "t")
+    for step in (1, 2):
+        register(svc, save(runs / "r" / f"step_{step}", step))  # registered (as a push would), not yet fired
+    assert rules.scan(look=False) == 1  # one slot
+    assert rules.scan(look=False) == 0  # still busy
+    job = svc.store.claim("w", 30)
+    assert job is not None and job.spec["source"] == str(runs / "r" / "step_1")
+    svc.store.finish_now(job.id, job.attempt, "failed", error=("Test", "stopped here"))
+    assert rules.scan(look=False) == 1
+    assert [(Path(t.uri).name, t.state) for t in rules.triggers("one")] == [("step_1", "job_failed"),
+                                                                          ("step_2", "submitted")]
