@@ -122,6 +122,8 @@ def test_rule_exports_each_step_once_and_gc_keeps_last_two_and_pinned(env) -> No
     assert export_4["uri"] == str(exports / "run-a" / "4")
     lineage = cli(server, "checkpoints", "lineage", export_4["id"], "--json")
     assert [e["checkpoint"]["uri"] for e in lineage["ancestors"]] == [str(run / "step_4")]
+    by_alias = cli(server, "submit", "inspect", "alias:run-a/latest", "--json")  # resolved when submitted
+    assert by_alias["spec"]["source"] == str(run / "step_4")
     rule_id = cli(server, "rules", "list", "--json")[0]["id"]
     with server.http() as http:
         managed = http.get(f"/v1/checkpoints/{export_4['id']}/managed").json()

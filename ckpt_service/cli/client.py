@@ -45,7 +45,8 @@ def connect(server: str, token: str | None) -> Iterator[ServiceClient]:
 
 
 def as_uri(path: str) -> str:
-    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+    """Local paths made absolute; URIs and registry aliases (`alias:RUN/NAME`) as given."""
+    return path if "://" in path or path.startswith("alias:") else os.path.abspath(os.path.expanduser(path))
 
 
 def print_job(job: dict[str, Any]) -> None:
