@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckpt_service.auth import Principal
 from ckpt_service.catalog import compile_pattern
-from ckpt_service.errors import InvalidRequest, NotFound
+from ckpt_service.errors import InvalidRequest, NotFound, OutsideRoots
 from ckpt_service.jobs import JobSpec
 from ckpt_service.registry import RegisterRequest
 from ckpt_service.retention import PolicySpec, Retention
@@ -167,7 +167,6 @@ def test_scheduled_gc_runs_on_its_interval(svc: CkptService, tmp_path: Path) -> 
 def test_rules_refuse_targets_outside_roots_and_options_of_other_kinds(svc: CkptService, tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from ckpt_service.errors import OutsideRoots
     from ckpt_service.rules import Rules, RuleSpec
 
     rules, runs = Rules(svc), tmp_path / "runs"
@@ -276,3 +275,19 @@ def test_held_back_checkpoints_fire_when_a_slot_frees(svc: CkptService, tmp_path
     assert rules.scan(look=False) == 1
     assert [(Path(t.uri).name, t.state) for t in rules.triggers("one")] == [("step_1", "job_failed"),
                                                                           ("step_2", "submitted")]
+
+
+def test_prefix_policy_for_exports_only(svc: CkptService, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for step in (1, 2, 3):
+        source = save(runs / "r" / f"step_{step}", step)
+        with svc.store.transaction() as conn:
+            svc.registry.record_output(conn, uri=save(runs / "exports" / f"e{step}", step), summary={"format": "dcp"},
+                                       job_id=f"job_{step}", source_uri=source, source_summary={"format": "dcp"})
+    retention = Retention(svc)
+    retention.add_policy(PolicySpec(name="exp", prefix=str(runs / "exports"), applies_to="exports", keep_last=1), "t")
+    plan = retention.plan()
+    assert [(Path(p.uri).name, p.policy) for p in plan] == [("e1", "exp"), ("e2", "exp")]  # newest first kept
+    assert plan[0].reason == "no run: not kept by policy exp (keep_last 1)"
+    with pytest.raises(OutsideRoots, match="prefix"):
+        retention.add_policy(PolicySpec(name="x", prefix=str(tmp_path / "elsewhere"), keep_last=1), "t")
