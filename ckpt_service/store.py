@@ -1,7 +1,9 @@
-"""The job store: SQLite in WAL mode under the data dir, shared by the API, the workers and job processes.
+"""The job store: SQLite in WAL mode under the data dir, shared by the API, the workers and job processes
+of one host; or PostgreSQL (`CKPT_DATABASE_URL`), shared by API replicas and workers on many hosts.
 
-Every state change is one short transaction. Claims run under BEGIN IMMEDIATE, so two workers never
-take the same job; updates from a job's process are fenced on (job id, attempt) so a late write from
+Every state change is one short transaction, written once for both databases (see dialect.py). Claims
+run under BEGIN IMMEDIATE on SQLite and `SELECT … FOR UPDATE SKIP LOCKED` on PostgreSQL, so two workers
+never take the same job; updates from a job's process are fenced on (job id, attempt) so a late write from
 an attempt that was given up on changes nothing.
 
     queued ──claim──> running ──finish──> succeeded | failed | cancelled
@@ -23,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from . import migrations
+from .dialect import SQLITE, Dialect, is_url
 from .errors import Conflict, NotFound, QueueFull, StoreError
 from .jobs import TERMINAL, JobRecord
 from .store_check import as_store_error
@@ -35,16 +38,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
-class JobStore:
-    """Thread-safe: one SQLite connection per thread. Open it with `JobStore(path)`; it migrates on open."""
+class SqliteConnections:
+    """One SQLite connection per thread, in autocommit mode (the store sends BEGIN IMMEDIATE/COMMIT)."""
 
-    def __init__(self, path: str | os.PathLike[str], migrate: bool = True) -> None:
-        self.path = str(path)
+    dialect = SQLITE
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+
+    def __init__(self, path: str) -> None:
+        self.path = self.name = path
         self._local = threading.local()
-        if migrate:
-            self.migrate()
-
-    # -- connections and transactions --------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -61,12 +63,19 @@ class JobStore:
             raise as_store_error(self.path, exc) from None
         return conn
 
-    @property
-    def conn(self) -> sqlite3.Connection:
+    @contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._connect()
-        return conn
+        yield conn
+
+    def error(self, exc: BaseException) -> StoreError:
+        assert isinstance(exc, sqlite3.Error)
+        return as_store_error(self.path, exc)
+
+    def prepare(self, conn: sqlite3.Connection) -> None:
+        conn.execute("PRAGMA journal_mode = WAL")
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -74,43 +83,78 @@ class JobStore:
             conn.close()
             self._local.conn = None
 
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE … COMMIT; rolled back on any error. sqlite errors become StoreError."""
-        conn = self.conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise as_store_error(self.path, exc) from None
-        try:
-            yield conn
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            raise as_store_error(self.path, exc) from None
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            raise as_store_error(self.path, exc) from None
 
-    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        try:
-            return self.conn.execute(sql, params).fetchall()
-        except sqlite3.Error as exc:
-            raise as_store_error(self.path, exc) from None
+def connections(location: str) -> Any:
+    """SQLite for a file path; PostgreSQL for a postgresql:// URL."""
+    if is_url(location):
+        from .pg import PostgresConnections
+
+        return PostgresConnections(location)
+    return SqliteConnections(location)
+
+
+class JobStore:
+    """Thread-safe. Open it with `JobStore(path or postgresql:// URL)`; it migrates on open."""
+
+    def __init__(self, location: str | os.PathLike[str], migrate: bool = True) -> None:
+        self.path = str(location)
+        self.db = connections(self.path)
+        self.dialect: Dialect = self.db.dialect
+        self.name: str = self.db.name  # for messages: a URL without its password
+        if migrate:
+            self.migrate()
+
+    # -- connections and transactions --------------------------------------------------------------
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """BEGIN (IMMEDIATE on SQLite) … COMMIT; rolled back on any error. Database errors become StoreError."""
+        errors = self.db.errors
+        with self.db.connection() as conn:
+            try:
+                conn.execute(self.dialect.begin)
+            except errors as exc:
+                raise self.db.error(exc) from None
+            try:
+                yield conn
+            except errors as exc:
+                with contextlib.suppress(*errors):
+                    conn.execute("ROLLBACK")
+                raise self.db.error(exc) from None
+            except BaseException:
+                with contextlib.suppress(*errors):
+                    conn.execute("ROLLBACK")
+                raise
+            try:
+                conn.execute("COMMIT")
+            except errors as exc:
+                with contextlib.suppress(*errors):
+                    conn.execute("ROLLBACK")
+                raise self.db.error(exc) from None
+
+    def serialize(self, conn: Any) -> None:
+        """Inside a transaction: wait for other submissions and registry writes (SQLite's BEGIN IMMEDIATE
+        already orders every write; PostgreSQL takes a transaction-scoped advisory lock)."""
+        if self.dialect.serialize:
+            conn.execute(self.dialect.serialize)
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        with self.db.connection() as conn:
+            try:
+                return conn.execute(sql, params).fetchall()
+            except self.db.errors as exc:
+                raise self.db.error(exc) from None
 
     def migrate(self) -> tuple[int, int]:
-        conn = self.conn
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            return migrations.migrate(conn, self.path)
-        except sqlite3.Error as exc:
-            raise as_store_error(self.path, exc) from None
+        with self.db.connection() as conn:
+            try:
+                self.db.prepare(conn)
+                return migrations.migrate(conn, self.name, dialect=self.dialect)
+            except self.db.errors as exc:
+                raise self.db.error(exc) from None
 
     def ping(self) -> None:
         self.query("SELECT 1")
@@ -124,6 +168,7 @@ class JobStore:
         earlier job comes back (created False); the same key with another request is a Conflict."""
         now = time.time()
         with self.transaction() as conn:
+            self.serialize(conn)  # one submission at a time: idempotency, queue depth and busy targets hold
             if idempotency:
                 row = conn.execute("SELECT request_hash, job_id FROM idempotency WHERE principal = ? AND key = ?",
                                    (submitted_by, idempotency[0])).fetchone()
@@ -131,7 +176,7 @@ class JobStore:
                     if row["request_hash"] != idempotency[1]:
                         raise Conflict("Idempotency-Key was already used for a different request; use a new key")
                     return self._get(conn, row["job_id"]), False
-            depth = conn.execute("SELECT COUNT(*) FROM jobs WHERE state = 'queued'").fetchone()[0]
+            depth = conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued'").fetchone()["n"]
             if depth >= queue_limit:
                 raise QueueFull(f"the queue is full ({depth} jobs waiting); retry later")
             if target is not None:
@@ -149,9 +194,10 @@ class JobStore:
                              "VALUES (?, ?, ?, ?, ?)", (submitted_by, idempotency[0], idempotency[1], job_id, now))
             return self._get(conn, job_id), True
 
-    @staticmethod
-    def _get(conn: sqlite3.Connection, job_id: str) -> JobRecord:
-        row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    def _get(self, conn: Any, job_id: str, lock: bool = False) -> JobRecord:
+        """Inside a transaction; `lock`: the transaction then changes the job (its row is locked till the end)."""
+        row = conn.execute(f"SELECT * FROM jobs WHERE id = ?{self.dialect.for_update if lock else ''}",
+                           (job_id,)).fetchone()
         if row is None:
             raise NotFound(f"no job {job_id}")
         return JobRecord.from_row(row)
@@ -182,7 +228,7 @@ class JobStore:
         """A queued job is cancelled at once; a running one is flagged (its worker stops it)."""
         now = time.time()
         with self.transaction() as conn:
-            job = self._get(conn, job_id)
+            job = self._get(conn, job_id, lock=True)
             if job.state == "queued":
                 conn.execute(f"UPDATE jobs SET state = 'cancelled', cancel_requested = 1, finished_at = ?, "
                              f"updated_at = ?, {_CALLBACK_PENDING} WHERE id = ?", (now, now, job_id))
@@ -198,7 +244,8 @@ class JobStore:
         """Take the oldest queued job for `worker` (attempt + 1), or None."""
         now = time.time()
         with self.transaction() as conn:
-            row = conn.execute("SELECT id FROM jobs WHERE state = 'queued' ORDER BY seq LIMIT 1").fetchone()
+            row = conn.execute(f"SELECT id FROM jobs WHERE state = 'queued' ORDER BY seq LIMIT 1"
+                               f"{self.dialect.skip_locked}").fetchone()
             if row is None:
                 return None
             conn.execute("UPDATE jobs SET state = 'running', attempt = attempt + 1, worker = ?, lease_until = ?, "
@@ -236,7 +283,7 @@ class JobStore:
             conn.execute("UPDATE jobs SET progress = ?, updated_at = ? WHERE id = ? AND attempt = ? "
                          "AND state = 'running'", (json.dumps(progress), time.time(), job_id, attempt))
 
-    def finish(self, conn: sqlite3.Connection, job_id: str, attempt: int, state: str,
+    def finish(self, conn: Any, job_id: str, attempt: int, state: str,
                result: dict[str, Any] | None = None, error: tuple[str, str] | None = None) -> bool:
         """Inside a transaction: end attempt `attempt` of a running job. False if it is no longer ours."""
         assert state in TERMINAL
@@ -260,7 +307,7 @@ class JobStore:
         failed with `reason` after that. Returns the new state, or None if the attempt was not current."""
         now = time.time()
         with self.transaction() as conn:
-            job = self._get(conn, job_id)
+            job = self._get(conn, job_id, lock=True)
             if job.state != "running" or job.attempt != attempt:
                 return None
             if job.cancel_requested:
@@ -293,7 +340,8 @@ class JobStore:
         now = time.time()
         with self.transaction() as conn:
             rows = conn.execute("SELECT id FROM jobs WHERE callback_state = 'pending' OR (callback_state = "
-                                "'sending' AND callback_until < ?) LIMIT ?", (now, limit)).fetchall()
+                                f"'sending' AND callback_until < ?) LIMIT ?{self.dialect.skip_locked}",
+                                (now, limit)).fetchall()
             ids = [r["id"] for r in rows]
             for job_id in ids:
                 conn.execute("UPDATE jobs SET callback_state = 'sending', callback_owner = ?, callback_until = ? "
@@ -310,8 +358,10 @@ class JobStore:
     def register_worker(self, worker: str, host: str, pid: int, slots: int) -> None:
         now = time.time()
         with self.transaction() as conn:
-            conn.execute("INSERT OR REPLACE INTO workers (id, host, pid, slots, started_at, seen_at) "
-                         "VALUES (?, ?, ?, ?, ?, ?)", (worker, host, pid, slots, now, now))
+            conn.execute("INSERT INTO workers (id, host, pid, slots, started_at, seen_at) VALUES (?, ?, ?, ?, ?, ?) "
+                         "ON CONFLICT (id) DO UPDATE SET host = excluded.host, pid = excluded.pid, "
+                         "slots = excluded.slots, started_at = excluded.started_at, seen_at = excluded.seen_at",
+                         (worker, host, pid, slots, now, now))
 
     def touch_worker(self, worker: str) -> None:
         with self.transaction() as conn:
@@ -321,7 +371,7 @@ class JobStore:
         with self.transaction() as conn:
             conn.execute("DELETE FROM workers WHERE id = ?", (worker,))
 
-    def live_workers(self, within_seconds: float) -> list[sqlite3.Row]:
+    def live_workers(self, within_seconds: float) -> list[Any]:
         return self.query("SELECT * FROM workers WHERE seen_at >= ?", (time.time() - within_seconds,))
 
     def forget_workers(self, older_than_seconds: float) -> None:
@@ -331,9 +381,9 @@ class JobStore:
     def count_by_state(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in self.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}
 
-    def finished_stats(self) -> list[sqlite3.Row]:
+    def finished_stats(self) -> list[Any]:
         """(kind, state, seconds, bytes) of every finished job that ran, for the metrics histograms."""
         return self.query(
             f"SELECT kind, state, finished_at - started_at AS seconds, "
-            f"COALESCE(json_extract(progress, '$.total_bytes'), 0) AS bytes FROM jobs "
+            f"COALESCE(CAST(json_extract(progress, '$.total_bytes') AS BIGINT), 0) AS bytes FROM jobs "
             f"WHERE state IN {TERMINAL_SQL} AND started_at IS NOT NULL")
