@@ -61,6 +61,9 @@ class Connection:
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         return self.raw.execute(postgres_sql(sql), tuple(params))
 
+    def close(self) -> None:
+        self.raw.close()
+
 
 def short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"

@@ -11,21 +11,34 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ckpt_service import auth, migrations, roots
-from ckpt_service.errors import Forbidden, InvalidRequest, OutsideRoots, SchemaTooNew, Unauthorized
+from ckpt_service.dialect import POSTGRESQL, SQLITE, Dialect, is_url
+from ckpt_service.errors import Conflict, Forbidden, InvalidRequest, OutsideRoots, SchemaTooNew, Unauthorized
 from ckpt_service.executor import engine_call, key_options
 from ckpt_service.jobs import JobSpec
 from ckpt_service.settings import SettingsError, load
 from ckpt_service.store import JobStore
 
 
-def v1_database(path: Path) -> None:
+def raw_connection(location: str) -> tuple[Any, Dialect]:
+    """An autocommit connection to the store at `location` that takes the store's SQL, and its dialect."""
+    if is_url(location):
+        import psycopg
+
+        from ckpt_service.pg import Connection, row_factory
+
+        return Connection(psycopg.connect(location, autocommit=True, row_factory=row_factory)), POSTGRESQL
+    return sqlite3.connect(location, isolation_level=None), SQLITE
+
+
+def v1_database(location: str) -> None:
     """A job store as the first release wrote it, holding one queued and one finished job."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    migrations.migrate(conn, str(path), upto=1)
+    conn, dialect = raw_connection(location)
+    migrations.migrate(conn, location, upto=1, dialect=dialect)
     spec = {"kind": "export", "source": "/data/a", "target": "/data/b", "options": {}}
     now = time.time()
     for job_id, state in (("job_old_queued", "queued"), ("job_old_done", "succeeded")):
@@ -34,36 +47,72 @@ def v1_database(path: Path) -> None:
     conn.close()
 
 
-def test_store_migrates_an_older_schema_and_keeps_its_jobs(tmp_path: Path) -> None:
-    db = tmp_path / "ckpt.db"
-    v1_database(db)
-    store = JobStore(db)
+def test_store_migrates_an_older_schema_and_keeps_its_jobs(store_location: str) -> None:
+    v1_database(store_location)
+    store = JobStore(store_location)
     assert store.query("SELECT MAX(version) AS v FROM schema_version")[0]["v"] == migrations.LATEST
-    assert store.query("PRAGMA journal_mode")[0][0] == "wal"
+    if store.dialect is SQLITE:
+        assert store.query("PRAGMA journal_mode")[0][0] == "wal"
     old = store.get("job_old_queued")
     assert old.state == "queued" and old.target == "/data/b" and old.cancel_requested is False  # backfilled
     claimed = store.claim("w1", 30)
     assert claimed is not None and claimed.id == "job_old_queued" and claimed.attempt == 1
     assert store.get("job_old_done").state == "succeeded"
-    assert JobStore(db).migrate() == (migrations.LATEST, migrations.LATEST)  # opening again changes nothing
+    assert JobStore(store_location).migrate() == (migrations.LATEST, migrations.LATEST)  # opening again: no change
 
 
-def test_store_newer_than_the_code_is_refused_clearly(tmp_path: Path) -> None:
-    db = tmp_path / "ckpt.db"
-    JobStore(db)
-    conn = sqlite3.connect(db, isolation_level=None)
+def test_migrations_run_once_when_processes_start_together(store_location: str) -> None:
+    results: list[tuple[int, int]] = []
+
+    def start() -> None:
+        store = JobStore(store_location, migrate=False)
+        results.append(store.migrate())
+        store.close()
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [(0, migrations.LATEST)] + [(migrations.LATEST, migrations.LATEST)] * 3
+    versions = JobStore(store_location).query("SELECT version FROM schema_version ORDER BY version")
+    assert [r["version"] for r in versions] == list(range(1, migrations.LATEST + 1))
+
+
+def test_store_newer_than_the_code_is_refused_clearly(store_location: str, tmp_path: Path) -> None:
+    JobStore(store_location)
+    conn, _ = raw_connection(store_location)
     conn.execute("INSERT INTO schema_version (version) VALUES (?)", (migrations.LATEST + 7,))
     conn.close()
     with pytest.raises(SchemaTooNew, match="newer than this ckpt-service understands"):
-        JobStore(db)
+        JobStore(store_location)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "worker", "--data-dir", str(tmp_path)],
+    flags = ["--database-url", store_location] if is_url(store_location) else []
+    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "worker", "--data-dir", str(tmp_path), *flags],
                           capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "200"})
     assert proc.returncode == 2 and "upgrade ckpt-service" in proc.stderr
+    checked = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "store", "check", "--data-dir",
+                              str(tmp_path), *flags], capture_output=True, text=True, timeout=60, env=env)
+    assert checked.returncode == 2 and f"schema version {migrations.LATEST + 7}" in checked.stderr
 
 
-def test_concurrent_claims_never_share_a_job(tmp_path: Path) -> None:
-    store = JobStore(tmp_path / "ckpt.db")
+def test_store_check_reports_the_schema_and_jobs(store_location: str, tmp_path: Path) -> None:
+    store = JobStore(store_location)
+    store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None, callback_url=None,
+                     submitted_by="t", max_attempts=2, queue_limit=100)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    if is_url(store_location):
+        env["CKPT_DATABASE_URL"] = store_location
+    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "store", "check", "--json", "--data-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["ok"], report["version"], report["jobs"], report["path"]) == (True, migrations.LATEST, 1,
+                                                                                 store.name)
+
+
+def test_concurrent_claims_never_share_a_job(store_location: str) -> None:
+    store = JobStore(store_location)
     for _ in range(20):
         store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None, callback_url=None,
                          submitted_by="t", max_attempts=2, queue_limit=100)
@@ -71,10 +120,11 @@ def test_concurrent_claims_never_share_a_job(tmp_path: Path) -> None:
     lock = threading.Lock()
 
     def worker(name: str) -> None:
-        own = JobStore(tmp_path / "ckpt.db", migrate=False)
+        own = JobStore(store_location, migrate=False)
         while (job := own.claim(name, 30)) is not None:
             with lock:
                 taken.append(job.id)
+        own.close()
 
     threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(4)]
     for t in threads:
@@ -84,8 +134,42 @@ def test_concurrent_claims_never_share_a_job(tmp_path: Path) -> None:
     assert len(taken) == len(set(taken)) == 20
 
 
-def test_lost_attempts_are_requeued_then_failed(tmp_path: Path) -> None:
-    store = JobStore(tmp_path / "ckpt.db")
+def test_concurrent_submissions_keep_idempotency_and_busy_targets(store_location: str) -> None:
+    stores = [JobStore(store_location, migrate=False) for _ in range(4)]
+    stores[0].migrate()
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def submit(store: JobStore, n: int) -> None:
+        for i in range(5):
+            key = ("same-key", "same-hash") if i == 0 else None
+            target = "/data/one" if i == 1 else f"/data/t{n}-{i}"
+            try:
+                job, created = store.create_job(kind="export", spec={"kind": "export"}, target=target,
+                                                callback_url=None, submitted_by="t", max_attempts=2, queue_limit=100,
+                                                idempotency=key)
+                result = f"{i}:{'created' if created else 'replayed'}:{job.id if i == 0 else ''}"
+            except Conflict:
+                result = f"{i}:conflict"
+            with lock:
+                outcomes.append(result)
+
+    threads = [threading.Thread(target=submit, args=(store, n)) for n, store in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for store in stores[1:]:
+        store.close()
+    first = sorted(o for o in outcomes if o.startswith("0:"))
+    assert len({o.rsplit(":", 1)[1] for o in first}) == 1  # one job for the key, whoever came first
+    assert [o.split(":")[1] for o in first].count("created") == 1
+    assert sorted(o for o in outcomes if o.startswith("1:")).count("1:conflict") == 3  # one job per busy target
+    assert stores[0].count_by_state() == {"queued": 1 + 1 + 4 * 3}
+
+
+def test_lost_attempts_are_requeued_then_failed(store_location: str) -> None:
+    store = JobStore(store_location)
     job, _ = store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None,
                               callback_url=None, submitted_by="t", max_attempts=2, queue_limit=10)
     first = store.claim("w1", 30)
