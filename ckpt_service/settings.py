@@ -113,7 +113,9 @@ class Settings(BaseSettings):
     def _database_url(cls, value: str | None) -> str | None:
         from .dialect import is_url
 
-        if value is not None and not is_url(value):
+        if not value:
+            return None  # CKPT_DATABASE_URL= (empty): SQLite
+        if not is_url(value):
             raise ValueError("give a postgresql://USER@HOST[:PORT]/DATABASE URL (or leave it unset for SQLite)")
         return value
 
