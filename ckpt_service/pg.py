@@ -79,18 +79,24 @@ class PostgresConnections:
         self._lost = (psycopg.OperationalError, psycopg_pool.PoolTimeout)
         self.pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT, name="ckpt-store", open=True,
-            check=psycopg_pool.ConnectionPool.check_connection,
             kwargs={"autocommit": True, "row_factory": row_factory, "connect_timeout": int(CONNECT_TIMEOUT)})
 
     def error(self, exc: BaseException) -> StoreError:
         return StoreError(f"job store {self.name}: {short(exc)}")
 
-    def _take(self) -> Any:
+    def _take(self, first: str, params: Sequence[Any] = ()) -> tuple[Any, Any]:
+        """A pooled connection and the cursor of `first` (BEGIN, or a read) run on it. A connection the server
+        dropped (restart, failover, idle timeout) is discarded and another one taken, with backoff."""
         delay = FIRST_DELAY
         for attempt in range(1, RETRIES + 1):
+            raw = None
             try:
-                return self.pool.getconn()
+                raw = self.pool.getconn()
+                return raw, raw.execute(postgres_sql(first), tuple(params))
             except self._lost as exc:
+                if raw is not None:
+                    raw.close()
+                    self.pool.putconn(raw)  # broken: the pool closes it and opens a new one
                 if attempt == RETRIES:
                     raise StoreError(f"job store {self.name}: cannot connect after {RETRIES} tries "
                                      f"({short(exc)}); is the database up?") from None
@@ -101,10 +107,17 @@ class PostgresConnections:
         raise AssertionError("unreachable")
 
     @contextmanager
-    def connection(self) -> Iterator[Connection]:
-        raw = self._take()
+    def connection(self, first: str = "SELECT 1") -> Iterator[Connection]:
+        raw, _ = self._take(first)
         try:
             yield Connection(raw)
+        finally:
+            self.pool.putconn(raw)
+
+    def read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        raw, cursor = self._take(sql, params)
+        try:
+            return cursor.fetchall()
         finally:
             self.pool.putconn(raw)
 

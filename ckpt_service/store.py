@@ -64,11 +64,20 @@ class SqliteConnections:
         return conn
 
     @contextmanager
-    def connection(self) -> Iterator[sqlite3.Connection]:
+    def connection(self, first: str | None = None) -> Iterator[sqlite3.Connection]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._connect()
+        if first:
+            try:
+                conn.execute(first)
+            except sqlite3.Error as exc:
+                raise as_store_error(self.path, exc) from None
         yield conn
+
+    def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self.connection() as conn:
+            return conn.execute(sql, params).fetchall()
 
     def error(self, exc: BaseException) -> StoreError:
         assert isinstance(exc, sqlite3.Error)
@@ -113,11 +122,7 @@ class JobStore:
     def transaction(self) -> Iterator[Any]:
         """BEGIN (IMMEDIATE on SQLite) … COMMIT; rolled back on any error. Database errors become StoreError."""
         errors = self.db.errors
-        with self.db.connection() as conn:
-            try:
-                conn.execute(self.dialect.begin)
-            except errors as exc:
-                raise self.db.error(exc) from None
+        with self.db.connection(self.dialect.begin) as conn:
             try:
                 yield conn
             except errors as exc:
@@ -142,11 +147,10 @@ class JobStore:
             conn.execute(self.dialect.serialize)
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
-        with self.db.connection() as conn:
-            try:
-                return conn.execute(sql, params).fetchall()
-            except self.db.errors as exc:
-                raise self.db.error(exc) from None
+        try:
+            return self.db.read(sql, params)
+        except self.db.errors as exc:
+            raise self.db.error(exc) from None
 
     def migrate(self) -> tuple[int, int]:
         with self.db.connection() as conn:
@@ -243,16 +247,14 @@ class JobStore:
     def claim(self, worker: str, lease_seconds: float) -> JobRecord | None:
         """Take the oldest queued job for `worker` (attempt + 1), or None."""
         now = time.time()
-        with self.transaction() as conn:
-            row = conn.execute(f"SELECT id FROM jobs WHERE state = 'queued' ORDER BY seq LIMIT 1"
-                               f"{self.dialect.skip_locked}").fetchone()
-            if row is None:
-                return None
-            conn.execute("UPDATE jobs SET state = 'running', attempt = attempt + 1, worker = ?, lease_until = ?, "
-                         "heartbeat_at = ?, attempt_started_at = ?, started_at = COALESCE(started_at, ?), "
-                         "pid = NULL, progress = NULL, updated_at = ? WHERE id = ?",
-                         (worker, now + lease_seconds, now, now, now, now, row["id"]))
-            return self._get(conn, row["id"])
+        with self.transaction() as conn:  # one statement: pick (rows other claimers hold are skipped) and take
+            rows = conn.execute(
+                "UPDATE jobs SET state = 'running', attempt = attempt + 1, worker = ?, lease_until = ?, "
+                "heartbeat_at = ?, attempt_started_at = ?, started_at = COALESCE(started_at, ?), pid = NULL, "
+                "progress = NULL, updated_at = ? WHERE state = 'queued' AND id = (SELECT id FROM jobs WHERE "
+                f"state = 'queued' ORDER BY seq LIMIT 1{self.dialect.skip_locked}) RETURNING *",
+                (worker, now + lease_seconds, now, now, now, now)).fetchall()
+        return JobRecord.from_row(rows[0]) if rows else None
 
     def heartbeat(self, job_id: str, worker: str, attempt: int, lease_seconds: float) -> tuple[bool, bool]:
         """Extend the lease; returns (still ours, cancel requested)."""

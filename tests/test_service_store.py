@@ -20,8 +20,11 @@ from ckpt_service.dialect import POSTGRESQL, SQLITE, Dialect, is_url
 from ckpt_service.errors import Conflict, Forbidden, InvalidRequest, OutsideRoots, SchemaTooNew, Unauthorized
 from ckpt_service.executor import engine_call, key_options
 from ckpt_service.jobs import JobSpec
+from ckpt_service.registry import Registry
 from ckpt_service.settings import SettingsError, load
 from ckpt_service.store import JobStore
+
+from .pg_server import PgServer
 
 
 def raw_connection(location: str) -> tuple[Any, Dialect]:
@@ -304,3 +307,41 @@ def test_job_options_map_to_the_offline_commands_defaults() -> None:
                                    "options": {"max_shard_size": "5GB", "memory_limit": "64MiB"}})
     assert (spec.options.max_shard_size, spec.options.memory_limit) == (5 * 1000**3, 64 * 1024**2)
     assert callable(engine_call(JobSpec(kind="reshard", source="/a", target="/b", options={"world_size": 3})))
+
+
+def test_registry_filters_by_tag_and_walks_lineage(store_location: str) -> None:
+    store = JobStore(store_location)
+    registry = Registry(store)
+    with store.transaction() as conn:
+        first = registry.add(conn, uri="/data/a", name="a", summary={"format": "fsdp2"}, tags=["base", "v1"],
+                             metadata={"step": 1})
+        registry.add(conn, uri="/data/b", name="b", summary={"format": "hf"}, tags=["v1"], metadata={})
+    with store.transaction() as conn:
+        child = registry.record_output(conn, uri="/data/c", summary={"format": "hf"}, job_id="job_x",
+                                       source_uri="/data/a", source_summary=None)
+    assert sorted(v.uri for v in registry.list(tag="v1")[0]) == ["/data/a", "/data/b"]
+    assert [v.uri for v in registry.list(tag="base")[0]] == ["/data/a"]
+    assert registry.list(tag="nope")[0] == []
+    lineage = registry.lineage(first)
+    assert [(e.checkpoint.id, e.job_id, e.depth) for e in lineage.descendants] == [(child, "job_x", 1)]
+    with pytest.raises(Conflict, match="registered already"), store.transaction() as conn:
+        registry.add(conn, uri="/data/a", name="again", summary={}, tags=[], metadata={})
+
+
+def test_postgres_connection_loss_is_retried_and_logged(postgres: PgServer, caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    url = postgres.create_database()
+    store = JobStore(url)
+    store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None, callback_url=None,
+                     submitted_by="t", max_attempts=2, queue_limit=10)
+    conn, _ = raw_connection(url)
+    killed = conn.execute("SELECT pg_terminate_backend(pid) AS k FROM pg_stat_activity WHERE datname = "
+                          "current_database() AND pid <> pg_backend_pid()").fetchall()
+    conn.close()
+    assert killed and all(r["k"] for r in killed)
+    with caplog.at_level("WARNING", logger="ckpt_service"):
+        job = store.claim("w1", 30)
+    assert job is not None and job.attempt == 1
+    reconnects = [r for r in caplog.records if r.getMessage() == "store.reconnect"]
+    assert reconnects and reconnects[0].fields["store"] == url and reconnects[0].fields["attempt"] == 1
+    store.close()
