@@ -345,3 +345,40 @@ def test_postgres_connection_loss_is_retried_and_logged(postgres: PgServer, capl
     reconnects = [r for r in caplog.records if r.getMessage() == "store.reconnect"]
     assert reconnects and reconnects[0].fields["store"] == url and reconnects[0].fields["attempt"] == 1
     store.close()
+
+
+def test_a_dead_hosts_job_is_cleaned_then_retried_by_another_host(store_location: str, tmp_path: Path) -> None:
+    """A worker on another host that stopped renewing its lease (powered off): a live worker takes the job
+    over once, removes the partial output, and queues it for its second attempt."""
+    from ckpt_service.settings import Settings
+    from ckpt_service.worker import WorkerPool
+
+    store = JobStore(store_location)
+    target = tmp_path / "out"
+    job, _ = store.create_job(kind="export", spec={"kind": "export", "source": "/x", "target": str(target)},
+                              target=str(target), callback_url=None, submitted_by="t", max_attempts=2,
+                              queue_limit=10)
+    assert store.claim("far-away-host:4242:abcdef", lease_seconds=0.2) is not None
+    partial = tmp_path / ".out.tmp-1234abcd"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    settings = Settings(data_dir=tmp_path / "data", database_url=store_location if is_url(store_location) else None,
+                        lease_seconds=4, heartbeat_seconds=1)
+    pools = [WorkerPool(settings, JobStore(store_location, migrate=False), slots=0) for _ in range(2)]
+    for pool in pools:
+        pool.reap()
+    assert store.get(job.id).state == "running"  # the lease still runs: nobody touches the job
+    time.sleep(0.3)
+    threads = [threading.Thread(target=pool.reap) for pool in pools]  # two live hosts race to reap it
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    requeued = store.get(job.id)
+    assert (requeued.state, requeued.attempt, requeued.error_type) == ("queued", 1, "WorkerLost")
+    assert "far-away-host:4242:abcdef stopped heartbeating (lease expired)" in (requeued.error_message or "")
+    assert not partial.exists()
+    second = store.claim("near-host:1:aaaaaa", 30)
+    assert second is not None and (second.id, second.attempt) == (job.id, 2)
+    for pool in pools:
+        pool.store.close()
