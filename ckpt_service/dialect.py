@@ -60,13 +60,14 @@ class Dialect:
     migration_unlock: str | None
     serialize: str | None  # orders submissions and registry writes across processes (SQLite: BEGIN IMMEDIATE does)
     elsewhere: str  # the way out of a schema that is too new
+    autocommit_writes: bool  # a one-statement write is sent alone (PostgreSQL), not in BEGIN … COMMIT
 
     def sql(self, text: str) -> str:
         return postgres_sql(text) if self.name == "postgresql" else text
 
 
-SQLITE = Dialect("sqlite", "BEGIN IMMEDIATE", "", "", None, None, None, "or use another --data-dir")
+SQLITE = Dialect("sqlite", "BEGIN IMMEDIATE", "", "", None, None, None, "or use another --data-dir", False)
 POSTGRESQL = Dialect("postgresql", "BEGIN", " FOR UPDATE SKIP LOCKED", " FOR UPDATE",
                      f"SELECT pg_advisory_lock({MIGRATION_LOCK})", f"SELECT pg_advisory_unlock({MIGRATION_LOCK})",
                      f"SELECT pg_advisory_xact_lock({SERIAL_LOCK})",
-                     "or point CKPT_DATABASE_URL at another database")
+                     "or point CKPT_DATABASE_URL at another database", True)

@@ -121,6 +121,13 @@ class PostgresConnections:
         finally:
             self.pool.putconn(raw)
 
+    def write(self, sql: str, params: Sequence[Any] = ()) -> tuple[list[Any], int]:
+        raw, cursor = self._take(sql, params)
+        try:
+            return (cursor.fetchall() if cursor.description else []), cursor.rowcount
+        finally:
+            self.pool.putconn(raw)
+
     def prepare(self, conn: Connection) -> None:
         pass
 

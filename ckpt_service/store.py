@@ -146,6 +146,18 @@ class JobStore:
         if self.dialect.serialize:
             conn.execute(self.dialect.serialize)
 
+    def write(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[list[Any], int]:
+        """One statement as a transaction of its own: (rows it returned, rows it changed). On PostgreSQL it is
+        sent alone in autocommit mode (one round trip instead of three)."""
+        if self.dialect.autocommit_writes:
+            try:
+                return self.db.write(sql, params)
+            except self.db.errors as exc:
+                raise self.db.error(exc) from None
+        with self.transaction() as conn:
+            cur = conn.execute(sql, params)
+            return (cur.fetchall() if cur.description else []), cur.rowcount
+
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         try:
             return self.db.read(sql, params)
@@ -247,62 +259,59 @@ class JobStore:
     def claim(self, worker: str, lease_seconds: float) -> JobRecord | None:
         """Take the oldest queued job for `worker` (attempt + 1), or None."""
         now = time.time()
-        with self.transaction() as conn:  # one statement: pick (rows other claimers hold are skipped) and take
-            rows = conn.execute(
+        # one statement: pick the oldest queued job (rows other claimers hold are skipped) and take it
+        rows, _ = self.write(
                 "UPDATE jobs SET state = 'running', attempt = attempt + 1, worker = ?, lease_until = ?, "
                 "heartbeat_at = ?, attempt_started_at = ?, started_at = COALESCE(started_at, ?), pid = NULL, "
                 "progress = NULL, updated_at = ? WHERE state = 'queued' AND id = (SELECT id FROM jobs WHERE "
                 f"state = 'queued' ORDER BY seq LIMIT 1{self.dialect.skip_locked}) RETURNING *",
-                (worker, now + lease_seconds, now, now, now, now)).fetchall()
+                (worker, now + lease_seconds, now, now, now, now))
         return JobRecord.from_row(rows[0]) if rows else None
 
     def heartbeat(self, job_id: str, worker: str, attempt: int, lease_seconds: float) -> tuple[bool, bool]:
         """Extend the lease; returns (still ours, cancel requested)."""
         now = time.time()
-        with self.transaction() as conn:
-            cur = conn.execute("UPDATE jobs SET lease_until = ?, heartbeat_at = ? WHERE id = ? AND worker = ? "
-                               "AND attempt = ? AND state = 'running'",
-                               (now + lease_seconds, now, job_id, worker, attempt))
-            row = conn.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return cur.rowcount == 1, bool(row and row["cancel_requested"])
+        rows, _ = self.write("UPDATE jobs SET lease_until = ?, heartbeat_at = ? WHERE id = ? AND worker = ? "
+                             "AND attempt = ? AND state = 'running' RETURNING cancel_requested",
+                             (now + lease_seconds, now, job_id, worker, attempt))
+        return bool(rows), bool(rows and rows[0]["cancel_requested"])
 
     def take_over(self, job_id: str, attempt: int, old_worker: str, new_worker: str, lease_seconds: float) -> bool:
         """Claim a dead worker's running job for cleaning it up; only one reaper wins."""
         now = time.time()
-        with self.transaction() as conn:
-            cur = conn.execute("UPDATE jobs SET worker = ?, lease_until = ?, heartbeat_at = ? WHERE id = ? "
-                               "AND attempt = ? AND worker = ? AND state = 'running'",
-                               (new_worker, now + lease_seconds, now, job_id, attempt, old_worker))
-        return cur.rowcount == 1
+        _, changed = self.write("UPDATE jobs SET worker = ?, lease_until = ?, heartbeat_at = ? WHERE id = ? "
+                                "AND attempt = ? AND worker = ? AND state = 'running'",
+                                (new_worker, now + lease_seconds, now, job_id, attempt, old_worker))
+        return changed == 1
 
     def set_pid(self, job_id: str, attempt: int, pid: int) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET pid = ? WHERE id = ? AND attempt = ? AND state = 'running'",
-                         (pid, job_id, attempt))
+        self.write("UPDATE jobs SET pid = ? WHERE id = ? AND attempt = ? AND state = 'running'",
+                   (pid, job_id, attempt))
 
     def set_progress(self, job_id: str, attempt: int, progress: dict[str, Any]) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET progress = ?, updated_at = ? WHERE id = ? AND attempt = ? "
-                         "AND state = 'running'", (json.dumps(progress), time.time(), job_id, attempt))
+        self.write("UPDATE jobs SET progress = ?, updated_at = ? WHERE id = ? AND attempt = ? AND state = 'running'",
+                   (json.dumps(progress), time.time(), job_id, attempt))
+
+    @staticmethod
+    def _finish_statement(job_id: str, attempt: int, state: str, result: dict[str, Any] | None,
+                          error: tuple[str, str] | None) -> tuple[str, tuple[Any, ...]]:
+        assert state in TERMINAL
+        now = time.time()
+        error_type, message = error or (None, None)
+        return (f"UPDATE jobs SET state = ?, result = ?, error_type = ?, error_message = ?, finished_at = ?, "
+                f"updated_at = ?, lease_until = NULL, {_CALLBACK_PENDING} WHERE id = ? AND attempt = ? "
+                "AND state = 'running'",
+                (state, json.dumps(result) if result is not None else None, error_type, message, now, now, job_id,
+                 attempt))
 
     def finish(self, conn: Any, job_id: str, attempt: int, state: str,
                result: dict[str, Any] | None = None, error: tuple[str, str] | None = None) -> bool:
         """Inside a transaction: end attempt `attempt` of a running job. False if it is no longer ours."""
-        assert state in TERMINAL
-        now = time.time()
-        error_type, message = error or (None, None)
-        cur = conn.execute(
-            f"UPDATE jobs SET state = ?, result = ?, error_type = ?, error_message = ?, finished_at = ?, "
-            f"updated_at = ?, lease_until = NULL, {_CALLBACK_PENDING} WHERE id = ? AND attempt = ? "
-            "AND state = 'running'",
-            (state, json.dumps(result) if result is not None else None, error_type, message, now, now, job_id,
-             attempt))
-        return cur.rowcount == 1
+        return conn.execute(*self._finish_statement(job_id, attempt, state, result, error)).rowcount == 1
 
     def finish_now(self, job_id: str, attempt: int, state: str, result: dict[str, Any] | None = None,
                    error: tuple[str, str] | None = None) -> bool:
-        with self.transaction() as conn:
-            return self.finish(conn, job_id, attempt, state, result, error)
+        return self.write(*self._finish_statement(job_id, attempt, state, result, error))[1] == 1
 
     def requeue_or_fail(self, job_id: str, attempt: int, reason: str) -> str | None:
         """After a job process died: cancelled if that was asked for, queued again while attempts are left,
@@ -326,11 +335,10 @@ class JobStore:
 
     def release(self, job_id: str, attempt: int) -> bool:
         """Graceful shutdown: put a running job back in the queue without using up an attempt."""
-        with self.transaction() as conn:
-            cur = conn.execute("UPDATE jobs SET state = 'queued', attempt = attempt - 1, worker = NULL, "
-                               "lease_until = NULL, pid = NULL, updated_at = ? WHERE id = ? AND attempt = ? "
-                               "AND state = 'running' AND cancel_requested = 0", (time.time(), job_id, attempt))
-        return cur.rowcount == 1
+        _, changed = self.write("UPDATE jobs SET state = 'queued', attempt = attempt - 1, worker = NULL, "
+                                "lease_until = NULL, pid = NULL, updated_at = ? WHERE id = ? AND attempt = ? "
+                                "AND state = 'running' AND cancel_requested = 0", (time.time(), job_id, attempt))
+        return changed == 1
 
     def running(self) -> list[JobRecord]:
         return [JobRecord.from_row(r) for r in self.query("SELECT * FROM jobs WHERE state = 'running'")]
@@ -351,34 +359,28 @@ class JobStore:
             return [self._get(conn, job_id) for job_id in ids]
 
     def callback_done(self, job_id: str, delivered: bool) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET callback_state = ? WHERE id = ?", ("sent" if delivered else "failed",
-                                                                            job_id))
+        self.write("UPDATE jobs SET callback_state = ? WHERE id = ?", ("sent" if delivered else "failed", job_id))
 
     # -- workers and metrics -----------------------------------------------------------------------
 
     def register_worker(self, worker: str, host: str, pid: int, slots: int) -> None:
         now = time.time()
-        with self.transaction() as conn:
-            conn.execute("INSERT INTO workers (id, host, pid, slots, started_at, seen_at) VALUES (?, ?, ?, ?, ?, ?) "
-                         "ON CONFLICT (id) DO UPDATE SET host = excluded.host, pid = excluded.pid, "
-                         "slots = excluded.slots, started_at = excluded.started_at, seen_at = excluded.seen_at",
-                         (worker, host, pid, slots, now, now))
+        self.write("INSERT INTO workers (id, host, pid, slots, started_at, seen_at) VALUES (?, ?, ?, ?, ?, ?) "
+                   "ON CONFLICT (id) DO UPDATE SET host = excluded.host, pid = excluded.pid, "
+                   "slots = excluded.slots, started_at = excluded.started_at, seen_at = excluded.seen_at",
+                   (worker, host, pid, slots, now, now))
 
     def touch_worker(self, worker: str) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE workers SET seen_at = ? WHERE id = ?", (time.time(), worker))
+        self.write("UPDATE workers SET seen_at = ? WHERE id = ?", (time.time(), worker))
 
     def remove_worker(self, worker: str) -> None:
-        with self.transaction() as conn:
-            conn.execute("DELETE FROM workers WHERE id = ?", (worker,))
+        self.write("DELETE FROM workers WHERE id = ?", (worker,))
 
     def live_workers(self, within_seconds: float) -> list[Any]:
         return self.query("SELECT * FROM workers WHERE seen_at >= ?", (time.time() - within_seconds,))
 
     def forget_workers(self, older_than_seconds: float) -> None:
-        with self.transaction() as conn:
-            conn.execute("DELETE FROM workers WHERE seen_at < ?", (time.time() - older_than_seconds,))
+        self.write("DELETE FROM workers WHERE seen_at < ?", (time.time() - older_than_seconds,))
 
     def count_by_state(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in self.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}
