@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from ckpt_service import auth, migrations, roots
 from ckpt_service.dialect import POSTGRESQL, SQLITE, Dialect, is_url
@@ -382,3 +383,18 @@ def test_a_dead_hosts_job_is_cleaned_then_retried_by_another_host(store_location
     assert second is not None and (second.id, second.attempt) == (job.id, 2)
     for pool in pools:
         pool.store.close()
+
+
+def test_database_url_setting_is_checked_and_masked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("CKPT_")]:
+        monkeypatch.delenv(key)
+    config = tmp_path / "ckpt.toml"
+    config.write_text('database_url = "postgresql://ckpt:s3cret@db.internal:5433/jobs"\n')
+    settings = load(config, data_dir=str(tmp_path))
+    assert settings.store_location == "postgresql://ckpt:s3cret@db.internal:5433/jobs"
+    assert settings.masked()["database_url"] == "postgresql://ckpt:****@db.internal:5433/jobs"
+    monkeypatch.setenv("CKPT_DATABASE_URL", "")  # empty: SQLite under the data dir, as without it
+    assert load(data_dir=str(tmp_path)).store_location == str(tmp_path / "ckpt.db")
+    monkeypatch.setenv("CKPT_DATABASE_URL", "mysql://ckpt@db/jobs")
+    with pytest.raises(ValidationError, match="postgresql://USER@HOST"):
+        load(data_dir=str(tmp_path))
