@@ -30,7 +30,7 @@ from .errors import Conflict, NotFound, QueueFull, StoreError
 from .jobs import TERMINAL, JobRecord
 from .store_check import as_store_error
 
-TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
+TERMINAL_SQL = "(" + ", ".join(f"'{state}'" for state in sorted(TERMINAL)) + ")"
 _CALLBACK_PENDING = "callback_state = CASE WHEN callback_url IS NOT NULL THEN 'pending' END"
 
 
@@ -295,7 +295,8 @@ class JobStore:
     @staticmethod
     def _finish_statement(job_id: str, attempt: int, state: str, result: dict[str, Any] | None,
                           error: tuple[str, str] | None) -> tuple[str, tuple[Any, ...]]:
-        assert state in TERMINAL
+        if state not in TERMINAL:
+            raise ValueError(f"finish: {state!r} is not a final state ({', '.join(sorted(TERMINAL))})")
         now = time.time()
         error_type, message = error or (None, None)
         return (f"UPDATE jobs SET state = ?, result = ?, error_type = ?, error_message = ?, finished_at = ?, "
@@ -378,9 +379,6 @@ class JobStore:
 
     def live_workers(self, within_seconds: float) -> list[Any]:
         return self.query("SELECT * FROM workers WHERE seen_at >= ?", (time.time() - within_seconds,))
-
-    def forget_workers(self, older_than_seconds: float) -> None:
-        self.write("DELETE FROM workers WHERE seen_at < ?", (time.time() - older_than_seconds,))
 
     def count_by_state(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in self.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}
