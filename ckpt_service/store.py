@@ -20,6 +20,7 @@ import sqlite3
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -110,6 +111,8 @@ class JobStore:
         self.db = connections(self.path)
         self.dialect: Dialect = self.db.dialect
         self.name: str = self.db.name  # for messages: a URL without its password
+        if self.dialect.autocommit_writes:  # close the pool with the store, not later in a pool thread's GC
+            weakref.finalize(self, self.db.close)
         if migrate:
             self.migrate()
 

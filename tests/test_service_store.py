@@ -16,9 +16,17 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from ckpt_service import auth, migrations, roots
+from ckpt_service import auth, migrations, roots, store_check
 from ckpt_service.dialect import POSTGRESQL, SQLITE, Dialect, is_url
-from ckpt_service.errors import Conflict, Forbidden, InvalidRequest, OutsideRoots, SchemaTooNew, Unauthorized
+from ckpt_service.errors import (
+    Conflict,
+    Forbidden,
+    InvalidRequest,
+    OutsideRoots,
+    SchemaTooNew,
+    StoreDamaged,
+    Unauthorized,
+)
 from ckpt_service.registry import Registry
 from ckpt_service.settings import SettingsError, load
 from ckpt_service.store import JobStore
@@ -98,19 +106,17 @@ def test_store_newer_than_the_code_is_refused_clearly(store_location: str, tmp_p
     assert checked.returncode == 2 and f"schema version {migrations.LATEST + 7}" in checked.stderr
 
 
-def test_store_check_reports_the_schema_and_jobs(store_location: str, tmp_path: Path) -> None:
+def test_store_check_reports_the_schema_and_jobs(store_location: str) -> None:
     store = JobStore(store_location)
     store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None, callback_url=None,
                      submitted_by="t", max_attempts=2, queue_limit=100)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
-    if is_url(store_location):
-        env["CKPT_DATABASE_URL"] = store_location
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "store", "check", "--json", "--data-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert (report["ok"], report["version"], report["jobs"], report["path"]) == (True, migrations.LATEST, 1,
-                                                                                 store.name)
+    report = store_check.check(store_location)
+    assert (report.path, report.version, report.jobs) == (store.name, migrations.LATEST, 1)
+    conn, _ = raw_connection(store_location)
+    conn.execute("DROP TABLE lineage")
+    conn.close()
+    with pytest.raises(StoreDamaged, match=f"schema version {migrations.LATEST} but no lineage table"):
+        store_check.check(store_location)
 
 
 def test_concurrent_claims_never_share_a_job(store_location: str) -> None:
