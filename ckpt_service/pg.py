@@ -95,8 +95,9 @@ class PostgresConnections:
                 return raw, raw.execute(postgres_sql(first), tuple(params))
             except self._lost as exc:
                 if raw is not None:
-                    raw.close()
-                    self.pool.putconn(raw)  # broken: the pool closes it and opens a new one
+                    self.pool.putconn(raw)  # a broken one is closed by the pool, which opens a new one
+                    if not raw.broken:
+                        raise  # the server answered with an error: nothing to retry
                 if attempt == RETRIES:
                     raise StoreError(f"job store {self.name}: cannot connect after {RETRIES} tries "
                                      f"({short(exc)}); is the database up?") from None
@@ -104,6 +105,10 @@ class PostgresConnections:
                            retry_in=delay, error=short(exc))
                 time.sleep(delay)
                 delay = min(delay * 2, MAX_DELAY)
+            except BaseException:
+                if raw is not None:
+                    self.pool.putconn(raw)
+                raise
         raise AssertionError("unreachable")
 
     @contextmanager
