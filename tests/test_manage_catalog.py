@@ -30,11 +30,13 @@ def save(folder: Path, seed: int) -> str:
 
 
 @pytest.fixture
-def svc(tmp_path: Path) -> CkptService:
+def svc(tmp_path: Path, store_location: str) -> CkptService:
+    """The service on each store (SQLite, and a fresh PostgreSQL database): the same SQL runs on both."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "frozen").mkdir()
+    database = store_location if store_location.startswith("postgresql://") else None
     settings = Settings(data_dir=tmp_path / "data", read_roots=[str(tmp_path / "runs"), str(tmp_path / "frozen")],
-                        write_roots=[str(tmp_path / "runs")], allow_anonymous=True)
+                        write_roots=[str(tmp_path / "runs")], allow_anonymous=True, database_url=database)
     settings.prepare()
     return CkptService(settings)
 
@@ -218,7 +220,7 @@ def test_two_replicas_scanning_together_fire_each_checkpoint_once(svc: CkptServi
         save(runs / "r" / f"step_{step}", step)
     Rules(svc).add(RuleSpec.model_validate({"name": "ex", "pattern": f"{runs}/r/step_*", "max_concurrent": 10,
                                             "job": {"kind": "export", "target": f"{runs}/out/{{step}}"}}), "t")
-    replicas = [Rules(CkptService(svc.settings, JobStore(svc.settings.db_path))) for _ in range(2)]
+    replicas = [Rules(CkptService(svc.settings, JobStore(svc.settings.store_location))) for _ in range(2)]
     barrier, counts = threading.Barrier(2), []
 
     def scan(rules: Rules) -> None:
