@@ -142,14 +142,16 @@ def inspect(source: Annotated[str, typer.Argument(help="Checkpoint path or URI."
 
 def _convert(source: str, target: str, to: str, source_format: str | None, keys: Any, dtype: str | None,
              max_shard_size: str, memory_limit: str, overwrite: bool, drop_tied: list[str] | None,
-             verify: bool, quiet: bool, as_json: bool, export: bool = False, to_hf: str | None = None) -> None:
+             verify: bool, quiet: bool, as_json: bool, export: bool = False, to_hf: str | None = None,
+             ray: str | None = None) -> None:
     from converters.api import ConvertOptions, convert
+    from converters.plan import Execution
 
     with errors():
         options = ConvertOptions(to=to, source_format=source_format, keys=keys, dtype=dtype,  # type: ignore[arg-type]
                                  max_shard_size=parse_size(max_shard_size), memory_limit=parse_size(memory_limit),
                                  overwrite=overwrite, drop_tied=drop_tied or [], verify=verify, export=export,
-                                 to_hf=to_hf)
+                                 to_hf=to_hf, execution=Execution(address=ray))
         with progress_bar(quiet or as_json) as update:
             result = convert(source, target, options, update)
     print_result(result, as_json)
@@ -158,6 +160,9 @@ def _convert(source: str, target: str, to: str, source_format: str | None, keys:
 DropTied = Annotated[list[str] | None, typer.Option("--drop-tied", help="Leave out NAME, a tensor equal to "
                                                     "another (e.g. lm_head.weight); the tie is recorded.")]
 Verify = Annotated[bool, typer.Option("--verify", help="Compare the output with the source before finishing.")]
+Ray = Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="Run the output files as Ray tasks on "
+                                         "the cluster at ADDRESS (ray://host:10001, auto); default: "
+                                         "CKPT_EXECUTOR / CKPT_RAY_ADDRESS, else this process.")]
 
 
 @app.command()
@@ -169,13 +174,13 @@ def convert(source: str, target: str,
             rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
             max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
             drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False,
-            tag: Tag = None, weights: Weights = None) -> None:
+            tag: Tag = None, weights: Weights = None, ray: Ray = None) -> None:
     """Convert a checkpoint to one safetensors/torch output (model and optimizer by default, keys as they are)."""
     with errors():
         source, source_format = source_for(source, source_format, tag, weights)
         keys = key_options(only, clean_keys, rename, include, exclude)
     _convert(source, target, to, source_format, keys, dtype, max_shard_size, memory_limit, overwrite, drop_tied,
-             verify, quiet, as_json)
+             verify, quiet, as_json, ray=ray)
 
 
 @app.command()
@@ -187,13 +192,13 @@ def export(source: str, target: str, source_format: From = None,
            drop_tied: DropTied = None, verify: Verify = False, quiet: Quiet = False, as_json: AsJson = False,
            to_hf: Annotated[str | None, typer.Option("--to-hf", help="Map a Megatron / NeMo GPT model to a Hugging "
                                                      "Face architecture (llama) and write its config.json.")] = None,
-           tag: Tag = None, weights: Weights = None) -> None:
+           tag: Tag = None, weights: Weights = None, ray: Ray = None) -> None:
     """Export model weights to HF-style sharded safetensors for serving (clean keys by default)."""
     with errors():
         source, source_format = source_for(source, source_format, tag, weights)
         keys = key_options(only, not keep_keys, rename, include, exclude)
     _convert(source, target, "safetensors", source_format, keys, dtype, max_shard_size, memory_limit, overwrite,
-             drop_tied, verify, quiet, as_json, export=True, to_hf=to_hf)
+             drop_tied, verify, quiet, as_json, export=True, to_hf=to_hf, ray=ray)
 
 
 @app.command()
@@ -235,9 +240,11 @@ def reshard(source: str, target: str, world_size: Annotated[int, typer.Option("-
             rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
             dtype_optim: Annotated[bool, typer.Option("--dtype-optim", help="Cast optimizer state too.")] = False,
             memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False, verify: Verify = False,
-            quiet: Quiet = False, as_json: AsJson = False, tag: Tag = None, weights: Weights = None) -> None:
+            quiet: Quiet = False, as_json: AsJson = False, tag: Tag = None, weights: Weights = None,
+            ray: Ray = None) -> None:
     """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
     from converters.layouts import parse_dim_rules
+    from converters.plan import Execution
     from converters.reshard import ReshardOptions
     from converters.reshard import reshard as run_reshard
 
@@ -247,7 +254,7 @@ def reshard(source: str, target: str, world_size: Annotated[int, typer.Option("-
                                  source_format=source_format, keys=key_options(only, clean_keys, rename, include,
                                                                                exclude),
                                  dtype=dtype, dtype_optim=dtype_optim, memory_limit=parse_size(memory_limit),
-                                 overwrite=overwrite, verify=verify)
+                                 overwrite=overwrite, verify=verify, execution=Execution(address=ray))
         with progress_bar(quiet or as_json) as update:
             result = run_reshard(source, target, options, update)
     print_result(result, as_json)

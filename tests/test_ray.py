@@ -1,0 +1,206 @@
+"""The Ray executor on a real local two-node Ray cluster: outputs byte-identical to the local executor for
+export, convert and reshard (with and without --dtype), tasks on both nodes, a retry after a node dies
+mid-run, and cancel. Checkpoints are made here with dcp.save / torch.save."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from converters.api import ConvertOptions, convert
+from converters.output import MANIFEST
+from converters.plan import Execution
+from converters.reshard import ReshardOptions, reshard
+from converters.transforms import KeyOptions
+
+from .conftest import ckptctl
+from .test_s3 import pin_ids
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+NODE_MEMORY = 100 * 1000 * 1000
+RAY = Execution("ray")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    # a conversion task asks Ray for --memory-limit bytes of memory: give each node room for a few
+    args = {"num_cpus": 2, "object_store_memory": NODE_MEMORY, "resources": {}, "memory": 2 * 1024**3}
+    c = Cluster(initialize_head=True, head_node_args=args)
+    c.add_node(**args)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _state(n: int, rows: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.weight": torch.randn(rows, 64, generator=gen) for i in range(n)}
+    model["embed.weight"] = torch.randn(10, 64, generator=gen).to(torch.bfloat16)
+    model["steps"] = torch.arange(7, dtype=torch.int64)
+    optim = {"state": {name: {"exp_avg": torch.randn(t.shape, generator=gen), "step": torch.tensor(3.0)}
+                       for name, t in model.items() if name.endswith("weight")},
+             "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95), "params": sorted(model)}]}
+    return {"model": model, "optim": optim}
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("ray-src")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(_state(6, 48), checkpoint_id=str(root / "dcp"))
+        dcp.save({"model": _state(16, 4096)["model"]}, checkpoint_id=str(root / "big"))  # 16 MiB of weights
+    torch.save(_state(5, 40), root / "full.pt")
+    return {"dcp": root / "dcp", "big": root / "big", "torch": root / "full.pt"}
+
+
+@pytest.fixture(autouse=True)
+def _pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_ids(monkeypatch)  # random ids (DCP save_id, zip serialization_id) come from the driver's plan
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    if root.is_file():
+        return {"": root.read_bytes()}
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != MANIFEST}  # it holds a date
+
+
+def _same(local: Path, remote: Path) -> None:
+    got, want = _files(remote), _files(local)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name] == want[name], name
+    assert not [p for p in remote.parent.iterdir() if ".tmp-" in p.name]
+
+
+CONVERTS = {
+    "export": dict(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=20_000),
+    "export-bf16": dict(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=20_000,
+                        dtype="bfloat16"),
+    "convert-torch": dict(to="torch", keys=KeyOptions(only="all", clean=False)),
+    "convert-torch-fp16": dict(to="torch", keys=KeyOptions(only="all", clean=False), dtype="float16"),
+    "convert-safetensors": dict(keys=KeyOptions(only="all", clean=False), max_shard_size=30_000),
+}
+
+
+@pytest.mark.parametrize("source", ["dcp", "torch"])
+@pytest.mark.parametrize("case", list(CONVERTS))
+def test_convert_identical(cluster, sources, tmp_path: Path, case: str, source: str) -> None:
+    target = "out.pt" if CONVERTS[case].get("to") == "torch" else "out"
+    local = convert(str(sources[source]), str(tmp_path / "local" / target), ConvertOptions(**CONVERTS[case]))
+    result = convert(str(sources[source]), str(tmp_path / "ray" / target),
+                     ConvertOptions(**CONVERTS[case], execution=RAY))
+    _same(tmp_path / "local" / target, tmp_path / "ray" / target)
+    assert sorted(result.outputs) == sorted(local.outputs)
+    assert all(part.node for part in result.parts) and not any(part.node for part in local.parts)
+    if target == "out":  # the driver checked each file and wrote its CRC-32 into the manifest
+        import json
+        import zlib
+
+        files = json.loads((tmp_path / "ray" / target / MANIFEST).read_text())["files"]
+        for part in result.parts:
+            assert files[part.name]["crc32"] == zlib.crc32((tmp_path / "ray" / target / part.name).read_bytes())
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("source", ["dcp", "torch"])
+def test_reshard_identical(cluster, sources, tmp_path: Path, source: str, dtype: str | None) -> None:
+    def options(**kw: object) -> ReshardOptions:
+        return ReshardOptions(world_size=3, keys=KeyOptions(only="all", clean=False), dtype=dtype, **kw)
+
+    local = reshard(str(sources[source]), str(tmp_path / "local" / "out"), options())
+    result = reshard(str(sources[source]), str(tmp_path / "ray" / "out"), options(execution=RAY))
+    _same(tmp_path / "local" / "out", tmp_path / "ray" / "out")
+    assert sorted(result.outputs) == sorted(local.outputs)
+    assert [p.name for p in result.parts] == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+
+
+def test_cli_export_ray_and_both_nodes(cluster, sources, tmp_path: Path, monkeypatch) -> None:
+    """`ckptctl export --ray ADDRESS` from another process; small parts spread over both nodes."""
+    monkeypatch.setenv("CKPT_RAY_PART_BYTES", "1")  # one output file per task
+    ckptctl("export", sources["big"], tmp_path / "local", "--max-shard-size", "1MiB", "--quiet")
+    ckptctl("export", sources["big"], tmp_path / "ray", "--max-shard-size", "1MiB", "--quiet", "--ray", cluster.address)
+    _same(tmp_path / "local", tmp_path / "ray")
+    result = convert(str(sources["big"]), str(tmp_path / "again"),
+                     ConvertOptions(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20,
+                                    execution=RAY))
+    assert len(result.parts) == 17
+    assert {part.node for part in result.parts} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def _pin_blockers(cluster) -> list:
+    """Hold every CPU of the two session nodes, so that conversion tasks can only run on an extra node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=2)
+    class Blocker:
+        def ready(self) -> bool:
+            return True
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    blockers = [Blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                for node in nodes]
+    ray.get([b.ready.remote() for b in blockers])
+    return blockers
+
+
+def test_retry_after_node_dies(cluster, sources, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CKPT_RAY_PART_BYTES", "1")
+    options = dict(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20)
+    convert(str(sources["big"]), str(tmp_path / "local"), ConvertOptions(**options))
+    blockers = _pin_blockers(cluster)
+    extra = cluster.add_node(num_cpus=1, object_store_memory=NODE_MEMORY, memory=2 * 1024**3)
+    cluster.wait_for_nodes()
+    seen: list[int] = []
+
+    def on_progress(progress) -> None:
+        # tasks are running on the extra node (the only one with free CPUs): kill it, free the others
+        if progress.done_bytes and not seen:
+            seen.append(progress.done_bytes)
+            cluster.remove_node(extra, allow_graceful=False)
+            for blocker in blockers:
+                ray.kill(blocker)
+
+    result = convert(str(sources["big"]), str(tmp_path / "ray"), ConvertOptions(**options, execution=RAY),
+                     on_progress)
+    assert seen and seen[0] < result.parts[0].size * len(result.parts)  # killed mid-run
+    _same(tmp_path / "local", tmp_path / "ray")
+    survivors = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert extra.node_id not in survivors
+    assert {part.node for part in result.parts} & survivors  # the rest ran (again) on the surviving nodes
+
+
+class Cancelled(Exception):
+    pass
+
+
+def test_cancel_leaves_nothing(cluster, sources, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CKPT_RAY_PART_BYTES", "1")
+    calls: list[int] = []
+
+    def on_progress(progress) -> None:
+        calls.append(progress.done_bytes)
+        raise Cancelled
+
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        convert(str(sources["big"]), str(tmp_path / "out"),
+                ConvertOptions(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20,
+                               execution=RAY), on_progress)
+    assert calls and calls[0] < 16 * 4096 * 64 * 4
+    assert list(tmp_path.iterdir()) == []  # no target, no temporary sibling, no late write from a task
+    time.sleep(1.0)
+    assert list(tmp_path.iterdir()) == []
+    assert time.monotonic() - started < 60
