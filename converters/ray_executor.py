@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from .plan import PartResult, Plan, run_part
 PART_BYTES_ENV = "CKPT_RAY_PART_BYTES"
 DEFAULT_PART_BYTES = 1 << 30
 MAX_RETRIES = 3
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.1
 REPORT_SECONDS = 0.5
 CANCEL_WAIT = 30.0
 
@@ -63,8 +64,8 @@ def batches(parts: list[Any], part_bytes: int) -> list[list[Any]]:
 class _Reporter:
     """A task's progress callback: sends byte and tensor deltas to the driver's sink, at most twice a second."""
 
-    def __init__(self, sink: Any) -> None:
-        self.sink, self.sent, self.last = sink, (0, 0), 0.0
+    def __init__(self, sink: Any, run: str) -> None:
+        self.sink, self.run, self.sent, self.last = sink, run, (0, 0), 0.0
 
     def __call__(self, progress: Progress, force: bool = False) -> None:
         now = time.monotonic()
@@ -73,18 +74,18 @@ class _Reporter:
         done = (progress.done_bytes, progress.done_tensors)
         delta = (done[0] - self.sent[0], done[1] - self.sent[1])
         if delta != (0, 0):
-            self.sink.add.remote(*delta)
+            self.sink.add.remote(self.run, *delta)
         self.sent, self.last = done, now
 
 
 def run_batch(target: Target, parts: list[Any], memory_limit: int, threads: int, read_roots: list[str] | None,
-              sink: Any) -> list[PartResult]:
+              sink: Any, run: str) -> list[PartResult]:
     """The Ray task: run `parts` into `target`; return each file's size, CRC-32 and this node's id."""
     import ray
 
     storage.confine_reads(read_roots)
     out = target.output()
-    reporter = _Reporter(sink)
+    reporter = _Reporter(sink, run)
     reader = storage.RangeReader()
     try:
         copier = Copier(reader, memory_limit, Progress(callback=reporter), threads=threads)
@@ -106,22 +107,46 @@ def _connect(address: str) -> Any:
     return ray
 
 
-def _sink_class(ray: Any) -> Any:
+_sink: Any = None
+
+
+def _progress_sink(ray: Any) -> Any:
+    """This driver's progress actor, next to the driver (started once: an actor takes a worker process to
+    start, longer than a small conversion runs). Every run counts under its own id."""
+    from ray.exceptions import RayError
+
+    global _sink
+    if _sink is not None:
+        try:
+            ray.get(_sink.get.remote(""), timeout=10)
+            return _sink
+        except RayError:
+            _sink = None  # its node is gone: start another
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     @ray.remote(num_cpus=0)
     class ProgressSink:
-        """Sums the progress every task reports; the driver polls it."""
+        """Sums the progress every task of a run reports; the driver polls it."""
 
         def __init__(self) -> None:
-            self.bytes, self.tensors = 0, 0
+            self.runs: dict[str, list[int]] = {}
 
-        def add(self, nbytes: int, tensors: int) -> None:
-            self.bytes += nbytes
-            self.tensors += tensors
+        def add(self, run: str, nbytes: int, tensors: int) -> None:
+            done = self.runs.setdefault(run, [0, 0])
+            done[0] += nbytes
+            done[1] += tensors
 
-        def get(self) -> tuple[int, int]:
-            return self.bytes, self.tensors
+        def get(self, run: str) -> tuple[int, int]:
+            done = self.runs.get(run, [0, 0])
+            return done[0], done[1]
 
-    return ProgressSink
+        def drop(self, run: str) -> None:
+            self.runs.pop(run, None)
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    _sink = ProgressSink.options(scheduling_strategy=here).remote()
+    return _sink
 
 
 def _update(progress: Progress, done: tuple[int, int]) -> None:
@@ -159,22 +184,23 @@ def _check(results: list[PartResult], out: Output) -> None:
 def run_ray(plan: Plan, out: Output, copier: Copier, address: str) -> list[PartResult]:
     """Run `plan`'s parts as Ray tasks and return their results in plan order."""
     ray = _connect(address)
-    from ray.exceptions import RayTaskError
+    from ray.exceptions import RayError, RayTaskError
 
     memory_limit = copier.memory_limit
     part_bytes = int(os.environ.get(PART_BYTES_ENV, "") or DEFAULT_PART_BYTES)
     task = ray.remote(run_batch).options(num_cpus=1, memory=memory_limit, scheduling_strategy="SPREAD",
                                          max_retries=MAX_RETRIES, retry_exceptions=[OSError])
-    sink = _sink_class(ray).remote()
+    sink, run = _progress_sink(ray), uuid.uuid4().hex  # if the sink is lost, progress stops, not the job
     target = Target(out.uri, out.root, out.single_file)
     roots = storage.read_roots()
-    refs = [task.remote(target, group, memory_limit, copier.threads, roots, sink)
+    refs = [task.remote(target, group, memory_limit, copier.threads, roots, sink, run)
             for group in batches(plan.parts, part_bytes)]
     try:
         pending = list(refs)
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
-            _update(copier.progress, ray.get(sink.get.remote()))
+            with contextlib.suppress(RayError):
+                _update(copier.progress, ray.get(sink.get.remote(run), timeout=POLL_SECONDS * 4))
         try:
             results = [result for group in ray.get(refs) for result in group]
         except RayTaskError as exc:
@@ -184,6 +210,7 @@ def run_ray(plan: Plan, out: Output, copier: Copier, address: str) -> list[PartR
         _cancel(ray, refs)
         raise
     finally:
-        ray.kill(sink)
+        sink.drop.remote(run)
     _check(results, out)
+    _update(copier.progress, (copier.progress.total_bytes, copier.progress.total_tensors))
     return results

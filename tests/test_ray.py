@@ -4,7 +4,7 @@ mid-run, and cancel. Checkpoints are made here with dcp.save / torch.save."""
 
 from __future__ import annotations
 
-import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -62,8 +62,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save(_state(6, 48), checkpoint_id=str(root / "dcp"))
         dcp.save({"model": _state(16, 4096)["model"]}, checkpoint_id=str(root / "big"))  # 16 MiB of weights
+        dcp.save({"model": _state(24, 16384)["model"]}, checkpoint_id=str(root / "huge"))  # 96 MiB
     torch.save(_state(5, 40), root / "full.pt")
-    return {"dcp": root / "dcp", "big": root / "big", "torch": root / "full.pt"}
+    return {"dcp": root / "dcp", "big": root / "big", "huge": root / "huge", "torch": root / "full.pt"}
 
 
 @pytest.fixture(autouse=True)
@@ -160,26 +161,34 @@ def test_retry_after_node_dies(cluster, sources, tmp_path: Path, monkeypatch) ->
     monkeypatch.setenv("CKPT_RAY_PART_BYTES", "1")
     options = dict(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20)
     convert(str(sources["big"]), str(tmp_path / "local"), ConvertOptions(**options))
+    base = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     blockers = _pin_blockers(cluster)
     extra = cluster.add_node(num_cpus=1, object_store_memory=NODE_MEMORY, memory=2 * 1024**3)
     cluster.wait_for_nodes()
-    seen: list[int] = []
+    killed: list[str] = []
 
-    def on_progress(progress) -> None:
-        # tasks are running on the extra node (the only one with free CPUs): kill it, free the others
-        if progress.done_bytes and not seen:
-            seen.append(progress.done_bytes)
-            cluster.remove_node(extra, allow_graceful=False)
-            for blocker in blockers:
-                ray.kill(blocker)
+    def kill_when_writing() -> None:
+        """Tasks can only run on the extra node: once the first output file appears, kill that node (its
+        raylet and workers, mid-task) and free the CPUs of the others."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(p.is_dir() and any(p.iterdir()) for p in tmp_path.glob(".ray.tmp-*")):
+                cluster.remove_node(extra, allow_graceful=False)
+                killed.extend(p.name for p in next(tmp_path.glob(".ray.tmp-*")).iterdir())
+                break
+            time.sleep(0.001)
+        for blocker in blockers:
+            ray.kill(blocker)
 
-    result = convert(str(sources["big"]), str(tmp_path / "ray"), ConvertOptions(**options, execution=RAY),
-                     on_progress)
-    assert seen and seen[0] < result.parts[0].size * len(result.parts)  # killed mid-run
+    watcher = threading.Thread(target=kill_when_writing)
+    watcher.start()
+    result = convert(str(sources["big"]), str(tmp_path / "ray"), ConvertOptions(**options, execution=RAY))
+    watcher.join()
+    assert 0 < len(killed) < len(result.parts)  # killed mid-run
     _same(tmp_path / "local", tmp_path / "ray")
-    survivors = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    assert extra.node_id not in survivors
-    assert {part.node for part in result.parts} & survivors  # the rest ran (again) on the surviving nodes
+    assert not extra.any_processes_alive()
+    nodes = {part.node for part in result.parts}
+    assert nodes & base and nodes <= base | {extra.node_id}  # the rest ran (again) on the surviving nodes
 
 
 class Cancelled(Exception):
@@ -195,11 +204,11 @@ def test_cancel_leaves_nothing(cluster, sources, tmp_path: Path, monkeypatch) ->
         raise Cancelled
 
     started = time.monotonic()
-    with pytest.raises(Cancelled):
-        convert(str(sources["big"]), str(tmp_path / "out"),
+    with pytest.raises(Cancelled):  # casting through 1 MiB of memory: seconds of work
+        convert(str(sources["huge"]), str(tmp_path / "out"),
                 ConvertOptions(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20,
-                               execution=RAY), on_progress)
-    assert calls and calls[0] < 16 * 4096 * 64 * 4
+                               dtype="bfloat16", memory_limit=1 << 20, execution=RAY), on_progress)
+    assert calls and calls[0] < 24 * 16384 * 64 * 4  # cancelled before all source bytes were read
     assert list(tmp_path.iterdir()) == []  # no target, no temporary sibling, no late write from a task
     time.sleep(1.0)
     assert list(tmp_path.iterdir()) == []
