@@ -90,6 +90,11 @@ class Settings(BaseSettings):
                                           "(0: none); keeps shared filesystems usable while jobs run.")
     job_nice: int = Field(10, ge=0, le=19, description="Niceness of job processes, so the API stays responsive.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    executor: Literal["local", "ray"] = Field("local", description="Who writes a job's output files: its own "
+                                              "process (local) or Ray tasks across a cluster (ray).")
+    ray_address: str = Field("auto", description="The Ray cluster for executor=ray: ray://HOST:10001, or auto "
+                             "(the cluster this host belongs to). The target must be on storage every Ray "
+                             "node sees (a shared filesystem or object storage).")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

@@ -11,6 +11,7 @@ part is done and checked, writes the files that describe the whole (index, `.met
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class PartResult:
     crc32: int | None
     extra: Any = None
     node: str = ""
+    seconds: float = 0.0  # how long the part took to write (a Ray task's own timing)
 
 
 @dataclass
@@ -97,13 +99,14 @@ def file_crc(out: Output, name: str, size: int, block: int = 8 << 20) -> int:
 def run_part(part: Any, out: Output, copier: Copier, pool: ThreadPoolExecutor | None,
              checksum: bool = False) -> PartResult:
     """Run one part; report its file's size (and CRC-32 with `checksum`, or whenever the output computed it)."""
+    started = time.perf_counter()
     extra = part.run(out, copier, pool)
     key = part.name or storage.basename(out.uri)
     info = out.files[key]
     crc = info.get("crc32")
     if crc is None and checksum:
         crc = file_crc(out, part.name, info["bytes"])
-    return PartResult(part.name, info["bytes"], crc, extra)
+    return PartResult(part.name, info["bytes"], crc, extra, seconds=time.perf_counter() - started)
 
 
 def run_local(plan: Plan, out: Output, copier: Copier) -> list[PartResult]:
