@@ -63,8 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(args.log_level)
     allowed = None
     if args.read_roots is not None and args.write_roots is not None:
-        allowed = ([roots.parse_root(r) for r in json.loads(args.read_roots)],
-                   [roots.parse_root(r) for r in json.loads(args.write_roots)])
+        read, write = json.loads(args.read_roots), json.loads(args.write_roots)
+        allowed = ([roots.parse_root(r) for r in read], [roots.parse_root(r) for r in write])
+        from converters import storage
+
+        # every file the engine opens (members a checkpoint names, symlinks resolved) must lie in a root;
+        # the write roots too, since --verify and the registry read outputs back
+        storage.confine_reads([*read, *write])
     store = JobStore(args.db, migrate=False)
     return run_job(store, args.job_id, args.attempt, args.progress_seconds, args.max_bytes_per_second, allowed)
 
