@@ -4,6 +4,7 @@ mid-run, and cancel. Checkpoints are made here with dcp.save / torch.save."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -213,3 +214,31 @@ def test_cancel_leaves_nothing(cluster, sources, tmp_path: Path, monkeypatch) ->
     time.sleep(1.0)
     assert list(tmp_path.iterdir()) == []
     assert time.monotonic() - started < 60
+
+
+def test_failed_task_fails_the_job_by_name_and_leaves_nothing(cluster, sources, tmp_path: Path) -> None:
+    """The source shrinks after the driver planned (another job rewrote it): the task that reads it fails with
+    the file's name, is not retried (not an I/O fault), and the temporary target is removed."""
+    import shutil
+
+    from converters import storage
+    from converters.copier import Copier
+    from converters.errors import SourceError
+    from converters.formats import load_index
+    from converters.output import open_output
+    from converters.plan import execute
+    from converters.transforms import apply
+    from converters.writers.safetensors import plan_safetensors
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["dcp"], src)
+    reader = storage.RangeReader()
+    view = apply(load_index(str(src), reader=reader), KeyOptions(only="model", clean=True), reader).index
+    copier = Copier(reader)
+    with pytest.raises(SourceError, match=r"__0_0\.distcp: file is shorter"), \
+            open_output(str(tmp_path / "out"), False, "safetensors") as out:
+        plan = plan_safetensors(view, out, copier, cast_to=None, max_shard_size=20_000)
+        os.truncate(src / "__0_0.distcp", 1000)
+        execute(plan, out, copier, RAY)
+    reader.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
