@@ -17,7 +17,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,13 +27,11 @@ from typing import Any
 
 import httpx
 
+from ckpt_service.helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -13,19 +13,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .errors import ClientError
+from .jobs import TERMINAL
+
 DEFAULT_SERVER = "http://127.0.0.1:8080"
-TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-class ClientError(Exception):
-    """The server refused a request (`status` > 0) or could not be reached (`status` 0)."""
-
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
-
-    def __str__(self) -> str:
-        return f"{self.message} (HTTP {self.status})" if self.status else self.message
 
 
 def parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:

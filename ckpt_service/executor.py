@@ -2,90 +2,99 @@
 and record the outcome with the registry entries of its output, in one transaction.
 
 This runs inside the job's own process (`python -m ckpt_service.worker_main`); `worker.py` starts and
-watches that process. `engine_call` is also used at submit time to reject bad options before queueing.
+watches that process. `engine_call` is also used at submit time to reject bad options before queueing,
+and by the offline commands (`ckptctl convert ...`) to run in-process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any
 
 from converters import storage
-from converters.errors import CkptError
+from converters.errors import CkptError, VerifyError
 
 from . import logs, roots
-from .errors import ServiceError
-from .jobs import DEFAULT_CLEAN, DEFAULT_ONLY, WRITING_KINDS, JobSpec
+from .helpers import remove_tree
+from .job_requests import (
+    ConvertRequest,
+    ExportRequest,
+    InspectRequest,
+    JobRequest,
+    KeyedRequest,
+    ReshardRequest,
+    VerifyRequest,
+)
+from .jobs import WRITING_KINDS, JobSpec, request_of
 from .registry import Registry
 from .store import JobStore
 
 EngineCall = Callable[[Callable[[Any], None] | None], Any]
 
 
-class VerifyFailed(Exception):
-    """A verify job found differences: the job fails, and its result keeps the report."""
-
-    def __init__(self, report: Any) -> None:
-        super().__init__(report.summary())
-        self.report = report
-
-
-def key_options(spec: JobSpec) -> Any:
+def key_options(request: KeyedRequest) -> Any:
     from converters.transforms import KeyOptions
 
-    opts = spec.options
-    clean = DEFAULT_CLEAN[spec.kind] if opts.clean_keys is None else opts.clean_keys
-    return KeyOptions(only=opts.only or DEFAULT_ONLY[spec.kind], clean=clean,  # type: ignore[arg-type]
-                      renames=KeyOptions.parse_renames(opts.rename), include=list(opts.include),
-                      exclude=list(opts.exclude))
+    return KeyOptions(only=request.only, clean=request.clean_keys, renames=KeyOptions.parse_renames(request.rename),
+                      include=list(request.include), exclude=list(request.exclude))
 
 
-def engine_call(spec: JobSpec) -> EngineCall:
-    """The engine call for `spec`, with its option objects built (so bad options raise OptionError now)."""
-    opts, source, target = spec.options, spec.source, spec.target or ""
-    if spec.kind == "inspect":
+def engine_call(request: JobRequest, source: str, target: str | None = None) -> EngineCall:
+    """The engine call for a job of `request`'s kind: the one mapping from request models to the engine, used
+    by the offline commands and by jobs. Option objects are built now, so bad options raise OptionError here;
+    a verify whose checkpoints differ raises VerifyError carrying the report."""
+    if getattr(request, "tag", None) is not None or getattr(request, "weights", None) is not None:
+        from converters.formats.deepspeed import source_for
+
+        source, fmt = source_for(source, request.source_format, request.tag, request.weights)  # type: ignore[attr-defined]
+        request = request.model_copy(update={"source_format": fmt, "tag": None, "weights": None})
+    if isinstance(request, InspectRequest):
         from converters.api import inspect
 
         from .summary import summarize
 
+        opts = request
         return lambda _progress: summarize(inspect(source, opts.source_format), opts.tensors)
-    keys = key_options(spec)
-    memory_limit = int(opts.memory_limit)
-    if spec.kind == "verify":
+    if not isinstance(request, KeyedRequest):
+        raise TypeError(f"no engine call for {type(request).__name__}")
+    keys, out = key_options(request), target or ""
+    if isinstance(request, VerifyRequest):
         from converters.api import verify
 
         keys.nest = False
+        vr = request
 
         def run_verify(_progress: Callable[[Any], None] | None) -> Any:
-            report = verify(source, target, keys=keys, atol=opts.atol, rtol=opts.rtol, a_format=opts.source_format,
-                            b_format=opts.target_format, memory_limit=memory_limit)
+            report = verify(source, out, keys=keys, atol=vr.atol, rtol=vr.rtol, a_format=vr.source_format,
+                            b_format=vr.target_format, memory_limit=int(vr.memory_limit))
             if not report.ok:
-                raise VerifyFailed(report)
+                raise VerifyError(report.summary(), report=report)
             return report
         return run_verify
-    if spec.kind == "reshard":
+    if isinstance(request, ReshardRequest):
         from converters.layouts import parse_dim_rules
         from converters.reshard import ReshardOptions, reshard
 
-        reshard_options = ReshardOptions(world_size=opts.world_size or 0, layout=opts.layout or "fsdp2",
-                                         dim_rules=parse_dim_rules(opts.shard_dim_rule), keys=keys,
-                                         source_format=opts.source_format, dtype=opts.dtype,
-                                         dtype_optim=opts.dtype_optim, memory_limit=memory_limit,
-                                         overwrite=opts.overwrite, verify=opts.verify)
-        return lambda progress: reshard(source, target, reshard_options, progress)
-    from converters.api import DEFAULT_SHARD_SIZE, ConvertOptions, convert
+        reshard_options = ReshardOptions(world_size=request.world_size, layout=request.layout,
+                                         dim_rules=parse_dim_rules(request.shard_dim_rule), keys=keys,
+                                         source_format=request.source_format, dtype=request.dtype,
+                                         dtype_optim=request.dtype_optim, memory_limit=int(request.memory_limit),
+                                         overwrite=request.overwrite, verify=request.verify)
+        return lambda progress: reshard(source, out, reshard_options, progress)
+    if not isinstance(request, ConvertRequest | ExportRequest):
+        raise TypeError(f"no engine call for {type(request).__name__}")
+    from converters.api import ConvertOptions, convert
 
-    to = "safetensors" if spec.kind == "export" else (opts.to or "safetensors")
-    convert_options = ConvertOptions(to=to, source_format=opts.source_format, keys=keys,  # type: ignore[arg-type]
-                                     dtype=opts.dtype, max_shard_size=int(opts.max_shard_size or DEFAULT_SHARD_SIZE),
-                                     memory_limit=memory_limit, overwrite=opts.overwrite,
-                                     drop_tied=list(opts.drop_tied), verify=opts.verify,
-                                     export=spec.kind == "export")
-    return lambda progress: convert(source, target, convert_options, progress)
+    to = request.to if isinstance(request, ConvertRequest) else "safetensors"
+    convert_options = ConvertOptions(to=to, source_format=request.source_format, keys=keys, dtype=request.dtype,
+                                     max_shard_size=int(request.max_shard_size),
+                                     memory_limit=int(request.memory_limit), overwrite=request.overwrite,
+                                     drop_tied=list(request.drop_tied), verify=request.verify,
+                                     export=isinstance(request, ExportRequest),
+                                     to_hf=request.to_hf if isinstance(request, ExportRequest) else None)
+    return lambda progress: convert(source, out, convert_options, progress)
 
 
 class ProgressWriter:
@@ -131,11 +140,7 @@ def clean_target(target: str | None, overwrite: bool) -> list[str]:
     if not overwrite and os.path.lexists(path):
         found.append(path)
     for item in found:
-        if os.path.isdir(item) and not os.path.islink(item):
-            shutil.rmtree(item, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(item)
+        remove_tree(item)
     return found
 
 
@@ -211,17 +216,19 @@ def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float 
     try:
         if allowed is not None:
             recheck_roots(spec, *allowed)
-        value = engine_call(spec)(writer)
+        value = engine_call(request_of(spec.kind, spec.options), spec.source, spec.target)(writer)
         writer.flush()
         ok = _succeed(store, spec, job_id, attempt, value)
         logs.event("job.succeeded" if ok else "job.not_current", job_id=job_id, attempt=attempt,
                    seconds=round(time.monotonic() - started, 3))
         return 0 if ok else 3
-    except VerifyFailed as exc:
-        report = {**exc.report.to_dict(), "summary": exc.report.summary()}
-        store.finish_now(job_id, attempt, "failed", result=report, error=("VerifyError", f"checkpoints differ: {exc}"))
+    except VerifyError as exc:
+        report = exc.report
+        result = {**report.to_dict(), "summary": report.summary()} if report is not None else None
+        message = f"checkpoints differ: {exc}" if report is not None else str(exc)
+        store.finish_now(job_id, attempt, "failed", result=result, error=("VerifyError", message))
         logs.event("job.failed", job_id=job_id, attempt=attempt, error_type="VerifyError")
-    except (CkptError, ServiceError) as exc:
+    except CkptError as exc:
         store.finish_now(job_id, attempt, "failed", error=(type(exc).__name__, str(exc)))
         logs.event("job.failed", job_id=job_id, attempt=attempt, error_type=type(exc).__name__, error=str(exc))
     except Exception as exc:  # a bug, or an OS error the engine did not wrap: fail the job, keep the trace in the log

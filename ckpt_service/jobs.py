@@ -1,8 +1,8 @@
 """The job model: what a client submits (`JobSpec`), how the store keeps it (`JobRecord`), what it sees (`JobView`).
 
-Options mirror the `ckptctl` flags one to one (`--max-shard-size` is `max_shard_size`, `--from` is
-`source_format`, `--keep-keys` is `clean_keys: false`); unset options take the offline command's
-defaults for that kind.
+A spec's `options` are those of its kind's request model (`job_requests`), which mirror the `ckptctl`
+flags one to one (`--max-shard-size` is `max_shard_size`, `--from` is `source_format`, `--keep-keys` is
+`clean_keys: false`); unset options take that kind's defaults, and a queued job's spec shows them.
 """
 
 from __future__ import annotations
@@ -10,82 +10,49 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal
+from typing import Any, Literal, Optional, get_origin, get_type_hints
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 
-from .units import parse_size
+from .job_requests import APPLIES, REQUESTS, Format, JobRequest, build, plain, shared_default
+
+__all__ = ["APPLIES", "KINDS", "STATES", "TERMINAL", "WRITING_KINDS", "Format", "JobOptions", "JobSpec"]
 
 Kind = Literal["convert", "export", "reshard", "verify", "inspect"]
 State = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-KINDS: tuple[str, ...] = ("convert", "export", "reshard", "verify", "inspect")
-STATES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
+KINDS: tuple[str, ...] = Kind.__args__
+STATES: tuple[str, ...] = State.__args__
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 WRITING_KINDS = frozenset({"convert", "export", "reshard"})
 
-#: The engine's reader names (`converters.formats.READERS`; a test keeps the two lists equal).
-Format = Literal["dcp", "accelerate", "hf-dcp", "safetensors", "torch", "rank-files", "megatron", "lightning",
-                 "deepspeed", "deepspeed-module"]
-Text = Annotated[str, Field(min_length=1, max_length=1024)]
-Texts = Annotated[list[Text], Field(max_length=256)]
-Size = Annotated[int | str, Field(description="Bytes, or a size such as 5GB or 256MiB.")]
 
-#: Which options each kind takes; setting another is a 422 naming the option.
-APPLIES: dict[str, frozenset[str]] = {
-    "convert": frozenset({"source_format", "to", "only", "clean_keys", "rename", "include", "exclude", "dtype",
-                          "max_shard_size", "memory_limit", "overwrite", "drop_tied", "verify"}),
-    "export": frozenset({"source_format", "only", "clean_keys", "rename", "include", "exclude", "dtype",
-                         "max_shard_size", "memory_limit", "overwrite", "drop_tied", "verify"}),
-    "reshard": frozenset({"source_format", "only", "clean_keys", "rename", "include", "exclude", "dtype",
-                          "dtype_optim", "memory_limit", "overwrite", "verify", "world_size", "layout",
-                          "shard_dim_rule"}),
-    "verify": frozenset({"source_format", "target_format", "only", "clean_keys", "rename", "include", "exclude",
-                         "memory_limit", "atol", "rtol"}),
-    "inspect": frozenset({"source_format", "tensors"}),
-}
-#: The offline commands' defaults (`ckptctl export` keeps the model and cleans keys, `convert` keeps everything;
-#: reshard keeps keys with `only: all`, a training state, and cleans them otherwise: None).
-DEFAULT_ONLY = {"convert": "all", "export": "model", "reshard": "model", "verify": "all"}
-DEFAULT_CLEAN: dict[str, bool | None] = {"convert": False, "export": True, "reshard": None, "verify": True}
+def _options_model() -> type[BaseModel]:
+    """Every option of every kind, typed and described as in its request model (which kinds take it is said
+    in its description), each optional: null, or unset, is the kind's default. An option's default here is
+    the one its kinds share (`memory_limit`), or null where they differ (`only`)."""
+    fields: dict[str, Any] = {}
+    for model in REQUESTS.values():
+        hints = get_type_hints(model, include_extras=True)
+        for name, info in model.model_fields.items():
+            if name in fields:
+                continue
+            kinds = ", ".join(k for k in REQUESTS if name in APPLIES[k])
+            default, kind = shared_default(name), plain(hints[name])
+            # flags, tolerances and lists always have a value (as before); the rest may be null
+            valued = default is not None and (kind in (bool, float) or get_origin(kind) is list)
+            annotation = hints[name] if valued else Optional[hints[name]]  # noqa: UP045 (built at run time)
+            fields[name] = (annotation, Field(default, description=f"{info.description} ({kinds})"))
+    return create_model("JobOptions", __config__=ConfigDict(extra="forbid"), **fields)
 
 
-class JobOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+JobOptions = _options_model()
 
-    source_format: Format | None = Field(None, description="--from: force the source format.")
-    target_format: Format | None = Field(None, description="verify --from-b: format of the target.")
-    to: Literal["safetensors", "torch"] | None = Field(None, description="convert --to.")
-    only: Literal["model", "optim", "all"] | None = None
-    clean_keys: bool | None = Field(None, description="Strip wrapper prefixes (false is --keep-keys).")
-    rename: Texts = Field(default_factory=list, description="REGEX=REPLACEMENT, applied in order.")
-    include: Texts = Field(default_factory=list)
-    exclude: Texts = Field(default_factory=list)
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    dtype_optim: bool = False
-    max_shard_size: Size | None = None
-    memory_limit: Size = 256 * 1024 * 1024
-    overwrite: bool = False
-    drop_tied: Texts = Field(default_factory=list)
-    verify: bool = False
-    world_size: int | None = Field(None, ge=1, le=65536)
-    layout: Literal["fsdp2"] | None = None
-    shard_dim_rule: Texts = Field(default_factory=list, description="REGEX=DIM.")
-    atol: float = Field(0.0, ge=0, le=1e6)
-    rtol: float = Field(0.0, ge=0, le=1e6)
-    tensors: bool = Field(False, description="inspect: include the tensor table.")
 
-    @field_validator("max_shard_size", "memory_limit", mode="after")
-    @classmethod
-    def _size(cls, value: int | str | None) -> int | None:
-        if value is None:
-            return None
-        try:
-            size = parse_size(value)
-        except Exception:
-            raise ValueError("write a number of bytes or a size such as 5GB or 256MiB") from None
-        if size <= 0:
-            raise ValueError("must be positive")
-        return size
+def request_of(kind: str, options: BaseModel) -> JobRequest:
+    """The kind's request model from a spec's options (null and other kinds' options left out; the API has
+    already refused options that do not apply)."""
+    values = options.model_dump(exclude_none=True)
+    return build(kind, {k: v for k, v in values.items() if k in APPLIES[kind]})
 
 
 class JobSpec(BaseModel):
@@ -96,7 +63,7 @@ class JobSpec(BaseModel):
     kind: Kind
     source: str = Field(min_length=1, max_length=4096, description="Checkpoint path or URI.")
     target: str | None = Field(None, min_length=1, max_length=4096)
-    options: JobOptions = Field(default_factory=JobOptions)
+    options: JobOptions = Field(default_factory=JobOptions)  # type: ignore[valid-type]
     callback_url: AnyHttpUrl | None = Field(None, description="POSTed the final job document once the job ends.")
 
 

@@ -118,11 +118,12 @@ def check(uri: str, roots: list[Location], *, field: str, purpose: str) -> str:
     for root in roots:
         if root.contains(location):
             if purpose == "write" and location.segments == root.segments:
-                raise OutsideRoots(f"{field}: {location} is a storage root itself; write below it", field)
+                raise OutsideRoots(f"{field}: {location} is a storage root itself; write below it", field,
+                                   uri=location.uri())
             return location.uri()
     allowed = ", ".join(str(r) for r in roots) or "none configured"
     raise OutsideRoots(f"{field}: {location} is outside the storage roots this server may {purpose} "
-                       f"({allowed})", field)
+                       f"({allowed})", field, uri=location.uri())
 
 
 def overlap(a: str, b: str) -> bool:

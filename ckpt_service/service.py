@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
 from typing import Any
+
+from pydantic import ValidationError
 
 from converters.errors import CkptError
 
 from . import roots
 from .auth import Principal
 from .errors import Conflict, Forbidden, InvalidRequest, ServiceError
-from .jobs import APPLIES, WRITING_KINDS, JobRecord, JobSpec, JobView
+from .helpers import remove_tree
+from .job_requests import problems
+from .jobs import APPLIES, WRITING_KINDS, JobOptions, JobRecord, JobSpec, JobView, request_of
 from .registry import CheckpointView, LineageView, RegisterRequest, Registry
 from .settings import Settings
 from .store import JobStore
@@ -54,11 +56,14 @@ class CkptService:
         stray = sorted(spec.options.model_fields_set - APPLIES[spec.kind])
         if stray:
             raise InvalidRequest(f"options.{stray[0]}: does not apply to {spec.kind} jobs", f"options.{stray[0]}")
-        if spec.kind == "reshard" and spec.options.world_size is None:
-            raise InvalidRequest("options.world_size: reshard jobs need a world size", "options.world_size")
-        if spec.kind == "inspect" and spec.target is not None:
-            raise InvalidRequest("target: inspect jobs take no target", "target")
-        if spec.kind != "inspect" and spec.target is None:
+        try:
+            request = request_of(spec.kind, spec.options)
+        except ValidationError as exc:
+            field, message = problems(exc, "options.")[0]
+            raise InvalidRequest(f"{field}: {message} for {spec.kind} jobs", field) from None
+        if not request.takes_target and spec.target is not None:
+            raise InvalidRequest(f"target: {spec.kind} jobs take no target", "target")
+        if request.takes_target and spec.target is None:
             raise InvalidRequest(f"target: {spec.kind} jobs need a target", "target")
         source = roots.check(spec.source, s.read_locations, field="source", purpose="read")
         target = spec.target
@@ -70,14 +75,17 @@ class CkptService:
                 raise InvalidRequest("target: the output would overlap the source; write it elsewhere", "target")
         if spec.callback_url is not None:
             s.callback_policy.check_submitted(str(spec.callback_url))
-        normal = spec.model_copy(update={"source": source, "target": target})
+        # the queued spec shows every option of its kind, defaults filled in
+        normal = spec.model_copy(update={"source": source, "target": target,
+                                         "options": JobOptions(**request.model_dump())})
         from .executor import engine_call
 
         try:
-            engine_call(normal)
+            engine_call(request, source, target)
         except CkptError as exc:
             raise InvalidRequest(f"options: {exc}", "options") from None
-        if spec.kind in WRITING_KINDS and not spec.options.overwrite and _exists(target or "", "target"):
+        overwrite = getattr(request, "overwrite", False)
+        if spec.kind in WRITING_KINDS and not overwrite and _exists(target or "", "target"):
             raise Conflict(f"target {target} exists; set options.overwrite to replace it, or choose another target")
         return normal
 
@@ -180,11 +188,7 @@ def _remove(uri: str) -> None:
     from converters import storage
 
     if storage.is_local(uri):
-        path = storage.local_path(uri)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        elif os.path.lexists(path):
-            os.remove(path)
+        remove_tree(storage.local_path(uri), ignore_errors=False)
         return
     try:
         fs, path = storage.filesystem(uri)

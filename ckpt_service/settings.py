@@ -24,7 +24,7 @@ from pydantic_settings import (
 )
 
 from . import auth, roots
-from .errors import ServiceError
+from .errors import ServiceError, SettingsError
 
 CONFIG_ENV = "CKPT_CONFIG"
 DB_NAME = "ckpt.db"
@@ -201,10 +201,6 @@ def load(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Sett
         raise SettingsError(f"config file {file}: use a .toml or .json file")
     cls = type("Settings", (Settings,), {"model_config": {**Settings.model_config, key: file}})
     return cls(**given)
-
-
-class SettingsError(Exception):
-    """Settings that cannot be used; the message lists every problem, one per line."""
 
 
 def describe(error: ValidationError) -> str:

@@ -27,7 +27,7 @@ from .errors import Conflict, NotFound, QueueFull, StoreError
 from .jobs import TERMINAL, JobRecord
 from .store_check import as_store_error
 
-TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
+TERMINAL_SQL = "(" + ", ".join(f"'{state}'" for state in sorted(TERMINAL)) + ")"
 _CALLBACK_PENDING = "callback_state = CASE WHEN callback_url IS NOT NULL THEN 'pending' END"
 
 
@@ -239,7 +239,8 @@ class JobStore:
     def finish(self, conn: sqlite3.Connection, job_id: str, attempt: int, state: str,
                result: dict[str, Any] | None = None, error: tuple[str, str] | None = None) -> bool:
         """Inside a transaction: end attempt `attempt` of a running job. False if it is no longer ours."""
-        assert state in TERMINAL
+        if state not in TERMINAL:
+            raise ValueError(f"finish: {state!r} is not a final state ({', '.join(sorted(TERMINAL))})")
         now = time.time()
         error_type, message = error or (None, None)
         cur = conn.execute(
@@ -323,10 +324,6 @@ class JobStore:
 
     def live_workers(self, within_seconds: float) -> list[sqlite3.Row]:
         return self.query("SELECT * FROM workers WHERE seen_at >= ?", (time.time() - within_seconds,))
-
-    def forget_workers(self, older_than_seconds: float) -> None:
-        with self.transaction() as conn:
-            conn.execute("DELETE FROM workers WHERE seen_at < ?", (time.time() - older_than_seconds,))
 
     def count_by_state(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in self.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}

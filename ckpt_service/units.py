@@ -25,3 +25,12 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"
+
+
+def exact(n: int) -> str:
+    """`n` bytes in the largest unit that divides it exactly (5000000000 -> 5GB, 268435456 -> 256MiB)."""
+    for unit in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB"):
+        scale = _UNITS[unit.upper()]
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)

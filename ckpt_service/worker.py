@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 
-from . import callbacks, logs
+from . import logs, webhooks
 from .errors import ServiceError
 from .executor import clean_target
 from .jobs import JobRecord
@@ -138,7 +138,8 @@ class JobRunner(threading.Thread):
             if store.finish_now(job.id, self.attempt, "cancelled"):
                 logs.event("job.cancelled", job_id=job.id, attempt=self.attempt, removed=removed)
             return
-        assert self.proc is not None
+        if self.proc is None:
+            raise RuntimeError(f"job {job.id}: settling an attempt whose process never started")
         reason = describe_exit(self.proc.pid, self.proc.returncode)
         removed = clean_target(target, overwrite)
         state = store.requeue_or_fail(job.id, self.attempt, reason)
@@ -222,7 +223,7 @@ class WorkerPool:
                     next_chores = time.monotonic() + s.heartbeat_seconds
                     self.store.touch_worker(self.id)
                     self.reap()
-                    callbacks.deliver_due(self.store, self.id, s.callback_timeout, s.callback_attempts,
+                    webhooks.deliver_due(self.store, self.id, s.callback_timeout, s.callback_attempts,
                                           s.callback_policy)
                 self.fill_slots()
             except ServiceError:

@@ -84,3 +84,10 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         assert got[name].dtype == tensor.dtype, name
         assert got[name].shape == tensor.shape, name
         assert torch.equal(got[name], tensor), name
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that trains sample checkpoints (the `samples` fixtures) is slow wherever it lives."""
+    for item in items:
+        if {"samples", "fsdp1", "fsdp2"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -12,7 +12,6 @@ Import the fixtures into a test module by their function names (the fixtures are
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,17 +26,14 @@ from typing import Any
 
 import pytest
 
+from ckpt_service.helpers import free_port
+
 START_TIMEOUT = 30.0
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 REGION = "us-east-1"
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now (bound and released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class MotoServer:

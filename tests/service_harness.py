@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import httpx
 
 from ckpt_service.auth import create
 from ckpt_service.client import ServiceClient
+from ckpt_service.helpers import free_port
 
 T = TypeVar("T")
 #: quick heartbeats and polls, so the tests need not wait for production-sized intervals
@@ -26,10 +26,6 @@ FAST = {"CKPT_LEASE_SECONDS": "3", "CKPT_HEARTBEAT_SECONDS": "0.25", "CKPT_POLL_
         "CKPT_PROGRESS_SECONDS": "0.1", "CKPT_JOB_NICE": "0"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:

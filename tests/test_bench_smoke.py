@@ -15,6 +15,8 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_convert.py"
 CASES = ("cp", "export", "inspect")
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from api.dashboard.routes import CSP, STATIC
+from ckpt_service.jobs import JobOptions
 
 from .service_harness import Server, Tokens, job_spec, make_server, wait_for
 
@@ -92,7 +93,8 @@ def test_shell_is_served_with_a_strict_policy(site: Site) -> None:
     assert all(attrs.get("style") is None for _, attrs in parser.tags)
     # every option of every kind is on the form, marked with the kinds it applies to
     fields = {attrs["name"]: attrs for tag, attrs in parser.tags if (attrs.get("name") or "").startswith("options.")}
-    assert len(fields) == 21
+    assert sorted(fields) == sorted(f"options.{name}" for name in JobOptions.model_fields)
+    assert {"options.world_size", "options.to_hf", "options.tag"} <= set(fields)
     assert "ckptctl token create" in response.text
 
     asset = scripts[0]["src"]
@@ -451,6 +453,7 @@ def test_markup_in_tensor_names_renders_as_text(tab: Tab, site: Site) -> None:
     assert page.eval_on_selector_all("script", "s => s.length") == 1
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 def test_wheel_ships_the_dashboard(tmp_path: Path) -> None:
     """Built from a copy of the source tree (no build/ left in the checkout), the wheel has every asset."""
     root = Path(__file__).resolve().parent.parent

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sqlite3
 import subprocess
 import time
@@ -29,6 +28,7 @@ import pytest
 import yaml
 
 from ckpt_service import migrations
+from ckpt_service.helpers import free_port
 from ckpt_service.settings import Settings
 
 from .deploy_files import (
@@ -41,6 +41,8 @@ from .deploy_files import (
     read_env_file,
     variables,
 )
+
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -297,10 +299,6 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
     return image
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

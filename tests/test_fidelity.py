@@ -101,6 +101,7 @@ def gloo_world_1(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_fsdp1_saves_export_exactly(kind: str, tmp_path: Path) -> None:
     """A rank-0 torch.save under FULL_STATE_DICT, and a SHARDED_STATE_DICT rank file at world size 1
@@ -128,6 +129,7 @@ def test_fsdp1_saves_export_exactly(kind: str, tmp_path: Path) -> None:
 # --- torchtitan layouts -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 @pytest.mark.parametrize("layout", ["nested", "flat"])
 def test_titan_export_holds_the_model_and_reshard_keeps_every_key(layout: str, tmp_path: Path) -> None:
     src = tmp_path / "titan"
@@ -164,6 +166,7 @@ def test_titan_export_holds_the_model_and_reshard_keeps_every_key(layout: str, t
     assert_same_tree(torch.load(tmp_path / "full.pt", weights_only=True), dcp_full(src, tmp_path))
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 def test_titan_train_state_bytesio_survives_reshard(tmp_path: Path) -> None:
     """torchtitan's TrainState keeps a torch.save of its losses in an io.BytesIO: carried byte for byte."""
     model, optim = trained()
@@ -184,6 +187,7 @@ def test_titan_train_state_bytesio_survives_reshard(tmp_path: Path) -> None:
     assert target["train_state"]["global_avg_losses"].getvalue() == losses.getvalue()
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 def test_optimizer_found_by_structure_under_any_name(tmp_path: Path) -> None:
     """An optimizer state dict (ids, state + param_groups) under a container no list names; an entry named
     like an optimizer without its structure is reported by name, never exported as a weight."""
@@ -244,7 +248,7 @@ def _resume_rank(rank: int, world_size: int, port: int, jobs: list[tuple[str, st
 def test_fsdp2_resumes_from_a_titan_reshard_like_the_unsharded_run(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from ckpt_service.sample.launch import free_port
+    from ckpt_service.helpers import free_port
 
     jobs, refs = [], {}
     for layout in ("flat", "nested"):
@@ -310,6 +314,7 @@ def spoil(target: Path, fmt: str) -> None:
     assert sum(patch_member(f, "byteorder", b"little", b"middle") for f in files) > 0
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 @pytest.mark.parametrize("fmt", ["safetensors", "torch", "dcp"])
 def test_verify_fails_when_the_consumer_cannot_load_the_output(fmt: str, tmp_path: Path) -> None:
     from converters import storage

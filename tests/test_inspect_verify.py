@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from .conftest import Sample, ckptctl
+
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
 
 
 def test_inspect_reports_layout(fsdp2: dict[str, Sample], fsdp1: dict[str, Sample]) -> None:
@@ -43,7 +46,7 @@ def test_verify_identical_and_different(fsdp2: dict[str, Sample], tmp_path: Path
     proc = ckptctl("verify", src, out, "--only", "model")
     assert proc.returncode == 0 and proc.stdout.startswith("OK")
     # the other layouts of the same training state are identical too
-    assert ckptctl("verify", fsdp2["rank-files-dtensor"].path, out, "--only", "model").returncode == 0
+    assert ckptctl("verify", fsdp2["rank-files-dtensor"].path, out, "--only", "model").stdout.startswith("OK")
     # change one value, drop one key, add one key
     tensors = load_file(out / "model.safetensors")
     tensors["norm.weight"] = tensors["norm.weight"].clone()
@@ -60,4 +63,4 @@ def test_verify_identical_and_different(fsdp2: dict[str, Sample], tmp_path: Path
     # a cast export differs from its source, but within tolerance
     ckptctl("export", src, tmp_path / "bf16", "--dtype", "bfloat16")
     assert ckptctl("verify", src, tmp_path / "bf16", "--only", "model", check=False).returncode == 1
-    assert ckptctl("verify", src, tmp_path / "bf16", "--only", "model", "--atol", "0.05").returncode == 0
+    assert ckptctl("verify", src, tmp_path / "bf16", "--only", "model", "--atol", "0.05").stdout.startswith("OK")

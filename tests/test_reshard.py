@@ -18,6 +18,8 @@ from converters.transforms import KeyOptions
 
 from .conftest import Sample, Samples, assert_same_tensors, ckptctl
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 
 def fsdp2_ws4(samples: Samples) -> Sample:
     key = "fsdp2-ws4"
@@ -152,8 +154,8 @@ def test_shard_dim_rule(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
     width = md.state_dict_metadata["lm_head.weight"].size[1]
     assert [(tuple(c.offsets), tuple(c.sizes)[1]) for c in chunks] == [((0, 0), -(-width // 2)),
                                                                        ((0, -(-width // 2)), width // 2)]
-    proc = ckptctl("verify", src.path, out, "--only", "model")
-    assert proc.returncode == 0
+    proc = ckptctl("verify", src.path, out, "--only", "model")  # raises unless it exits 0
+    assert proc.stdout.startswith("OK identical")
 
 
 def test_bad_reshard_input(fsdp2: dict[str, Sample], tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from ckpt_service.sample import (
 )
 from ckpt_service.sample.launch import SampleJobError
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")]
 
 WS = 2
 SIZE = "tiny"
@@ -175,7 +175,12 @@ def layout_dir(fsdp1_out: Path, fsdp2_out: Path, layout: str) -> Path:
 
 
 def test_layouts_and_engines() -> None:
-    assert set(LAYOUTS) == set(ENGINE) and len(LAYOUTS) == 9
+    assert LAYOUTS == ("fsdp2-dcp", "fsdp1-dcp", "accelerate", "rank-files-dtensor", "rank-files-sharded",
+                       "accelerate-rank-files", "hf-dcp", "torch-full", "safetensors")
+    assert {layout: ENGINE[layout] for layout in LAYOUTS} == {
+        "fsdp2-dcp": "fsdp2", "fsdp1-dcp": "fsdp1", "accelerate": "fsdp1", "rank-files-dtensor": "fsdp2",
+        "rank-files-sharded": "fsdp1", "accelerate-rank-files": "fsdp1", "hf-dcp": "fsdp2", "torch-full": "fsdp2",
+        "safetensors": "fsdp2"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -18,6 +18,8 @@ from converters.transforms import KeyOptions
 
 from .service_harness import Server, Tokens, make_server
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 
 def ckptctl(server: Server, token: str | None, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}

@@ -22,6 +22,8 @@ from converters.transforms import KeyOptions
 
 from .service_harness import Server, job_spec, leftovers, make_server, wait_for
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 SLOW = {"CKPT_JOB_MAX_BYTES_PER_SECOND": "150000"}  # the tiny sample's ~0.7 MB take ~5 s
 
 

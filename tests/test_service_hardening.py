@@ -93,6 +93,7 @@ def callback_states(server: Server, job_ids: list[str]) -> dict[str, str | None]
         conn.close()
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_callbacks_reach_only_public_or_allowed_addresses(roots: tuple[Path, Path], tmp_path: Path) -> None:
     read_root, write_root = roots
     source = read_root / "ckpt"
@@ -174,6 +175,7 @@ def test_callbacks_are_pinned_to_the_checked_address() -> None:
         pin("http://no-such-host.invalid/hook", CallbackPolicy())
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_callback_allow_list_is_validated(tmp_path: Path) -> None:
     env = {"CKPT_CALLBACK_ALLOW": "hooks.internal, 10.0.0.0/8, http://x/"}
     bad = ckptctl("serve", "--print-config", "--data-dir", str(tmp_path), env=env)
@@ -209,6 +211,7 @@ def api(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> I
     server.stop()
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_only_the_submitter_or_an_admin_may_cancel(api: Api) -> None:
     with api.server.http(api.alice) as alice, api.server.http(api.bob) as bob, \
             api.server.http(api.tokens.admin) as admin:
@@ -225,6 +228,7 @@ def test_only_the_submitter_or_an_admin_may_cancel(api: Api) -> None:
         assert own.status_code == 200 and own.json()["state"] == "cancelled"
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_event_streams_are_capped_per_token_and_in_total(api: Api) -> None:
     with api.server.http(api.alice) as alice:
         job = alice.post("/v1/jobs", json=job_spec("inspect", api.source)).json()  # stays queued: no workers
@@ -251,6 +255,7 @@ def test_event_streams_are_capped_per_token_and_in_total(api: Api) -> None:
         admin.post(f"/v1/jobs/{job['id']}/cancel")
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_oversize_bodies_get_413_however_they_are_sent(api: Api) -> None:
     big = json.dumps(job_spec("inspect", api.source, tensors=True) | {"pad": "x" * 8000}).encode()
     small = json.dumps(job_spec("inspect", api.source)).encode()
@@ -304,6 +309,7 @@ def one_error_line(proc: subprocess.CompletedProcess[str], path: Path) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_a_damaged_store_stops_start_up_with_one_line(tmp_path: Path) -> None:
     header, middle = tmp_path / "header", tmp_path / "middle"
     header.mkdir()
@@ -321,6 +327,7 @@ def test_a_damaged_store_stops_start_up_with_one_line(tmp_path: Path) -> None:
             assert detail in line, line
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_readyz_reports_a_store_damaged_while_serving(roots: tuple[Path, Path], tmp_path: Path) -> None:
     read_root, write_root = roots
     data_dir = tmp_path / "state"
@@ -342,6 +349,7 @@ def test_readyz_reports_a_store_damaged_while_serving(roots: tuple[Path, Path], 
         server.stop()
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_store_backup_and_restore_round_trip(tmp_path: Path) -> None:
     data_dir = tmp_path / "state"
     data_dir.mkdir()
@@ -376,6 +384,7 @@ def test_store_backup_and_restore_round_trip(tmp_path: Path) -> None:
 # -- job processes: no working directory on sys.path -----------------------------------------------------
 
 
+@pytest.mark.slow  # a real server or a ckptctl subprocess
 def test_job_processes_never_import_from_the_working_directory(roots: tuple[Path, Path], tmp_path: Path) -> None:
     read_root, write_root = roots
     cwd, marker = tmp_path / "cwd", tmp_path / "imported"

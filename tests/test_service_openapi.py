@@ -11,11 +11,13 @@ from typing import Any
 
 import httpx
 import pytest
+from openapi_spec_validator import validate
 
-from ckpt_service.jobs import Format
 from converters.formats import READERS
 
 from .service_harness import Server, Tokens, make_server
+
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,17 @@ def refs(node: Any) -> Iterator[str]:
             yield from refs(item)
 
 
+def enums(node: Any) -> Iterator[list[Any]]:
+    if isinstance(node, dict):
+        if "enum" in node:
+            yield node["enum"]
+        for value in node.values():
+            yield from enums(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from enums(item)
+
+
 def test_openapi_document_is_valid(served: tuple[Server, Tokens]) -> None:
     server, _ = served
     document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
@@ -55,12 +68,9 @@ def test_openapi_document_is_valid(served: tuple[Server, Tokens]) -> None:
     post = document["paths"]["/v1/jobs"]["post"]
     assert {"202", "401", "403", "409", "422", "429"} <= set(post["responses"])
     assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert list(Format.__args__) == list(READERS)  # the API's format names are the engine's
-    try:
-        from openapi_spec_validator import validate
-    except ImportError:  # not a declared dependency: the structural checks above still ran
-        return
-    validate(document)
+    options = document["components"]["schemas"]["JobOptions"]["properties"]
+    assert list(READERS) in list(enums(options["source_format"]))  # the API's format names are the engine's
+    validate(document)  # openapi-spec-validator is a test dependency: this always runs
 
 
 def test_schemathesis_finds_no_server_errors(served: tuple[Server, Tokens], tmp_path: Path) -> None:

@@ -9,12 +9,16 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from ckpt_service.store import JobStore
 from ckpt_service.worker import pid_alive
 from converters.api import verify
 from converters.transforms import KeyOptions
 
 from .service_harness import job_spec, leftovers, make_server, wait_for
+
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
 
 
 def test_sigkill_mid_job_then_restart_completes_each_job_once(fsdp2: dict, tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 from .service_harness import Server, Tokens, job_spec, make_server
 
+pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
+
 
 @dataclass
 class Env:

@@ -16,8 +16,6 @@ import pytest
 
 from ckpt_service import auth, migrations, roots
 from ckpt_service.errors import Forbidden, InvalidRequest, OutsideRoots, SchemaTooNew, Unauthorized
-from ckpt_service.executor import engine_call, key_options
-from ckpt_service.jobs import JobSpec
 from ckpt_service.settings import SettingsError, load
 from ckpt_service.store import JobStore
 
@@ -205,18 +203,3 @@ def test_tokens_and_scopes() -> None:
         with pytest.raises(Unauthorized):
             checker.require(header, "read")
     assert auth.TokenChecker([], anonymous=True).require(None, "admin") == auth.ANONYMOUS
-
-
-def test_job_options_map_to_the_offline_commands_defaults() -> None:
-    export = JobSpec(kind="export", source="/a", target="/b")
-    keys = key_options(export)
-    assert (keys.only, keys.clean) == ("model", True)  # ckptctl export
-    keys = key_options(JobSpec(kind="convert", source="/a", target="/b"))
-    assert (keys.only, keys.clean) == ("all", False)  # ckptctl convert
-    keys = key_options(JobSpec.model_validate({"kind": "export", "source": "/a", "target": "/b", "options": {
-        "clean_keys": False, "rename": ["^layers=blocks"], "include": ["*.weight"]}}))
-    assert (keys.clean, keys.renames, keys.include) == (False, [("^layers", "blocks")], ["*.weight"])
-    spec = JobSpec.model_validate({"kind": "convert", "source": "/a", "target": "/b",
-                                   "options": {"max_shard_size": "5GB", "memory_limit": "64MiB"}})
-    assert (spec.options.max_shard_size, spec.options.memory_limit) == (5 * 1000**3, 64 * 1024**2)
-    assert callable(engine_call(JobSpec(kind="reshard", source="/a", target="/b", options={"world_size": 3})))

@@ -162,6 +162,7 @@ def _torch_file(path: Path, pkl: bytes) -> Path:
     return path
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 def test_cli_refuses_global_mutation_in_one_line(canary: Path, tmp_path: Path) -> None:
     """The issue's attack: a state dict whose value is torch.Size with __module__ bent to a local module,
     which a writer would then pickle (importing the module). Refused; nothing imported or written."""
@@ -226,6 +227,7 @@ def test_flatten_is_iterative() -> None:
 # ---------------------------------------------------------------------------------------------- honest files
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 def test_fsdp1_full_and_world_size_1_sharded_state_dicts_export(tmp_path: Path) -> None:
     """FSDP1 at world size 1 (gloo): FULL_STATE_DICT rank-0 torch.save and SHARDED_STATE_DICT (NO_SHARD)
     pickle tensors through _rebuild_from_type_v2(..., torch.Tensor, ...); both export exactly."""
@@ -257,6 +259,7 @@ dist.destroy_process_group()
             assert torch.equal(got[key], tensor), key
 
 
+@pytest.mark.slow  # real FSDP jobs, consumer loads or a subprocess: the full suite
 def test_bytesio_entry_survives_reshard_and_convert(tmp_path: Path) -> None:
     """torchtitan's TrainState keeps losses as an io.BytesIO holding a torch.save of its own; DCP stores it as a
     byte entry. Reshard and convert carry its bytes unchanged (the inner torch.save is never unpickled)."""

@@ -19,7 +19,8 @@ from fastapi.templating import Jinja2Templates
 from starlette.responses import Response
 from starlette.types import Scope
 
-from ckpt_service.jobs import APPLIES, KINDS, STATES, Format, JobOptions
+from ckpt_service.job_requests import plain
+from ckpt_service.jobs import APPLIES, KINDS, STATES, TERMINAL, Format, JobOptions
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -60,6 +61,7 @@ class Assets(StaticFiles):
 
 def _widget(annotation: Any) -> dict[str, Any]:
     """How the form asks for one option: a select for a Literal, a tick box for a bool, lines for a list."""
+    annotation = plain(annotation)
     args = typing.get_args(annotation)
     optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
     inner = [a for a in args if a is not type(None)] if optional else [annotation]
@@ -88,6 +90,7 @@ def mount(app: FastAPI) -> None:
     version = asset_version()
     templates = Jinja2Templates(directory=HERE / "templates")
     context = {"asset": lambda name: f"{STATIC_URL}/{name}?v={version}", "kinds": KINDS, "states": STATES,
+               "terminal": " ".join(state for state in STATES if state in TERMINAL),
                "formats": typing.get_args(Format), "options": option_fields(), "version": app.version}
     router = APIRouter(include_in_schema=False)
 

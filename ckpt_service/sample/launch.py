@@ -10,8 +10,6 @@ layout's expected files), not from exit codes: gloo jobs sometimes abort at exit
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -21,19 +19,11 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from ..errors import SampleJobError
+from ..helpers import free_port, remove_tree
 from .train import Job, worker
 
 JOB_TIMEOUT_S = float(os.environ.get("CKPT_SAMPLE_TIMEOUT_S", "3600"))
-
-
-class SampleJobError(RuntimeError):
-    """A sample job failed twice."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_free(path: Path) -> None:
@@ -46,13 +36,6 @@ def check_free(path: Path) -> None:
 
 def staging(path: Path, tag: str) -> Path:
     return path.with_name(f".{path.name}.{tag}")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def _spawn(job: Job, timeout_s: float) -> BaseException | None:
@@ -120,5 +103,5 @@ def run_staged(
                     break
             finally:
                 for path in staged.values():
-                    _remove(path)
+                    remove_tree(path)
     raise SampleJobError("sample job failed:\n" + "\n".join(errors))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from converters.errors import OptionError
+
+from .. import units
 
 #: Named presets. Every dimension is odd and not a multiple of 3, so no tensor splits evenly at
 #: world sizes 2, 3 or 4 (FSDP pads, DCP chunks have unequal sizes).
@@ -18,8 +21,6 @@ PRESETS: dict[str, tuple[int, int, int, int]] = {
     "small": (1003, 131, 259, 4),  # ~606k params, ~2.4 MB fp32
 }
 
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(KB|MB|GB|KIB|MIB|GIB)\s*$", re.IGNORECASE)
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,14 @@ def _awkward(n: int) -> int:
 
 
 def parse_size(size: str) -> int | None:
-    """Bytes for strings like ``"1GB"``, ``"500MB"``, ``"2GiB"``; None if ``size`` is not one."""
-    m = _BYTES_RE.match(size)
-    if m is None:
+    """Bytes for strings like ``"1GB"``, ``"500MB"``, ``"2GiB"`` (`units.parse_size`, a unit required); None if
+    ``size`` is not one."""
+    if not any(c.isalpha() for c in size):
         return None
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    try:
+        return units.parse_size(size)
+    except OptionError:
+        return None
 
 
 def valid_sizes() -> str:

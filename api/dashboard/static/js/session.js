@@ -13,7 +13,7 @@ export function canCancel(job) {
   return who.scope === "admin" || job.submitted_by === who.name;
 }
 
-export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+export const TERMINAL = new Set(document.body.dataset.terminal.split(" "));  // the server's jobs.TERMINAL
 
 // The options each kind takes, from the form the server rendered from the API's own table.
 export function appliesTo(kind) {

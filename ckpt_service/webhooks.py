@@ -1,4 +1,4 @@
-"""Job callbacks: POST the final job document to the job's `callback_url`, with a timeout and a few retries.
+"""Webhooks (job callbacks): POST the final job document to the job's `callback_url`, with a timeout and retries.
 
 The URL's host is resolved and checked when the callback is sent (`netguard.pin`), and the request goes
 to the checked address without following redirects or proxies; a refused URL is not retried. Delivery

@@ -17,26 +17,12 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .cli import (
-    AsJson,
-    DropTied,
-    Exclude,
-    From,
-    Include,
-    MemLimit,
-    Only,
-    Overwrite,
-    Quiet,
-    Rename,
-    ShardSize,
-    Verify,
-    app,
-    err,
-    fail,
-    out,
-)
-from .client import DEFAULT_SERVER, ClientError, ServiceClient
-from .units import human
+from ..client import DEFAULT_SERVER, ServiceClient
+from ..errors import DIFFERENT, ClientError, exit_code
+from ..job_requests import REQUESTS, JobRequest
+from ..jobs import TERMINAL
+from ..units import human
+from .common import AsJson, From, Quiet, app, err, fail, job_command, keyword, out
 
 Server = Annotated[str, typer.Option("--server", envvar="CKPT_SERVER", help="Service URL.")]
 Token = Annotated[str | None, typer.Option("--token", envvar="CKPT_TOKEN", show_default=False,
@@ -45,7 +31,6 @@ Wait = Annotated[bool, typer.Option("--wait", help="Follow the job until it ends
 Callback = Annotated[str | None, typer.Option("--callback-url", help="POSTed the final job document.")]
 IdemKey = Annotated[str | None, typer.Option("--idempotency-key", help="Resubmitting with the same key returns "
                                              "the same job (default: a fresh key per command).")]
-DType = Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16 or float16.")]
 
 
 @contextmanager
@@ -54,18 +39,13 @@ def connect(server: str, token: str | None) -> Iterator[ServiceClient]:
     try:
         yield client
     except ClientError as exc:
-        fail(str(exc))
+        fail(str(exc), exit_code(exc))
     finally:
         client.close()
 
 
 def as_uri(path: str) -> str:
     return path if "://" in path else os.path.abspath(os.path.expanduser(path))
-
-
-def clean(options: dict[str, Any]) -> dict[str, Any]:
-    """Drop unset options (None, empty lists) so the server applies its defaults and kind checks."""
-    return {k: v for k, v in options.items() if v is not None and v != []}
 
 
 def print_job(job: dict[str, Any]) -> None:
@@ -131,13 +111,15 @@ def finish(client: ServiceClient, job: dict[str, Any], wait: bool, quiet: bool, 
             err.print(f"queued {job['kind']} job {job['id']}; follow it with: ckptctl status {job['id']} --follow",
                       highlight=False)
     if wait and job["state"] != "succeeded":
-        raise typer.Exit(1)
+        raise typer.Exit(DIFFERENT)
 
 
-def submit_job(kind: str, source: str, target: str | None, options: dict[str, Any], server: str,
-               token: str | None, callback_url: str | None, idempotency_key: str | None, wait: bool, quiet: bool,
+def submit_job(request: JobRequest, source: str, target: str | None = None, *, server: str, token: str | None,
+               callback_url: str | None, idempotency_key: str | None, wait: bool, quiet: bool,
                as_json: bool) -> None:
-    spec: dict[str, Any] = {"kind": kind, "source": as_uri(source), "options": clean(options)}
+    """Send `request` (checked here, every option of its kind: `model_dump()`) as a job to the server."""
+    spec: dict[str, Any] = {"kind": request.kind, "source": as_uri(source),
+                            "options": request.model_dump(mode="json")}
     if target is not None:
         spec["target"] = as_uri(target)
     if callback_url:
@@ -151,85 +133,15 @@ submit_app = typer.Typer(help="Queue a job on a ckpt-service server, with the of
                          no_args_is_help=True)
 app.add_typer(submit_app, name="submit")
 
-
-@submit_app.command("export")
-def submit_export(source: str, target: str, source_format: From = None, only: Only = "model",
-                  keep_keys: Annotated[bool, typer.Option("--keep-keys", help="Keep names exactly as stored.")] = False,
-                  rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
-                  max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
-                  drop_tied: DropTied = None, verify: Verify = False, wait: Wait = False, quiet: Quiet = False,
-                  as_json: AsJson = False, callback_url: Callback = None, idempotency_key: IdemKey = None,
-                  server: Server = DEFAULT_SERVER, token: Token = None) -> None:
-    """Export model weights to HF-style sharded safetensors, on the server."""
-    options = {"source_format": source_format, "only": only, "clean_keys": not keep_keys, "rename": rename,
-               "include": include, "exclude": exclude, "dtype": dtype, "max_shard_size": max_shard_size,
-               "memory_limit": memory_limit, "overwrite": overwrite, "drop_tied": drop_tied, "verify": verify}
-    submit_job("export", source, target, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
-
-
-@submit_app.command("convert")
-def submit_convert(source: str, target: str,
-                   to: Annotated[str, typer.Option("--to", help="safetensors or torch.")] = "safetensors",
-                   source_format: From = None, only: Only = "all",
-                   clean_keys: Annotated[bool, typer.Option("--clean-keys/--keep-keys")] = False,
-                   rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
-                   max_shard_size: ShardSize = "5GB", memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False,
-                   drop_tied: DropTied = None, verify: Verify = False, wait: Wait = False, quiet: Quiet = False,
-                   as_json: AsJson = False, callback_url: Callback = None, idempotency_key: IdemKey = None,
-                   server: Server = DEFAULT_SERVER, token: Token = None) -> None:
-    """Convert a checkpoint to safetensors or one torch file, on the server."""
-    options = {"to": to, "source_format": source_format, "only": only, "clean_keys": clean_keys, "rename": rename,
-               "include": include, "exclude": exclude, "dtype": dtype, "max_shard_size": max_shard_size,
-               "memory_limit": memory_limit, "overwrite": overwrite, "drop_tied": drop_tied, "verify": verify}
-    submit_job("convert", source, target, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
-
-
-@submit_app.command("reshard")
-def submit_reshard(source: str, target: str,
-                   world_size: Annotated[int, typer.Option("--world-size", help="Target ranks.")],
-                   layout: Annotated[str, typer.Option(help="Sharding policy: fsdp2.")] = "fsdp2",
-                   shard_dim_rule: Annotated[list[str] | None, typer.Option("--shard-dim-rule")] = None,
-                   source_format: From = None, only: Only = "model",
-                   clean_keys: Annotated[bool | None, typer.Option("--clean-keys/--keep-keys")] = None,
-                   rename: Rename = None, include: Include = None, exclude: Exclude = None, dtype: DType = None,
-                   dtype_optim: Annotated[bool, typer.Option("--dtype-optim")] = False,
-                   memory_limit: MemLimit = "256MiB", overwrite: Overwrite = False, verify: Verify = False,
-                   wait: Wait = False, quiet: Quiet = False, as_json: AsJson = False, callback_url: Callback = None,
-                   idempotency_key: IdemKey = None, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
-    """Reshard to a DCP checkpoint for WORLD_SIZE ranks, on the server."""
-    options = {"world_size": world_size, "layout": layout, "shard_dim_rule": shard_dim_rule,
-               "source_format": source_format, "only": only, "clean_keys": clean_keys, "rename": rename,
-               "include": include, "exclude": exclude, "dtype": dtype, "dtype_optim": dtype_optim,
-               "memory_limit": memory_limit, "overwrite": overwrite, "verify": verify}
-    submit_job("reshard", source, target, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
-
-
-@submit_app.command("verify")
-def submit_verify(a: str, b: str, only: Only = "all",
-                  keep_keys: Annotated[bool, typer.Option("--keep-keys")] = False,
-                  rename: Rename = None, include: Include = None, exclude: Exclude = None,
-                  atol: Annotated[float, typer.Option(help="Absolute tolerance.")] = 0.0,
-                  rtol: Annotated[float, typer.Option(help="Relative tolerance.")] = 0.0,
-                  a_format: Annotated[str | None, typer.Option("--from-a")] = None,
-                  b_format: Annotated[str | None, typer.Option("--from-b")] = None,
-                  memory_limit: MemLimit = "256MiB", wait: Wait = False, quiet: Quiet = False,
-                  as_json: AsJson = False, callback_url: Callback = None, idempotency_key: IdemKey = None,
-                  server: Server = DEFAULT_SERVER, token: Token = None) -> None:
-    """Compare two checkpoints tensor by tensor, on the server (the job fails when they differ)."""
-    options = {"only": only, "clean_keys": not keep_keys, "rename": rename, "include": include, "exclude": exclude,
-               "atol": atol, "rtol": rtol, "source_format": a_format, "target_format": b_format,
-               "memory_limit": memory_limit}
-    submit_job("verify", a, b, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
-
-
-@submit_app.command("inspect")
-def submit_inspect(source: str, source_format: From = None,
-                   tensors: Annotated[bool, typer.Option("--tensors", help="Include the tensor table.")] = False,
-                   wait: Wait = False, quiet: Quiet = False, as_json: AsJson = False, callback_url: Callback = None,
-                   idempotency_key: IdemKey = None, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
-    """Describe a checkpoint from its metadata, on the server."""
-    options = {"source_format": source_format, "tensors": tensors or None}
-    submit_job("inspect", source, None, options, server, token, callback_url, idempotency_key, wait, quiet, as_json)
+SUBMIT_EXTRAS = [keyword("wait", Wait, False), keyword("quiet", Quiet, False), keyword("as_json", AsJson, False),
+                 keyword("callback_url", Callback, None), keyword("idempotency_key", IdemKey, None),
+                 keyword("server", Server, DEFAULT_SERVER), keyword("token", Token, None)]
+_ARGUMENTS = {"verify": [("a", "The first checkpoint."), ("b", "The second checkpoint.")],
+              "inspect": [("source", "Checkpoint path or URI.")]}
+for _kind, _model in REQUESTS.items():
+    job_command(submit_app, _model, _ARGUMENTS.get(_kind, [("source", "Checkpoint path or URI."),
+                                                           ("target", "The output.")]),
+                SUBMIT_EXTRAS, submit_job, help=f"{_model.__doc__} On the server.")
 
 
 @app.command()
@@ -261,14 +173,14 @@ def status(job_id: str, follow_events: Annotated[bool, typer.Option("--follow", 
     """Show a job; with --follow, wait for it to end (exit 1 unless it succeeds)."""
     with connect(server, token) as client:
         job = client.job(job_id)
-        if follow_events and job["state"] not in ("succeeded", "failed", "cancelled"):
+        if follow_events and job["state"] not in TERMINAL:
             job = follow(client, job_id, quiet or as_json)
     if as_json:
         out.print_json(json.dumps(job))
     else:
         print_job(job)
     if follow_events and job["state"] != "succeeded":
-        raise typer.Exit(1)
+        raise typer.Exit(DIFFERENT)
 
 
 @app.command()

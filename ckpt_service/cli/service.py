@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli import app, fail, out
+from .common import app, fail, out
 
 Host = Annotated[str | None, typer.Option("--host", help="Address to listen on (CKPT_HOST).")]
 Port = Annotated[int | None, typer.Option("--port", help="Port to listen on (CKPT_PORT).")]
@@ -29,7 +29,8 @@ def load_settings(config: Path | None, **flags: Any) -> Any:
     """Validated settings, or a clean exit naming every bad setting."""
     from pydantic import ValidationError
 
-    from .settings import SettingsError, describe, load
+    from ..errors import SettingsError
+    from ..settings import describe, load
 
     try:
         return load(config, **flags)
@@ -41,9 +42,9 @@ def load_settings(config: Path | None, **flags: Any) -> Any:
 
 def open_store(settings: Any) -> Any:
     """The job store, checked (integrity, schema version) and migrated; a clean exit 2 when it cannot be used."""
-    from .errors import StoreError
-    from .store import JobStore
-    from .store_check import check
+    from ..errors import StoreError
+    from ..store import JobStore
+    from ..store_check import check
 
     try:
         settings.prepare()
@@ -70,8 +71,8 @@ def serve(host: Host = None, port: Port = None, workers: Workers = None, data_di
 
     from api.app import create_app
 
-    from . import logs
-    from .worker import WorkerPool
+    from .. import logs
+    from ..worker import WorkerPool
 
     logs.setup(settings.log_level)
     store = open_store(settings)
@@ -87,8 +88,8 @@ def worker(workers: Workers = None, data_dir: DataDir = None, config: Config = N
            log_level: LogLevel = None) -> None:
     """Run job slots alone against the same store as a `ckptctl serve` (scale workers apart from the API)."""
     settings = load_settings(config, workers=workers, data_dir=data_dir, log_level=log_level)
-    from . import logs
-    from .worker import WorkerPool
+    from .. import logs
+    from ..worker import WorkerPool
 
     logs.setup(settings.log_level)
     store = open_store(settings)
@@ -109,7 +110,7 @@ def token_create(scope: Annotated[str, typer.Option("--scope", help="read, write
                  name: Annotated[str | None, typer.Option("--name", help="A label for logs and errors.")] = None,
                  as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Print a new token once (stdout) and the hashed entry to add to CKPT_TOKENS (stderr)."""
-    from .auth import create
+    from ..auth import create
 
     try:
         token, entry = create(scope, name)  # type: ignore[arg-type]
@@ -128,7 +129,7 @@ app.add_typer(store_app, name="store")
 
 
 def _store_run(action: Any) -> Any:
-    from .errors import StoreError
+    from ..errors import StoreError
 
     try:
         return action()
@@ -142,7 +143,7 @@ def _store_run(action: Any) -> Any:
 def store_check(data_dir: DataDir = None, config: Config = None,
                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Run SQLite's integrity check and the schema checks on the job store (read-only; safe while serving)."""
-    from .store_check import check
+    from ..store_check import check
 
     settings = load_settings(config, data_dir=data_dir)
     report = _store_run(lambda: check(settings.db_path))
@@ -158,7 +159,7 @@ def store_backup(dest: Annotated[Path, typer.Argument(help="The backup file to w
                  overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing file.")] = False
                  ) -> None:
     """Copy the job store to DEST with SQLite's online backup API (consistent while the service runs)."""
-    from .store_check import backup
+    from ..store_check import backup
 
     settings = load_settings(config, data_dir=data_dir)
     report = _store_run(lambda: backup(settings.db_path, dest.absolute(), overwrite))
@@ -170,7 +171,7 @@ def store_restore(backup_file: Annotated[Path, typer.Argument(metavar="BACKUP", 
                                                                "backup`.")],
                   data_dir: DataDir = None, config: Config = None) -> None:
     """Replace the job store with a checked backup (stop the service first); the old files are kept beside it."""
-    from .store_check import restore
+    from ..store_check import restore
 
     settings = load_settings(config, data_dir=data_dir)
     report, aside = _store_run(lambda: restore(backup_file.absolute(), settings.db_path))

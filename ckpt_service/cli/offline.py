@@ -1,0 +1,140 @@
+"""The offline commands: inspect, convert, export, verify, reshard (generated from the request models and run
+in-process through `executor.engine_call`, like a job), and sample.
+
+Errors become one line on stderr and exit code 2 (1 when verify finds differences); torch is imported
+only by the commands that need it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from converters.errors import VerifyError
+
+from ..errors import DIFFERENT
+from ..executor import engine_call
+from ..job_requests import REQUESTS, InspectRequest, JobRequest
+from ..units import human
+from .common import AsJson, Quiet, app, err, errors, fail, job_command, keyword, out, progress_bar
+
+
+def print_result(result: Any, as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+        return
+    for line in result.report:
+        err.print(f"[dim]{line}[/]", highlight=False)
+    total = sum(size for _, size in result.outputs)
+    out.print(f"wrote {result.target}: {len(result.outputs)} file(s), {human(total)}", highlight=False)
+    if result.verify is not None:
+        out.print(f"verify: {result.verify.summary()}", highlight=False)
+
+
+def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> None:
+    with errors():
+        info = engine_call(request, source)(None)
+    if as_json:
+        out.print_json(json.dumps(info))
+        return
+    for key in ("uri", "format", "producer", "world_size", "tensors", "objects", "has_optimizer", "files"):
+        out.print(f"{key:>14}: {info[key]}", highlight=False)
+    out.print(f"{'total_bytes':>14}: {info['total_bytes']} ({human(info['total_bytes'])})", highlight=False)
+    out.print(f"{'dtypes':>14}: " + ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()), highlight=False)
+    if "bytes_per_file" in info:
+        out.print(f"{'balance':>14}: {info['balance']} (smallest / largest file)", highlight=False)
+        for name, size in info["bytes_per_file"].items():
+            out.print(f"{'':>14}  {name}: {human(size)}", highlight=False)
+    if "non_tensor_entries" in info:
+        names = info["non_tensor_entries"]
+        out.print(f"{'non-tensor':>14}: " + ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""),
+                  highlight=False)
+    if "unclassified" in info:
+        out.print(f"{'unclassified':>14}: " + ", ".join(info["unclassified"][:8]), highlight=False)
+    for note in info.get("notes", []):
+        out.print(f"{'note':>14}: {note}", highlight=False)
+    if request.tensors:
+        table = Table("name", "dtype", "shape", "chunks")
+        for row in info["tensor_table"]:
+            table.add_row(row["name"], row["dtype"], str(row["shape"]), str(row["chunks"]))
+        out.print(table)
+
+
+def run_write(request: JobRequest, source: str, target: str, quiet: bool = False, as_json: bool = False) -> None:
+    """convert, export and reshard: one output, a progress bar on a terminal."""
+    with errors(), progress_bar(quiet or as_json) as update:
+        result = engine_call(request, source, target)(update)
+    print_result(result, as_json)
+
+
+def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> None:
+    """Compare; exit 1 when the checkpoints differ."""
+    with errors():
+        try:
+            report = engine_call(request, a, b)(None)
+        except VerifyError as exc:
+            if exc.report is None:
+                raise
+            report = exc.report
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        out.print(("OK " if report.ok else "DIFFERENT ") + report.summary(), highlight=False)
+        for name, diff in list(report.max_abs_diff.items())[:20]:
+            out.print(f"  {name}: max |a-b| = {diff:g}", highlight=False)
+    if not report.ok:
+        raise typer.Exit(DIFFERENT)
+
+
+PATH = "Checkpoint path or URI."
+OUTPUTS = {"convert": "The output (a folder, or a .safetensors/.pt file).", "export": "The output folder or file.",
+           "reshard": "The output DCP folder."}
+WRITE_EXTRAS = [keyword("quiet", Quiet, False), keyword("as_json", AsJson, False)]
+
+job_command(app, REQUESTS["inspect"], [("source", PATH)], [keyword("as_json", AsJson, False)], run_inspect)
+for _kind in ("convert", "export", "reshard"):
+    job_command(app, REQUESTS[_kind], [("source", PATH), ("target", OUTPUTS[_kind])], WRITE_EXTRAS, run_write)
+job_command(app, REQUESTS["verify"], [("a", "The first checkpoint."), ("b", "The second checkpoint.")],
+            [keyword("as_json", AsJson, False)], run_verify,
+            help="Compare two checkpoints tensor by tensor (exact unless --atol/--rtol); exit 1 when they differ.")
+
+
+@app.command()
+def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")] = 2,
+           size: Annotated[str, typer.Option(help="tiny, small, or a size such as 1GB.")] = "small",
+           layout: Annotated[str, typer.Option(help="fsdp2-dcp, fsdp1-dcp, accelerate, rank-files-dtensor, "
+                                               "rank-files-sharded, hf-dcp, torch-full, ...")] = "fsdp2-dcp",
+           dtype: Annotated[str, typer.Option(help="float32 or bfloat16 parameters.")] = "float32",
+           tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings")] = False,
+           model_only: Annotated[bool, typer.Option("--model-only", help="No optimizer state.")] = False,
+           no_train: Annotated[bool, typer.Option("--no-train", help="Initialise each rank's shards in place and "
+                                                  "skip the step (FSDP2, model only): for large checkpoints "
+                                                  "without the memory of a full model per rank.")] = False) -> None:
+    """Train a small model one step with real FSDP on CPU (gloo) and save its checkpoint.
+
+    A TARGET that already holds a checkpoint is kept as it is (so the command can be re-run)."""
+    import os
+
+    from ..sample import make_sample
+
+    if os.path.isdir(target) and os.listdir(target):
+        from converters.errors import CkptError
+        from converters.formats import detect
+
+        try:
+            detect(target)
+        except CkptError:
+            fail(f"{target}: exists and is not a checkpoint; choose an empty or new folder")
+        out.print(f"{target} already holds a checkpoint; keeping it", highlight=False)
+        return
+    with errors():
+        try:
+            make_sample(target, world_size=world_size, layout=layout, size=size, dtype=dtype,
+                        tie_embeddings=tie_embeddings, with_optim=not (model_only or no_train), train=not no_train)
+        except ValueError as exc:
+            fail(str(exc))
+    out.print(f"wrote {layout} sample at world size {world_size}: {target}", highlight=False)
+

@@ -1,0 +1,267 @@
+"""One request model per job kind: its options, their types, limits, defaults and command-line flags.
+
+These models are the single source of each option: the offline commands (`ckptctl convert ...`) and
+`ckptctl submit ...` generate their flags from them, `ckptctl submit` sends `model_dump()`, the REST
+schema's `options` object is derived from them (`jobs.JobOptions`), and the job executor maps a model to
+its engine call (`executor.engine_call`, the only such mapping).
+
+Key clean-up defaults: `convert` keeps keys exactly as stored, `export` cleans them (a serving
+checkpoint), `verify` compares cleaned names, and `reshard` leaves it to the engine (`clean_keys: null`:
+kept with `only: all`, a training state restored as it was saved, cleaned otherwise).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+
+from converters.api import DEFAULT_SHARD_SIZE
+from converters.copier import DEFAULT_MEMORY_LIMIT
+from converters.formats import READERS
+
+from .units import parse_size
+
+#: The engine's reader names, in its order (`converters.formats.READERS`).
+Format = Literal[tuple(READERS)]  # type: ignore[valid-type]
+
+
+def choice(values: Any, what: str) -> Any:
+    """A Literal whose refusal names what it is and the choices (`unknown format 'zarr'; choose one of ...`)."""
+    choices = ", ".join(get_args(values))
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"unknown {what} {value!r}; choose one of {choices}") from None
+
+    return Annotated[values, WrapValidator(check)]
+
+
+Text = Annotated[str, Field(min_length=1, max_length=1024)]
+Texts = Annotated[list[Text], Field(max_length=256)]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an option is spelled on the command line (`ckptctl KIND` and `ckptctl submit KIND`)."""
+
+    decls: tuple[str, ...]
+
+
+def flag(*decls: str) -> Flag:
+    return Flag(decls)
+
+
+def _size(value: int | str) -> int:
+    try:
+        size = parse_size(value)
+    except Exception:
+        raise ValueError("write a number of bytes or a size such as 5GB or 256MiB") from None
+    if size <= 0:
+        raise ValueError("must be positive")
+    return size
+
+
+Size = Annotated[int | str, AfterValidator(_size)]
+
+SourceFormat = Annotated[choice(Format, "format") | None,
+                         Field(description=f"Force the source format ({', '.join(READERS)})."), flag("--from")]
+Only = Annotated[choice(Literal["model", "optim", "all"], "selection"),
+                 Field(description="Which entries: model, optim or all."), flag("--only")]
+CleanKeys = Annotated[bool | None, Field(description="Strip wrapper prefixes and containers (false: keep names "
+                                         "exactly as stored; null: the kind's default)."),
+                      flag("--clean-keys/--keep-keys")]
+Rename = Annotated[Texts, Field(description="REGEX=REPLACEMENT applied to parameter names, in order."),
+                   flag("--rename")]
+Include = Annotated[Texts, Field(description="Keep only names matching this glob."), flag("--include")]
+Exclude = Annotated[Texts, Field(description="Drop names matching this glob."), flag("--exclude")]
+DType = Annotated[choice(Literal["float32", "bfloat16", "float16"], "dtype") | None,
+                  Field(description="Cast floating-point tensors: float32, bfloat16, float16."), flag("--dtype")]
+ShardSize = Annotated[Size, Field(description="Largest safetensors shard: bytes, or a size such as 5GB."),
+                      flag("--max-shard-size")]
+MemoryLimit = Annotated[Size, Field(description="Cap on tensor bytes held in memory: bytes, or a size such as "
+                                    "256MiB."), flag("--memory-limit")]
+Overwrite = Annotated[bool, Field(description="Replace an existing target."), flag("--overwrite")]
+DropTied = Annotated[Texts, Field(description="Leave out NAME, a tensor equal to another (e.g. lm_head.weight); "
+                                  "the tie is recorded."), flag("--drop-tied")]
+VerifyOutput = Annotated[bool, Field(description="Compare the output with the source before finishing."),
+                         flag("--verify")]
+Tag = Annotated[str | None, Field(max_length=200, description="DeepSpeed: the tag folder to read (default: the one "
+                                  "`latest` names)."), flag("--tag")]
+Weights = Annotated[choice(Literal["fp32", "module"], "weights") | None,
+                    Field(description="DeepSpeed: fp32 (the master weights, the default) or module (the 16-bit "
+                                      "module weights)."), flag("--weights")]
+
+class JobRequest(BaseModel):
+    """Options of one job kind (the `options` object of a job of that kind)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: ClassVar[str]
+    #: what the positional arguments are (`target` is the output, or the second checkpoint for verify)
+    takes_target: ClassVar[bool] = True
+
+
+class KeyedRequest(JobRequest):
+    """A kind that selects and renames keys."""
+
+    only: Only = "all"
+    clean_keys: CleanKeys = False
+    rename: Rename = Field(default_factory=list)
+    include: Include = Field(default_factory=list)
+    exclude: Exclude = Field(default_factory=list)
+
+
+class ConvertRequest(KeyedRequest):
+    """Convert a checkpoint to one safetensors/torch output (model and optimizer, keys as they are)."""
+
+    kind: ClassVar[str] = "convert"
+    to: Annotated[choice(Literal["safetensors", "torch"], "output format"),
+                  Field(description="Output format: safetensors or torch."), flag("--to")] = "safetensors"
+    source_format: SourceFormat = None
+    tag: Tag = None
+    weights: Weights = None
+    only: Only = "all"
+    clean_keys: CleanKeys = False
+    dtype: DType = None
+    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+    overwrite: Overwrite = False
+    drop_tied: DropTied = Field(default_factory=list)
+    verify: VerifyOutput = False
+
+
+class ExportRequest(KeyedRequest):
+    """Export model weights to HF-style sharded safetensors for serving (clean keys, never optimizer state)."""
+
+    kind: ClassVar[str] = "export"
+    source_format: SourceFormat = None
+    tag: Tag = None
+    weights: Weights = None
+    only: Annotated[choice(Literal["model", "optim", "all"], "selection"),
+                    Field(description="model (an export never holds optimizer state)."), flag("--only")] = "model"
+    clean_keys: CleanKeys = True
+    dtype: DType = None
+    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+    overwrite: Overwrite = False
+    drop_tied: DropTied = Field(default_factory=list)
+    verify: VerifyOutput = False
+    to_hf: Annotated[choice(Literal["llama"], "architecture") | None,
+                     Field(description="Map a Megatron / NeMo GPT model to a Hugging Face architecture (llama) and "
+                                       "write its config.json."), flag("--to-hf")] = None
+
+
+class ReshardRequest(KeyedRequest):
+    """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
+
+    kind: ClassVar[str] = "reshard"
+    world_size: Annotated[int, Field(ge=1, le=65536, description="Target ranks."), flag("--world-size")]
+    layout: Annotated[choice(Literal["fsdp2"], "layout"),
+                      Field(description="Sharding policy: fsdp2 (dim-0 torch.chunk pieces)."),
+                      flag("--layout")] = "fsdp2"
+    shard_dim_rule: Annotated[Texts, Field(description="REGEX=DIM: split matching parameters on DIM instead."),
+                              flag("--shard-dim-rule")] = Field(default_factory=list)
+    source_format: SourceFormat = None
+    tag: Tag = None
+    weights: Weights = None
+    only: Only = "model"
+    clean_keys: CleanKeys = None
+    dtype: DType = None
+    dtype_optim: Annotated[bool, Field(description="Cast optimizer state too."), flag("--dtype-optim")] = False
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+    overwrite: Overwrite = False
+    verify: VerifyOutput = False
+
+
+class VerifyRequest(KeyedRequest):
+    """Compare two checkpoints tensor by tensor (exact unless atol/rtol)."""
+
+    kind: ClassVar[str] = "verify"
+    only: Only = "all"
+    clean_keys: CleanKeys = True
+    atol: Annotated[float, Field(ge=0, le=1e6, description="Absolute tolerance (for cast outputs)."),
+                    flag("--atol")] = 0.0
+    rtol: Annotated[float, Field(ge=0, le=1e6, description="Relative tolerance (for cast outputs)."),
+                    flag("--rtol")] = 0.0
+    source_format: Annotated[choice(Format, "format") | None,
+                             Field(description="Force the format of the first checkpoint (A)."),
+                             flag("--from-a")] = None
+    target_format: Annotated[choice(Format, "format") | None,
+                             Field(description="Force the format of the second checkpoint (B)."),
+                             flag("--from-b")] = None
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+
+
+class InspectRequest(JobRequest):
+    """Describe a checkpoint from its metadata alone (no tensor data is read)."""
+
+    kind: ClassVar[str] = "inspect"
+    takes_target: ClassVar[bool] = False
+    source_format: SourceFormat = None
+    tag: Tag = None
+    weights: Weights = None
+    tensors: Annotated[bool, Field(description="Include the tensor table."), flag("--tensors")] = False
+
+
+REQUESTS: dict[str, type[JobRequest]] = {model.kind: model for model in (
+    ConvertRequest, ExportRequest, ReshardRequest, VerifyRequest, InspectRequest)}
+#: Which options each kind takes; setting another is a 422 naming the option.
+APPLIES: dict[str, frozenset[str]] = {kind: frozenset(model.model_fields) for kind, model in REQUESTS.items()}
+
+
+def plain(annotation: Any) -> Any:
+    """`annotation` without its Annotated layers, unions flattened: `Annotated[Literal[...], v] | None` is
+    `Literal[...] | None` (what a form or a command line asks for)."""
+    if get_origin(annotation) is Annotated:
+        return plain(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        members: list[Any] = []
+        for arg in get_args(annotation):
+            inner = plain(arg)
+            for member in get_args(inner) if get_origin(inner) in (Union, types.UnionType) else (inner,):
+                if member not in members:
+                    members.append(member)
+        return Union[tuple(members)]  # noqa: UP007 (built at run time)
+    return annotation
+
+
+def shared_default(name: str) -> Any:
+    """Option `name`'s default where every kind that takes it agrees on one, else None (the kind decides)."""
+    defaults = [model.model_fields[name] for model in REQUESTS.values() if name in model.model_fields]
+    values = [None if f.is_required() else f.get_default(call_default_factory=True) for f in defaults]
+    return values[0] if all(v == values[0] for v in values) else None
+
+
+def flag_of(model: type[JobRequest], name: str) -> Flag:
+    """The command-line spelling of option `name` (every field has one; a test checks)."""
+    for item in model.model_fields[name].metadata:
+        if isinstance(item, Flag):
+            return item
+    raise LookupError(f"{model.__name__}.{name} has no command-line flag")
+
+
+def problems(error: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    """(field, message) for each problem in `error`; the input is never echoed."""
+    found = []
+    for item in error.errors():
+        name = ".".join(str(p) for p in item["loc"]) or "options"
+        message = "required" if item["type"] == "missing" else str(item["msg"]).removeprefix("Value error, ")
+        found.append((f"{prefix}{name}", message))
+    return found
+
+
+def build(kind: str, values: dict[str, Any]) -> JobRequest:
+    """The request model of `kind` from option values; None values take the kind's defaults."""
+    return REQUESTS[kind].model_validate({k: v for k, v in values.items() if v is not None})
