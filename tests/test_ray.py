@@ -242,3 +242,33 @@ def test_failed_task_fails_the_job_by_name_and_leaves_nothing(cluster, sources, 
         execute(plan, out, copier, RAY)
     reader.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_service_job_runs_on_ray(cluster, sources, tmp_path: Path) -> None:
+    """The service with CKPT_EXECUTOR=ray: a job's export is written by tasks on both nodes, its progress adds
+    up, and the output equals the local executor's."""
+    from .service_harness import Tokens, job_spec, make_server
+
+    convert(str(sources["big"]), str(tmp_path / "local"),
+            ConvertOptions(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20))
+    tokens = Tokens.make()
+    server = make_server(tmp_path / "data", read_roots=[sources["big"].parent], write_roots=[tmp_path],
+                         tokens=tokens.entries, extra_env={"CKPT_EXECUTOR": "ray", "CKPT_RAY_ADDRESS": cluster.address,
+                                                           "CKPT_RAY_PART_BYTES": "1"}).start()
+    try:
+        with server.client(tokens.write) as client:
+            job = client.submit(job_spec("export", sources["big"], tmp_path / "ray", max_shard_size="1MiB"))
+            final = client.wait(job["id"], lambda event, data: None, timeout=120)
+    finally:
+        server.stop()
+    assert final["state"] == "succeeded", final["error"]
+    progress = final["progress"]
+    assert progress["done_bytes"] == progress["total_bytes"] == 16 * 4096 * 64 * 4 + 10 * 64 * 2 + 7 * 8
+    _same(tmp_path / "local", tmp_path / "ray")
+    import json
+
+    files = json.loads((tmp_path / "ray" / MANIFEST).read_text())["files"]  # CRC-32s that Ray tasks returned
+    local = json.loads((tmp_path / "local" / MANIFEST).read_text())["files"]
+    shards = [f for name, f in files.items() if name.endswith(".safetensors")]
+    assert len(shards) == 17 and all("crc32" in f for f in shards)
+    assert not any("crc32" in f for f in local.values())
