@@ -1,13 +1,16 @@
 """Schema versions of the job store, applied in order at start-up; each runs in one transaction.
 
-Add a version by appending to MIGRATIONS; never edit one that has shipped. A database whose version
-is newer than the last entry here belongs to a newer ckpt-service and is refused (`SchemaTooNew`).
+Written in SQLite's spelling; PostgreSQL gets them through `dialect.postgres_sql` (REAL -> DOUBLE
+PRECISION, AUTOINCREMENT -> BIGSERIAL, json_extract -> ->>). Add a version by appending to MIGRATIONS;
+never edit one that has shipped. A database whose version is newer than the last entry here belongs to
+a newer ckpt-service and is refused (`SchemaTooNew`).
 """
 
 from __future__ import annotations
 
-import sqlite3
+from typing import Any
 
+from .dialect import SQLITE, Dialect
 from .errors import SchemaTooNew
 
 V1_JOBS = [
@@ -91,30 +94,40 @@ MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY]
 LATEST = len(MIGRATIONS)
 
 
-def current_version(conn: sqlite3.Connection) -> int:
+def current_version(conn: Any) -> int:
     conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-    row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
-    return int(row[0] or 0)
+    return int(conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
 
 
-def migrate(conn: sqlite3.Connection, where: str, upto: int = LATEST) -> tuple[int, int]:
+def too_new(where: str, version: int, dialect: Dialect = SQLITE) -> SchemaTooNew:
+    return SchemaTooNew(f"job store {where} has schema version {version}, newer than this ckpt-service "
+                        f"understands ({LATEST}): upgrade ckpt-service, {dialect.elsewhere}")
+
+
+def migrate(conn: Any, where: str, upto: int = LATEST, dialect: Dialect = SQLITE) -> tuple[int, int]:
     """Bring the database to version `upto`; returns (version before, version after).
 
-    `conn` must be in autocommit mode (isolation_level=None). The version check and every step run
-    under BEGIN IMMEDIATE, so two processes starting together migrate once.
+    `conn` must be in autocommit mode. The version check and every step run in one transaction, under
+    BEGIN IMMEDIATE on SQLite and under an advisory lock on PostgreSQL, so processes starting together
+    migrate once (the others wait, then find the work done).
     """
-    conn.execute("BEGIN IMMEDIATE")
+    if dialect.migration_lock:
+        conn.execute(dialect.migration_lock)
     try:
-        before = current_version(conn)
-        if before > LATEST:
-            raise SchemaTooNew(f"job store {where} has schema version {before}, newer than this ckpt-service "
-                               f"understands ({LATEST}): upgrade ckpt-service, or use another --data-dir")
-        for version in range(before + 1, upto + 1):
-            for statement in MIGRATIONS[version - 1]:
-                conn.execute(statement)
-            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+        conn.execute(dialect.begin)
+        try:
+            before = current_version(conn)
+            if before > LATEST:
+                raise too_new(where, before, dialect)
+            for version in range(before + 1, upto + 1):
+                for statement in MIGRATIONS[version - 1]:
+                    conn.execute(statement)
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    finally:
+        if dialect.migration_unlock:
+            conn.execute(dialect.migration_unlock)
     return before, max(before, upto)

@@ -45,7 +45,7 @@ def _exists(uri: str, field: str) -> bool:
 class CkptService:
     def __init__(self, settings: Settings, store: JobStore | None = None) -> None:
         self.settings = settings
-        self.store = store or JobStore(settings.db_path)
+        self.store = store or JobStore(settings.store_location)
         self.registry = Registry(self.store)
 
     # -- jobs --------------------------------------------------------------------------------------

@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_default=True)
 
     data_dir: Path = Field(default_factory=default_data_dir, description="Job store and default storage root.")
+    database_url: str | None = Field(None, description="postgresql://USER[:PASSWORD]@HOST[:PORT]/DB: keep the job "
+                                     "store in PostgreSQL, shared by API replicas and worker hosts (default: SQLite "
+                                     "under the data dir).")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     workers: int = Field(2, ge=0, le=64, description="Job slots in this process (each job runs in its own process).")
@@ -110,6 +113,17 @@ class Settings(BaseSettings):
     def _lists(cls, value: Any) -> Any:
         return _split(value)
 
+    @field_validator("database_url", mode="after")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        from .dialect import is_url
+
+        if not value:
+            return None  # CKPT_DATABASE_URL= (empty): SQLite
+        if not is_url(value):
+            raise ValueError("give a postgresql://USER@HOST[:PORT]/DATABASE URL (or leave it unset for SQLite)")
+        return value
+
     @field_validator("data_dir", mode="after")
     @classmethod
     def _absolute(cls, value: Path) -> Path:
@@ -155,6 +169,11 @@ class Settings(BaseSettings):
     def db_path(self) -> Path:
         return self.data_dir / DB_NAME
 
+    @property
+    def store_location(self) -> str:
+        """Where the job store is: the PostgreSQL URL, or the SQLite file under the data dir."""
+        return self.database_url or str(self.db_path)
+
     @cached_property
     def write_locations(self) -> list[roots.Location]:
         return [roots.parse_root(r) for r in self.write_roots or [str(self.data_dir)]]
@@ -181,6 +200,10 @@ class Settings(BaseSettings):
         """The effective settings as JSON-able values, token hashes masked."""
         values = self.model_dump(mode="json")
         values["tokens"] = [line.rsplit(":", 1)[0] + ":****" for line in self.tokens]
+        if self.database_url:
+            from .dialect import redact
+
+            values["database_url"] = redact(self.database_url)
         values["effective_read_roots"] = [str(r) for r in self.read_locations]
         values["effective_write_roots"] = [str(r) for r in self.write_locations]
         values["anonymous_access"] = self.anonymous
