@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     gc_seconds: float = Field(0.0, ge=0, le=30 * 86400, description="How often the service runs garbage collection "
                               "under the retention policies (0: only on request).")
     gc_batch: int = Field(50, ge=1, le=10_000, description="Checkpoints marked deleted per transaction.")
+    executor: Literal["local", "ray"] = Field("local", description="Who writes a job's output files: its own "
+                                              "process (local) or Ray tasks across a cluster (ray).")
+    ray_address: str = Field("auto", description="The Ray cluster for executor=ray: ray://HOST:10001, or auto "
+                             "(the cluster this host belongs to). The target must be on storage every Ray "
+                             "node sees (a shared filesystem or object storage).")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

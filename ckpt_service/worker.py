@@ -87,7 +87,8 @@ class JobRunner(threading.Thread):
     def _run(self) -> None:
         store, s, job = self.pool.store, self.pool.settings, self.job
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1", **self.store_env()})
+                                     env={**os.environ, "PYTHONSAFEPATH": "1", **self.store_env(),
+                                          "CKPT_EXECUTOR": s.executor, "CKPT_RAY_ADDRESS": s.ray_address})
         store.set_pid(job.id, self.attempt, self.proc.pid)
         logs.event("job.process_started", job_id=job.id, attempt=self.attempt, pid=self.proc.pid,
                    worker=self.pool.id)
