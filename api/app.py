@@ -31,6 +31,7 @@ from .routes_checkpoints import router as checkpoints_router
 from .routes_dashboard_support import router as session_router
 from .routes_health import router as health_router
 from .routes_jobs import router as jobs_router
+from .routes_manage import install as install_manage
 
 DESCRIPTION = """Convert, export, reshard, verify and inspect sharded PyTorch checkpoints, as jobs.
 
@@ -54,11 +55,13 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if pool is not None:
             pool.start()
+        scheduler.start()
         logs.event("api.started", data_dir=str(settings.data_dir), slots=pool.slots if pool else 0,
                    anonymous=settings.anonymous)
         try:
             yield
         finally:
+            await anyio.to_thread.run_sync(scheduler.stop)
             if pool is not None:
                 await anyio.to_thread.run_sync(pool.stop)
             logs.event("api.stopped")
@@ -74,6 +77,7 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     errors.install(app)
     app.include_router(jobs_router)
     app.include_router(checkpoints_router)
+    scheduler = install_manage(app)
     app.include_router(health_router)
     app.include_router(session_router)
     mount_dashboard(app)

@@ -21,7 +21,7 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Ready, responses={503: {"model": Ready}}, summary="Readiness")
 def readyz(request: Request) -> JSONResponse:
-    checks: dict[str, object] = {}
+    checks: dict[str, object] = {"database": request.app.state.service.store.dialect.name}
     ready = True
     problem = request.app.state.store_health.problem()
     if problem is not None:

@@ -1,13 +1,16 @@
 """Schema versions of the job store, applied in order at start-up; each runs in one transaction.
 
-Add a version by appending to MIGRATIONS; never edit one that has shipped. A database whose version
-is newer than the last entry here belongs to a newer ckpt-service and is refused (`SchemaTooNew`).
+Written in SQLite's spelling; PostgreSQL gets them through `dialect.postgres_sql` (REAL -> DOUBLE
+PRECISION, AUTOINCREMENT -> BIGSERIAL, json_extract -> ->>). Add a version by appending to MIGRATIONS;
+never edit one that has shipped. A database whose version is newer than the last entry here belongs to
+a newer ckpt-service and is refused (`SchemaTooNew`).
 """
 
 from __future__ import annotations
 
-import sqlite3
+from typing import Any
 
+from .dialect import SQLITE, Dialect
 from .errors import SchemaTooNew
 
 V1_JOBS = [
@@ -87,34 +90,117 @@ V2_REGISTRY = [
     "CREATE INDEX lineage_by_parent ON lineage (parent_id)",
 ]
 
-MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY]
+#: checkpoint management (catalog.py, retention.py, rules.py): runs and steps, aliases with history, retention
+#: policies and the deletion log, rules and the (rule, checkpoint) triggers that make each rule fire once.
+#: Steps and byte counts are BIGINT (past 2**31 on PostgreSQL); timestamps are epoch seconds like v1/v2's.
+V3_MANAGE = [
+    """CREATE TABLE checkpoint_runs (
+        checkpoint_id TEXT PRIMARY KEY REFERENCES checkpoints (id) ON DELETE CASCADE,
+        run TEXT,
+        step BIGINT,
+        rule_id TEXT,
+        deleted_at REAL
+    )""",
+    "CREATE INDEX checkpoint_runs_by_run ON checkpoint_runs (run, step)",
+    """CREATE TABLE aliases (
+        namespace TEXT NOT NULL,
+        name TEXT NOT NULL,
+        checkpoint_id TEXT NOT NULL REFERENCES checkpoints (id) ON DELETE CASCADE,
+        updated_by TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (namespace, name)
+    )""",
+    "CREATE INDEX aliases_by_checkpoint ON aliases (checkpoint_id)",
+    """CREATE TABLE alias_history (
+        id TEXT PRIMARY KEY,
+        namespace TEXT NOT NULL,
+        name TEXT NOT NULL,
+        checkpoint_id TEXT,
+        previous_id TEXT,
+        changed_by TEXT NOT NULL,
+        changed_at REAL NOT NULL
+    )""",
+    "CREATE INDEX alias_history_by_name ON alias_history (namespace, name, changed_at)",
+    """CREATE TABLE retention_policies (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        spec TEXT NOT NULL,
+        created_by TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    """CREATE TABLE deletions (
+        id TEXT PRIMARY KEY,
+        checkpoint_id TEXT NOT NULL,
+        uri TEXT NOT NULL,
+        bytes BIGINT NOT NULL,
+        policy TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        requested_by TEXT NOT NULL,
+        state TEXT NOT NULL,
+        error TEXT,
+        planned_at REAL NOT NULL,
+        done_at REAL
+    )""",
+    "CREATE INDEX deletions_by_state ON deletions (state, planned_at)",
+    """CREATE TABLE rules (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        spec TEXT NOT NULL,
+        paused INTEGER NOT NULL DEFAULT 0,
+        created_by TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    """CREATE TABLE rule_triggers (
+        rule_id TEXT NOT NULL REFERENCES rules (id) ON DELETE CASCADE,
+        uri TEXT NOT NULL,
+        checkpoint_id TEXT,
+        state TEXT NOT NULL,
+        job_id TEXT,
+        detail TEXT,
+        claimed_at REAL NOT NULL,
+        PRIMARY KEY (rule_id, uri)
+    )""",
+    "CREATE INDEX rule_triggers_by_job ON rule_triggers (job_id)",
+]
+
+MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE]
 LATEST = len(MIGRATIONS)
 
 
-def current_version(conn: sqlite3.Connection) -> int:
+def current_version(conn: Any) -> int:
     conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-    row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
-    return int(row[0] or 0)
+    return int(conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
 
 
-def migrate(conn: sqlite3.Connection, where: str, upto: int = LATEST) -> tuple[int, int]:
+def too_new(where: str, version: int, dialect: Dialect = SQLITE) -> SchemaTooNew:
+    return SchemaTooNew(f"job store {where} has schema version {version}, newer than this ckpt-service "
+                        f"understands ({LATEST}): upgrade ckpt-service, {dialect.elsewhere}")
+
+
+def migrate(conn: Any, where: str, upto: int = LATEST, dialect: Dialect = SQLITE) -> tuple[int, int]:
     """Bring the database to version `upto`; returns (version before, version after).
 
-    `conn` must be in autocommit mode (isolation_level=None). The version check and every step run
-    under BEGIN IMMEDIATE, so two processes starting together migrate once.
+    `conn` must be in autocommit mode. The version check and every step run in one transaction, under
+    BEGIN IMMEDIATE on SQLite and under an advisory lock on PostgreSQL, so processes starting together
+    migrate once (the others wait, then find the work done).
     """
-    conn.execute("BEGIN IMMEDIATE")
+    if dialect.migration_lock:
+        conn.execute(dialect.migration_lock)
     try:
-        before = current_version(conn)
-        if before > LATEST:
-            raise SchemaTooNew(f"job store {where} has schema version {before}, newer than this ckpt-service "
-                               f"understands ({LATEST}): upgrade ckpt-service, or use another --data-dir")
-        for version in range(before + 1, upto + 1):
-            for statement in MIGRATIONS[version - 1]:
-                conn.execute(statement)
-            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+        conn.execute(dialect.begin)
+        try:
+            before = current_version(conn)
+            if before > LATEST:
+                raise too_new(where, before, dialect)
+            for version in range(before + 1, upto + 1):
+                for statement in MIGRATIONS[version - 1]:
+                    conn.execute(statement)
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    finally:
+        if dialect.migration_unlock:
+            conn.execute(dialect.migration_unlock)
     return before, max(before, upto)

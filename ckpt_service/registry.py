@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from collections import deque
 from datetime import datetime, timezone
@@ -63,7 +62,7 @@ class LineageView(BaseModel):
     descendants: list[LineageEdge]
 
 
-def _view(row: sqlite3.Row) -> CheckpointView:
+def _view(row: Any) -> CheckpointView:
     summary = json.loads(row["summary"])
     return CheckpointView(
         id=row["id"], name=row["name"], uri=row["uri"], format=row["format"], world_size=summary.get("world_size"),
@@ -82,9 +81,10 @@ class Registry:
     def __init__(self, store: JobStore) -> None:
         self.store = store
 
-    def add(self, conn: sqlite3.Connection, *, uri: str, name: str, summary: dict[str, Any], tags: list[str],
+    def add(self, conn: Any, *, uri: str, name: str, summary: dict[str, Any], tags: list[str],
             metadata: dict[str, Any], made_by_job: str | None = None) -> str:
         """Inside a transaction: insert a checkpoint; Conflict if the URI is registered already."""
+        self.store.serialize(conn)
         row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (uri,)).fetchone()
         if row is not None:
             raise Conflict(f"{uri} is registered already as {row['id']}")
@@ -102,11 +102,12 @@ class Registry:
                                      tags=list(request.tags), metadata=dict(request.metadata))
         return self.get(checkpoint_id)
 
-    def record_output(self, conn: sqlite3.Connection, *, uri: str, summary: dict[str, Any], job_id: str,
+    def record_output(self, conn: Any, *, uri: str, summary: dict[str, Any], job_id: str,
                       source_uri: str, source_summary: dict[str, Any] | None) -> str:
         """Inside the transaction that marks a job succeeded: register (or refresh, when a job overwrote it)
         the output, register the source if it is new, and record `output derived_from source` by `job_id`."""
         now = time.time()
+        self.store.serialize(conn)
         row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (uri,)).fetchone()
         if row is None:
             child = self.add(conn, uri=uri, name=default_name(uri), summary=summary, tags=[], metadata={},
@@ -125,8 +126,9 @@ class Registry:
         else:
             return child
         if parent != child:
-            conn.execute("INSERT OR REPLACE INTO lineage (child_id, parent_id, job_id, created_at) "
-                         "VALUES (?, ?, ?, ?)", (child, parent, job_id, now))
+            conn.execute("INSERT INTO lineage (child_id, parent_id, job_id, created_at) VALUES (?, ?, ?, ?) "
+                         "ON CONFLICT (child_id, parent_id) DO UPDATE SET job_id = excluded.job_id, "
+                         "created_at = excluded.created_at", (child, parent, job_id, now))
         return child
 
     def get(self, checkpoint_id: str) -> CheckpointView:
@@ -142,7 +144,8 @@ class Registry:
     def list(self, name: str | None = None, tag: str | None = None, format: str | None = None, limit: int = 50,
              after: str | None = None) -> tuple[list[CheckpointView], str | None]:
         """Ordered by id; returns (page, id to pass as `after` for the next page, or None)."""
-        where, params = ["1 = 1"], []
+        where: list[str] = ["id NOT IN (SELECT checkpoint_id FROM checkpoint_runs WHERE deleted_at IS NOT NULL)"]
+        params: list[Any] = []  # ^ garbage-collected entries stay (for lineage) but are not listed
         if name is not None:
             where.append("name = ?")
             params.append(name)

@@ -18,6 +18,7 @@ from converters import CkptError
 
 from . import roots
 from .auth import Principal
+from .catalog import Catalog
 from .errors import Conflict, Forbidden, InvalidRequest, ServiceError
 from .helpers import remove_tree
 from .job_requests import problems
@@ -45,14 +46,16 @@ def _exists(uri: str, field: str) -> bool:
 class CkptService:
     def __init__(self, settings: Settings, store: JobStore | None = None) -> None:
         self.settings = settings
-        self.store = store or JobStore(settings.db_path)
+        self.store = store or JobStore(settings.store_location)
         self.registry = Registry(self.store)
+        self.catalog = Catalog(self.store, self.registry, settings.run_pattern)
 
     # -- jobs --------------------------------------------------------------------------------------
 
     def normalise(self, spec: JobSpec) -> JobSpec:
         """Check `spec` against the roots and the engine; returns it with source/target normalised."""
         s = self.settings
+        spec = spec.model_copy(update={"source": self.catalog.resolve_source(spec.source)})  # alias:RUN/NAME
         stray = sorted(spec.options.model_fields_set - APPLIES[spec.kind])
         if stray:
             raise InvalidRequest(f"options.{stray[0]}: does not apply to {spec.kind} jobs", f"options.{stray[0]}")
@@ -155,7 +158,9 @@ class CkptService:
 
     def register(self, request: RegisterRequest) -> CheckpointView:
         uri = roots.check(request.uri, self.settings.read_locations, field="uri", purpose="read")
-        return self.registry.register(request, uri, self._summary(uri, request.source_format))
+        view = self.registry.register(request, uri, self._summary(uri, request.source_format))
+        self.catalog.place_registered(view, "register")
+        return view
 
     def checkpoint(self, checkpoint_id: str, tensors: bool = False) -> CheckpointView:
         view = self.registry.get(checkpoint_id)
@@ -180,11 +185,13 @@ class CkptService:
                                     "json_extract(spec, '$.target') = ?)", (uri, uri, uri))
             if busy:
                 raise Conflict(f"{uri} is used by job {busy[0]['id']}; wait for it or cancel it")
-            _remove(uri)
+            remove_data(uri)
         return self.registry.delete(checkpoint_id)
 
 
-def _remove(uri: str) -> None:
+def remove_data(uri: str) -> None:
+    """Delete a checkpoint's data (a folder, a file or an object prefix); data already gone is fine.
+    Callers check `uri` against the write roots first."""
     from converters import storage
 
     if storage.is_local(uri):
@@ -192,6 +199,9 @@ def _remove(uri: str) -> None:
         return
     try:
         fs, path = storage.filesystem(uri)
-        fs.rm(path, recursive=True)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        return
     except (CkptError, OSError) as exc:
         raise ServiceError(f"could not delete {uri}: {type(exc).__name__}") from None

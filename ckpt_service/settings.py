@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CKPT_", extra="forbid", validate_default=True)
 
     data_dir: Path = Field(default_factory=default_data_dir, description="Job store and default storage root.")
+    database_url: str | None = Field(None, description="postgresql://USER[:PASSWORD]@HOST[:PORT]/DB: keep the job "
+                                     "store in PostgreSQL, shared by API replicas and worker hosts (default: SQLite "
+                                     "under the data dir).")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     workers: int = Field(2, ge=0, le=64, description="Job slots in this process (each job runs in its own process).")
@@ -90,6 +93,19 @@ class Settings(BaseSettings):
                                           "(0: none); keeps shared filesystems usable while jobs run.")
     job_nice: int = Field(10, ge=0, le=19, description="Niceness of job processes, so the API stays responsive.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # checkpoint management (catalog.py, retention.py, rules.py)
+    run_pattern: str = Field("{run}/step_{step}", min_length=1, max_length=512, description="Where a checkpoint's "
+                             "path names its run and step: the last path segments, {run} and {step} in them.")
+    discover_seconds: float = Field(30.0, ge=0, le=86400, description="How often rules look for new complete "
+                                    "checkpoints (0: only on POST /v1/notify).")
+    gc_seconds: float = Field(0.0, ge=0, le=30 * 86400, description="How often the service runs garbage collection "
+                              "under the retention policies (0: only on request).")
+    gc_batch: int = Field(50, ge=1, le=10_000, description="Checkpoints marked deleted per transaction.")
+    executor: Literal["local", "ray"] = Field("local", description="Who writes a job's output files: its own "
+                                              "process (local) or Ray tasks across a cluster (ray).")
+    ray_address: str = Field("auto", description="The Ray cluster for executor=ray: ray://HOST:10001, or auto "
+                             "(the cluster this host belongs to). The target must be on storage every Ray "
+                             "node sees (a shared filesystem or object storage).")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -104,6 +120,17 @@ class Settings(BaseSettings):
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split(value)
+
+    @field_validator("database_url", mode="after")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        from .dialect import is_url
+
+        if not value:
+            return None  # CKPT_DATABASE_URL= (empty): SQLite
+        if not is_url(value):
+            raise ValueError("give a postgresql://USER@HOST[:PORT]/DATABASE URL (or leave it unset for SQLite)")
+        return value
 
     @field_validator("data_dir", mode="after")
     @classmethod
@@ -124,6 +151,17 @@ class Settings(BaseSettings):
         from .netguard import CallbackPolicy
 
         CallbackPolicy.parse(value)
+        return value
+
+    @field_validator("run_pattern", mode="after")
+    @classmethod
+    def _run_pattern(cls, value: str) -> str:
+        from .catalog import compile_pattern
+
+        try:
+            compile_pattern(value)
+        except ServiceError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @field_validator("tokens", mode="after")
@@ -149,6 +187,11 @@ class Settings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / DB_NAME
+
+    @property
+    def store_location(self) -> str:
+        """Where the job store is: the PostgreSQL URL, or the SQLite file under the data dir."""
+        return self.database_url or str(self.db_path)
 
     @cached_property
     def write_locations(self) -> list[roots.Location]:
@@ -176,6 +219,10 @@ class Settings(BaseSettings):
         """The effective settings as JSON-able values, token hashes masked."""
         values = self.model_dump(mode="json")
         values["tokens"] = [line.rsplit(":", 1)[0] + ":****" for line in self.tokens]
+        if self.database_url:
+            from .dialect import redact
+
+            values["database_url"] = redact(self.database_url)
         values["effective_read_roots"] = [str(r) for r in self.read_locations]
         values["effective_write_roots"] = [str(r) for r in self.write_locations]
         values["anonymous_access"] = self.anonymous

@@ -1,7 +1,9 @@
-"""The job store: SQLite in WAL mode under the data dir, shared by the API, the workers and job processes.
+"""The job store: SQLite in WAL mode under the data dir, shared by the API, the workers and job processes
+of one host; or PostgreSQL (`CKPT_DATABASE_URL`), shared by API replicas and workers on many hosts.
 
-Every state change is one short transaction. Claims run under BEGIN IMMEDIATE, so two workers never
-take the same job; updates from a job's process are fenced on (job id, attempt) so a late write from
+Every state change is one short transaction, written once for both databases (see dialect.py). Claims
+run under BEGIN IMMEDIATE on SQLite and `SELECT … FOR UPDATE SKIP LOCKED` on PostgreSQL, so two workers
+never take the same job; updates from a job's process are fenced on (job id, attempt) so a late write from
 an attempt that was given up on changes nothing.
 
     queued ──claim──> running ──finish──> succeeded | failed | cancelled
@@ -18,11 +20,13 @@ import sqlite3
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from . import migrations
+from .dialect import SQLITE, Dialect, is_url
 from .errors import Conflict, NotFound, QueueFull, StoreError
 from .jobs import TERMINAL, JobRecord
 from .store_check import as_store_error
@@ -35,16 +39,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
-class JobStore:
-    """Thread-safe: one SQLite connection per thread. Open it with `JobStore(path)`; it migrates on open."""
+class SqliteConnections:
+    """One SQLite connection per thread, in autocommit mode (the store sends BEGIN IMMEDIATE/COMMIT)."""
 
-    def __init__(self, path: str | os.PathLike[str], migrate: bool = True) -> None:
-        self.path = str(path)
+    dialect = SQLITE
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+
+    def __init__(self, path: str) -> None:
+        self.path = self.name = path
         self._local = threading.local()
-        if migrate:
-            self.migrate()
-
-    # -- connections and transactions --------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -61,12 +64,28 @@ class JobStore:
             raise as_store_error(self.path, exc) from None
         return conn
 
-    @property
-    def conn(self) -> sqlite3.Connection:
+    @contextmanager
+    def connection(self, first: str | None = None) -> Iterator[sqlite3.Connection]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._connect()
-        return conn
+        if first:
+            try:
+                conn.execute(first)
+            except sqlite3.Error as exc:
+                raise as_store_error(self.path, exc) from None
+        yield conn
+
+    def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self.connection() as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def error(self, exc: BaseException) -> StoreError:
+        assert isinstance(exc, sqlite3.Error)
+        return as_store_error(self.path, exc)
+
+    def prepare(self, conn: sqlite3.Connection) -> None:
+        conn.execute("PRAGMA journal_mode = WAL")
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -74,43 +93,87 @@ class JobStore:
             conn.close()
             self._local.conn = None
 
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE … COMMIT; rolled back on any error. sqlite errors become StoreError."""
-        conn = self.conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise as_store_error(self.path, exc) from None
-        try:
-            yield conn
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            raise as_store_error(self.path, exc) from None
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            raise as_store_error(self.path, exc) from None
 
-    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+def connections(location: str) -> Any:
+    """SQLite for a file path; PostgreSQL for a postgresql:// URL."""
+    if is_url(location):
+        from .pg import PostgresConnections
+
+        return PostgresConnections(location)
+    return SqliteConnections(location)
+
+
+class JobStore:
+    """Thread-safe. Open it with `JobStore(path or postgresql:// URL)`; it migrates on open."""
+
+    def __init__(self, location: str | os.PathLike[str], migrate: bool = True) -> None:
+        self.path = str(location)
+        self.db = connections(self.path)
+        self.dialect: Dialect = self.db.dialect
+        self.name: str = self.db.name  # for messages: a URL without its password
+        if self.dialect.autocommit_writes:  # close the pool with the store, not later in a pool thread's GC
+            weakref.finalize(self, self.db.close)
+        if migrate:
+            self.migrate()
+
+    # -- connections and transactions --------------------------------------------------------------
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """BEGIN (IMMEDIATE on SQLite) … COMMIT; rolled back on any error. Database errors become StoreError."""
+        errors = self.db.errors
+        with self.db.connection(self.dialect.begin) as conn:
+            try:
+                yield conn
+            except errors as exc:
+                with contextlib.suppress(*errors):
+                    conn.execute("ROLLBACK")
+                raise self.db.error(exc) from None
+            except BaseException:
+                with contextlib.suppress(*errors):
+                    conn.execute("ROLLBACK")
+                raise
+            try:
+                conn.execute("COMMIT")
+            except errors as exc:
+                with contextlib.suppress(*errors):
+                    conn.execute("ROLLBACK")
+                raise self.db.error(exc) from None
+
+    def serialize(self, conn: Any) -> None:
+        """Inside a transaction: wait for other submissions and registry writes (SQLite's BEGIN IMMEDIATE
+        already orders every write; PostgreSQL takes a transaction-scoped advisory lock)."""
+        if self.dialect.serialize:
+            conn.execute(self.dialect.serialize)
+
+    def write(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[list[Any], int]:
+        """One statement as a transaction of its own: (rows it returned, rows it changed). On PostgreSQL it is
+        sent alone in autocommit mode (one round trip instead of three)."""
+        if self.dialect.autocommit_writes:
+            try:
+                return self.db.write(sql, params)
+            except self.db.errors as exc:
+                raise self.db.error(exc) from None
+        with self.transaction() as conn:
+            cur = conn.execute(sql, params)
+            return (cur.fetchall() if cur.description else []), cur.rowcount
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         try:
-            return self.conn.execute(sql, params).fetchall()
-        except sqlite3.Error as exc:
-            raise as_store_error(self.path, exc) from None
+            return self.db.read(sql, params)
+        except self.db.errors as exc:
+            raise self.db.error(exc) from None
 
     def migrate(self) -> tuple[int, int]:
-        conn = self.conn
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            return migrations.migrate(conn, self.path)
-        except sqlite3.Error as exc:
-            raise as_store_error(self.path, exc) from None
+        with self.db.connection() as conn:
+            try:
+                self.db.prepare(conn)
+                return migrations.migrate(conn, self.name, dialect=self.dialect)
+            except self.db.errors as exc:
+                raise self.db.error(exc) from None
 
     def ping(self) -> None:
         self.query("SELECT 1")
@@ -124,6 +187,7 @@ class JobStore:
         earlier job comes back (created False); the same key with another request is a Conflict."""
         now = time.time()
         with self.transaction() as conn:
+            self.serialize(conn)  # one submission at a time: idempotency, queue depth and busy targets hold
             if idempotency:
                 row = conn.execute("SELECT request_hash, job_id FROM idempotency WHERE principal = ? AND key = ?",
                                    (submitted_by, idempotency[0])).fetchone()
@@ -131,7 +195,7 @@ class JobStore:
                     if row["request_hash"] != idempotency[1]:
                         raise Conflict("Idempotency-Key was already used for a different request; use a new key")
                     return self._get(conn, row["job_id"]), False
-            depth = conn.execute("SELECT COUNT(*) FROM jobs WHERE state = 'queued'").fetchone()[0]
+            depth = conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued'").fetchone()["n"]
             if depth >= queue_limit:
                 raise QueueFull(f"the queue is full ({depth} jobs waiting); retry later")
             if target is not None:
@@ -149,9 +213,10 @@ class JobStore:
                              "VALUES (?, ?, ?, ?, ?)", (submitted_by, idempotency[0], idempotency[1], job_id, now))
             return self._get(conn, job_id), True
 
-    @staticmethod
-    def _get(conn: sqlite3.Connection, job_id: str) -> JobRecord:
-        row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    def _get(self, conn: Any, job_id: str, lock: bool = False) -> JobRecord:
+        """Inside a transaction; `lock`: the transaction then changes the job (its row is locked till the end)."""
+        row = conn.execute(f"SELECT * FROM jobs WHERE id = ?{self.dialect.for_update if lock else ''}",
+                           (job_id,)).fetchone()
         if row is None:
             raise NotFound(f"no job {job_id}")
         return JobRecord.from_row(row)
@@ -182,7 +247,7 @@ class JobStore:
         """A queued job is cancelled at once; a running one is flagged (its worker stops it)."""
         now = time.time()
         with self.transaction() as conn:
-            job = self._get(conn, job_id)
+            job = self._get(conn, job_id, lock=True)
             if job.state == "queued":
                 conn.execute(f"UPDATE jobs SET state = 'cancelled', cancel_requested = 1, finished_at = ?, "
                              f"updated_at = ?, {_CALLBACK_PENDING} WHERE id = ?", (now, now, job_id))
@@ -197,71 +262,67 @@ class JobStore:
     def claim(self, worker: str, lease_seconds: float) -> JobRecord | None:
         """Take the oldest queued job for `worker` (attempt + 1), or None."""
         now = time.time()
-        with self.transaction() as conn:
-            row = conn.execute("SELECT id FROM jobs WHERE state = 'queued' ORDER BY seq LIMIT 1").fetchone()
-            if row is None:
-                return None
-            conn.execute("UPDATE jobs SET state = 'running', attempt = attempt + 1, worker = ?, lease_until = ?, "
-                         "heartbeat_at = ?, attempt_started_at = ?, started_at = COALESCE(started_at, ?), "
-                         "pid = NULL, progress = NULL, updated_at = ? WHERE id = ?",
-                         (worker, now + lease_seconds, now, now, now, now, row["id"]))
-            return self._get(conn, row["id"])
+        # one statement: pick the oldest queued job (rows other claimers hold are skipped) and take it
+        rows, _ = self.write(
+                "UPDATE jobs SET state = 'running', attempt = attempt + 1, worker = ?, lease_until = ?, "
+                "heartbeat_at = ?, attempt_started_at = ?, started_at = COALESCE(started_at, ?), pid = NULL, "
+                "progress = NULL, updated_at = ? WHERE state = 'queued' AND id = (SELECT id FROM jobs WHERE "
+                f"state = 'queued' ORDER BY seq LIMIT 1{self.dialect.skip_locked}) RETURNING *",
+                (worker, now + lease_seconds, now, now, now, now))
+        return JobRecord.from_row(rows[0]) if rows else None
 
     def heartbeat(self, job_id: str, worker: str, attempt: int, lease_seconds: float) -> tuple[bool, bool]:
         """Extend the lease; returns (still ours, cancel requested)."""
         now = time.time()
-        with self.transaction() as conn:
-            cur = conn.execute("UPDATE jobs SET lease_until = ?, heartbeat_at = ? WHERE id = ? AND worker = ? "
-                               "AND attempt = ? AND state = 'running'",
-                               (now + lease_seconds, now, job_id, worker, attempt))
-            row = conn.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return cur.rowcount == 1, bool(row and row["cancel_requested"])
+        rows, _ = self.write("UPDATE jobs SET lease_until = ?, heartbeat_at = ? WHERE id = ? AND worker = ? "
+                             "AND attempt = ? AND state = 'running' RETURNING cancel_requested",
+                             (now + lease_seconds, now, job_id, worker, attempt))
+        return bool(rows), bool(rows and rows[0]["cancel_requested"])
 
     def take_over(self, job_id: str, attempt: int, old_worker: str, new_worker: str, lease_seconds: float) -> bool:
         """Claim a dead worker's running job for cleaning it up; only one reaper wins."""
         now = time.time()
-        with self.transaction() as conn:
-            cur = conn.execute("UPDATE jobs SET worker = ?, lease_until = ?, heartbeat_at = ? WHERE id = ? "
-                               "AND attempt = ? AND worker = ? AND state = 'running'",
-                               (new_worker, now + lease_seconds, now, job_id, attempt, old_worker))
-        return cur.rowcount == 1
+        _, changed = self.write("UPDATE jobs SET worker = ?, lease_until = ?, heartbeat_at = ? WHERE id = ? "
+                                "AND attempt = ? AND worker = ? AND state = 'running'",
+                                (new_worker, now + lease_seconds, now, job_id, attempt, old_worker))
+        return changed == 1
 
     def set_pid(self, job_id: str, attempt: int, pid: int) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET pid = ? WHERE id = ? AND attempt = ? AND state = 'running'",
-                         (pid, job_id, attempt))
+        self.write("UPDATE jobs SET pid = ? WHERE id = ? AND attempt = ? AND state = 'running'",
+                   (pid, job_id, attempt))
 
     def set_progress(self, job_id: str, attempt: int, progress: dict[str, Any]) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET progress = ?, updated_at = ? WHERE id = ? AND attempt = ? "
-                         "AND state = 'running'", (json.dumps(progress), time.time(), job_id, attempt))
+        self.write("UPDATE jobs SET progress = ?, updated_at = ? WHERE id = ? AND attempt = ? AND state = 'running'",
+                   (json.dumps(progress), time.time(), job_id, attempt))
 
-    def finish(self, conn: sqlite3.Connection, job_id: str, attempt: int, state: str,
-               result: dict[str, Any] | None = None, error: tuple[str, str] | None = None) -> bool:
-        """Inside a transaction: end attempt `attempt` of a running job. False if it is no longer ours."""
+    @staticmethod
+    def _finish_statement(job_id: str, attempt: int, state: str, result: dict[str, Any] | None,
+                          error: tuple[str, str] | None) -> tuple[str, tuple[Any, ...]]:
         if state not in TERMINAL:
             raise ValueError(f"finish: {state!r} is not a final state ({', '.join(sorted(TERMINAL))})")
         now = time.time()
         error_type, message = error or (None, None)
-        cur = conn.execute(
-            f"UPDATE jobs SET state = ?, result = ?, error_type = ?, error_message = ?, finished_at = ?, "
-            f"updated_at = ?, lease_until = NULL, {_CALLBACK_PENDING} WHERE id = ? AND attempt = ? "
-            "AND state = 'running'",
-            (state, json.dumps(result) if result is not None else None, error_type, message, now, now, job_id,
-             attempt))
-        return cur.rowcount == 1
+        return (f"UPDATE jobs SET state = ?, result = ?, error_type = ?, error_message = ?, finished_at = ?, "
+                f"updated_at = ?, lease_until = NULL, {_CALLBACK_PENDING} WHERE id = ? AND attempt = ? "
+                "AND state = 'running'",
+                (state, json.dumps(result) if result is not None else None, error_type, message, now, now, job_id,
+                 attempt))
+
+    def finish(self, conn: Any, job_id: str, attempt: int, state: str,
+               result: dict[str, Any] | None = None, error: tuple[str, str] | None = None) -> bool:
+        """Inside a transaction: end attempt `attempt` of a running job. False if it is no longer ours."""
+        return conn.execute(*self._finish_statement(job_id, attempt, state, result, error)).rowcount == 1
 
     def finish_now(self, job_id: str, attempt: int, state: str, result: dict[str, Any] | None = None,
                    error: tuple[str, str] | None = None) -> bool:
-        with self.transaction() as conn:
-            return self.finish(conn, job_id, attempt, state, result, error)
+        return self.write(*self._finish_statement(job_id, attempt, state, result, error))[1] == 1
 
     def requeue_or_fail(self, job_id: str, attempt: int, reason: str) -> str | None:
         """After a job process died: cancelled if that was asked for, queued again while attempts are left,
         failed with `reason` after that. Returns the new state, or None if the attempt was not current."""
         now = time.time()
         with self.transaction() as conn:
-            job = self._get(conn, job_id)
+            job = self._get(conn, job_id, lock=True)
             if job.state != "running" or job.attempt != attempt:
                 return None
             if job.cancel_requested:
@@ -278,11 +339,10 @@ class JobStore:
 
     def release(self, job_id: str, attempt: int) -> bool:
         """Graceful shutdown: put a running job back in the queue without using up an attempt."""
-        with self.transaction() as conn:
-            cur = conn.execute("UPDATE jobs SET state = 'queued', attempt = attempt - 1, worker = NULL, "
-                               "lease_until = NULL, pid = NULL, updated_at = ? WHERE id = ? AND attempt = ? "
-                               "AND state = 'running' AND cancel_requested = 0", (time.time(), job_id, attempt))
-        return cur.rowcount == 1
+        _, changed = self.write("UPDATE jobs SET state = 'queued', attempt = attempt - 1, worker = NULL, "
+                                "lease_until = NULL, pid = NULL, updated_at = ? WHERE id = ? AND attempt = ? "
+                                "AND state = 'running' AND cancel_requested = 0", (time.time(), job_id, attempt))
+        return changed == 1
 
     def running(self) -> list[JobRecord]:
         return [JobRecord.from_row(r) for r in self.query("SELECT * FROM jobs WHERE state = 'running'")]
@@ -294,7 +354,8 @@ class JobStore:
         now = time.time()
         with self.transaction() as conn:
             rows = conn.execute("SELECT id FROM jobs WHERE callback_state = 'pending' OR (callback_state = "
-                                "'sending' AND callback_until < ?) LIMIT ?", (now, limit)).fetchall()
+                                f"'sending' AND callback_until < ?) LIMIT ?{self.dialect.skip_locked}",
+                                (now, limit)).fetchall()
             ids = [r["id"] for r in rows]
             for job_id in ids:
                 conn.execute("UPDATE jobs SET callback_state = 'sending', callback_owner = ?, callback_until = ? "
@@ -302,35 +363,32 @@ class JobStore:
             return [self._get(conn, job_id) for job_id in ids]
 
     def callback_done(self, job_id: str, delivered: bool) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET callback_state = ? WHERE id = ?", ("sent" if delivered else "failed",
-                                                                            job_id))
+        self.write("UPDATE jobs SET callback_state = ? WHERE id = ?", ("sent" if delivered else "failed", job_id))
 
     # -- workers and metrics -----------------------------------------------------------------------
 
     def register_worker(self, worker: str, host: str, pid: int, slots: int) -> None:
         now = time.time()
-        with self.transaction() as conn:
-            conn.execute("INSERT OR REPLACE INTO workers (id, host, pid, slots, started_at, seen_at) "
-                         "VALUES (?, ?, ?, ?, ?, ?)", (worker, host, pid, slots, now, now))
+        self.write("INSERT INTO workers (id, host, pid, slots, started_at, seen_at) VALUES (?, ?, ?, ?, ?, ?) "
+                   "ON CONFLICT (id) DO UPDATE SET host = excluded.host, pid = excluded.pid, "
+                   "slots = excluded.slots, started_at = excluded.started_at, seen_at = excluded.seen_at",
+                   (worker, host, pid, slots, now, now))
 
     def touch_worker(self, worker: str) -> None:
-        with self.transaction() as conn:
-            conn.execute("UPDATE workers SET seen_at = ? WHERE id = ?", (time.time(), worker))
+        self.write("UPDATE workers SET seen_at = ? WHERE id = ?", (time.time(), worker))
 
     def remove_worker(self, worker: str) -> None:
-        with self.transaction() as conn:
-            conn.execute("DELETE FROM workers WHERE id = ?", (worker,))
+        self.write("DELETE FROM workers WHERE id = ?", (worker,))
 
-    def live_workers(self, within_seconds: float) -> list[sqlite3.Row]:
+    def live_workers(self, within_seconds: float) -> list[Any]:
         return self.query("SELECT * FROM workers WHERE seen_at >= ?", (time.time() - within_seconds,))
 
     def count_by_state(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in self.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}
 
-    def finished_stats(self) -> list[sqlite3.Row]:
+    def finished_stats(self) -> list[Any]:
         """(kind, state, seconds, bytes) of every finished job that ran, for the metrics histograms."""
         return self.query(
             f"SELECT kind, state, finished_at - started_at AS seconds, "
-            f"COALESCE(json_extract(progress, '$.total_bytes'), 0) AS bytes FROM jobs "
+            f"COALESCE(CAST(json_extract(progress, '$.total_bytes') AS BIGINT), 0) AS bytes FROM jobs "
             f"WHERE state IN {TERMINAL_SQL} AND started_at IS NOT NULL")

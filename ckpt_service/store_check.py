@@ -18,7 +18,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from . import migrations
-from .errors import SchemaTooNew, StoreDamaged, StoreError
+from .dialect import is_url
+from .errors import StoreDamaged, StoreError
 
 #: SQLite's primary result codes for a damaged file: SQLITE_CORRUPT, SQLITE_NOTADB
 DAMAGE_CODES = (11, 26)
@@ -58,8 +59,27 @@ def _tables_at(version: int) -> set[str]:
     return set(re.findall(r"CREATE TABLE (\w+)", made)) | {"schema_version"}
 
 
+def check_database(url: str) -> Report:
+    """A PostgreSQL store: reachable (`SELECT 1`), its schema version known and its tables there."""
+    from .dialect import POSTGRESQL, redact
+    from .pg import check as pg_check
+
+    name = redact(url)
+    version, jobs, tables = pg_check(url)
+    if version > migrations.LATEST:
+        raise migrations.too_new(name, version, POSTGRESQL)
+    missing = sorted(_tables_at(version) - tables) if version else []
+    if missing:
+        raise StoreDamaged(f"job store {name} is damaged (schema version {version} but no {', '.join(missing)} "
+                           "table): restore the database from a backup (pg_dump), or use an empty database")
+    return Report(name, version, jobs)
+
+
 def check(path: str | os.PathLike[str]) -> Report:
-    """The store at `path` is sound (integrity, schema version, tables), or StoreDamaged / SchemaTooNew."""
+    """The store at `path` is sound (integrity, schema version, tables), or StoreDamaged / SchemaTooNew.
+    A postgresql:// URL is checked with `check_database`."""
+    if is_url(path):
+        return check_database(str(path))
     if not os.path.isfile(path):
         raise StoreError(f"job store {path}: no such file (the service makes one on its first start)")
     if os.path.getsize(path) == 0:
@@ -79,8 +99,7 @@ def check(path: str | os.PathLike[str]) -> Report:
             raise damaged(path, "it has no schema_version table")
         version = int(conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
         if version > migrations.LATEST:
-            raise SchemaTooNew(f"job store {path} has schema version {version}, newer than this ckpt-service "
-                               f"understands ({migrations.LATEST}): upgrade ckpt-service, or use another --data-dir")
+            raise migrations.too_new(str(path), version)
         missing = sorted(_tables_at(version) - tables)
         if missing:
             raise damaged(path, f"schema version {version} but no {', '.join(missing)} table")

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 
-from . import logs, webhooks
+from . import logs, webhooks, worker_main
 from .errors import ServiceError
 from .executor import clean_target
 from .jobs import JobRecord
@@ -63,11 +63,17 @@ class JobRunner(threading.Thread):
     def command(self) -> list[str]:
         s = self.pool.settings
         # -P: the working directory is not put on sys.path (nothing a checkpoint names can import from it)
-        return [sys.executable, "-P", "-m", "ckpt_service.worker_main", str(s.db_path), self.job.id, str(self.attempt),
+        # a PostgreSQL URL (it may hold a password) goes through the environment, not the command line
+        store = worker_main.FROM_ENV if s.database_url else str(s.db_path)
+        return [sys.executable, "-P", "-m", "ckpt_service.worker_main", store, self.job.id, str(self.attempt),
                 "--parent", str(os.getpid()), "--nice", str(s.job_nice), "--progress-seconds",
                 str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second),
                 "--read-roots", json.dumps([str(r) for r in s.read_locations]),
                 "--write-roots", json.dumps([str(r) for r in s.write_locations]), "--log-level", s.log_level]
+
+    def store_env(self) -> dict[str, str]:
+        url = self.pool.settings.database_url
+        return {worker_main.URL_ENV: url} if url else {}
 
     def run(self) -> None:
         try:
@@ -81,7 +87,8 @@ class JobRunner(threading.Thread):
     def _run(self) -> None:
         store, s, job = self.pool.store, self.pool.settings, self.job
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1"})
+                                     env={**os.environ, "PYTHONSAFEPATH": "1", **self.store_env(),
+                                          "CKPT_EXECUTOR": s.executor, "CKPT_RAY_ADDRESS": s.ray_address})
         store.set_pid(job.id, self.attempt, self.proc.pid)
         logs.event("job.process_started", job_id=job.id, attempt=self.attempt, pid=self.proc.pid,
                    worker=self.pool.id)
@@ -158,7 +165,7 @@ class WorkerPool:
 
     def __init__(self, settings: Settings, store: JobStore | None = None, slots: int | None = None) -> None:
         self.settings = settings
-        self.store = store or JobStore(settings.db_path)
+        self.store = store or JobStore(settings.store_location)
         self.slots = settings.workers if slots is None else slots
         self.host = socket.gethostname()
         self.id = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

@@ -1,5 +1,7 @@
 """Entry point of a job process: `python -m ckpt_service.worker_main DB JOB_ID ATTEMPT --parent PID …`.
 
+DB is the SQLite file, or `postgresql` for the URL in $CKPT_DATABASE_URL (kept off the command line).
+
 The process runs with a clean sys.path (no working directory on it), asks the kernel to kill it when
 its parent (the worker that watches it) dies, lowers its own priority so the API stays responsive,
 runs the job and records the outcome itself.
@@ -16,6 +18,9 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+#: the DB argument that means: the PostgreSQL URL in $CKPT_DATABASE_URL
+FROM_ENV = "postgresql"
+URL_ENV = "CKPT_DATABASE_URL"
 
 
 def clean_sys_path() -> None:
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         # every file the engine opens (members a checkpoint names, symlinks resolved) must lie in a root;
         # the write roots too, since --verify and the registry read outputs back
         storage.confine_reads([*read, *write])
-    store = JobStore(args.db, migrate=False)
+    store = JobStore(os.environ.get(URL_ENV, "") if args.db == FROM_ENV else args.db, migrate=False)
     return run_job(store, args.job_id, args.attempt, args.progress_seconds, args.max_bytes_per_second, allowed)
 
 

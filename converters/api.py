@@ -17,6 +17,7 @@ from .errors import OptionError
 from .formats import load_index
 from .index import CheckpointIndex
 from .output import open_output
+from .plan import Execution, PartResult, execute
 from .transforms import KeyOptions, apply
 from .verify import VerifyReport, find_tie, verify_indexes, verify_output
 from .writers import WRITERS
@@ -38,6 +39,7 @@ class ConvertOptions:
     verify: bool = False
     export: bool = False  # an export for serving: model weights only, never optimizer state
     to_hf: str | None = None  # "llama": Megatron GPT -> LlamaForCausalLM names, layouts and config.json
+    execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (CKPT_EXECUTOR)
 
     def __post_init__(self) -> None:
         if self.export and self.keys.only != "model":
@@ -63,6 +65,7 @@ class ConvertResult:
     report: list[str]
     skipped: list[str]
     verify: VerifyReport | None = None
+    parts: list[PartResult] = field(default_factory=list)  # per output file: size, CRC-32, node (not in to_dict)
 
     def to_dict(self) -> dict:
         return {"target": self.target, "outputs": [{"name": n, "bytes": b} for n, b in self.outputs],
@@ -128,12 +131,14 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
             report.append("dropped tied " + ", ".join(f"{a} (= {b})" for a, b in ties.items()))
         single = options.to == "torch" or target.endswith(".safetensors")
         with open_output(target, options.overwrite, options.to, single_file=single) as out:
-            WRITERS[options.to](view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
-                                metadata=metadata)
+            plan = WRITERS[options.to](view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
+                                       metadata=metadata)
+            execute(plan, out, copier, options.execution)
             if hf_config is not None:
                 with out.open("config.json") as fh:
                     fh.write(json.dumps(hf_config, indent=2).encode())
-            result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped)
+            result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped,
+                                   parts=plan.results)
             if options.verify:
                 result.verify = verify_output(view, out.root, options.to, reader, cast_ok=options.dtype is not None,
                                               memory_limit=options.memory_limit, target=target)

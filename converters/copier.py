@@ -67,6 +67,7 @@ class Copier:
                  progress: Progress | None = None, threads: int = DEFAULT_THREADS) -> None:
         self.reader = reader
         self.progress = progress or Progress()
+        self.memory_limit = memory_limit
         self.threads = max(1, threads)
         # room for a source slab and its cast copy in every thread
         self.slab_bytes = max(64 * 1024, memory_limit // (3 * self.threads))

@@ -17,9 +17,10 @@ from .formats import load_index
 from .index import CheckpointIndex, TensorEntry
 from .layouts import make_layout
 from .output import open_output
+from .plan import Execution, PartResult, execute
 from .transforms import KeyOptions, apply
 from .verify import VerifyReport, verify_output
-from .writers.dcp import Piece, write_dcp
+from .writers.dcp import Piece, plan_dcp
 from .writers.objects import load_object
 
 
@@ -35,6 +36,7 @@ class ReshardOptions:
     memory_limit: int = DEFAULT_MEMORY_LIMIT
     overwrite: bool = False
     verify: bool = False
+    execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (CKPT_EXECUTOR)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -51,6 +53,7 @@ class ReshardResult:
     outputs: list[tuple[str, int]]
     report: list[str]
     verify: VerifyReport | None = None
+    parts: list[PartResult] = field(default_factory=list)  # per output file: size, CRC-32, node (not in to_dict)
 
     def to_dict(self) -> dict:
         return {"target": self.target, "world_size": self.world_size,
@@ -116,9 +119,10 @@ def reshard(source: str, target: str, options: ReshardOptions,
         if empty:
             report.append(f"{empty} of {options.world_size} ranks hold no tensor data at all")
         with open_output(target, options.overwrite, "dcp") as out:
-            write_dcp(view, out, copier, plan, cast_for)
+            dcp_plan = plan_dcp(view, copier, plan, cast_for)
+            execute(dcp_plan, out, copier, options.execution)
             result = ReshardResult(target, options.world_size, [(n, f["bytes"]) for n, f in out.files.items()],
-                                   report)
+                                   report, parts=dcp_plan.results)
             if options.verify:
                 result.verify = verify_output(view, out.root, "dcp", reader, cast_ok=options.dtype is not None,
                                               memory_limit=options.memory_limit, target=target)

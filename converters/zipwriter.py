@@ -5,6 +5,7 @@ so the same code writes to a local file or straight into an object-store upload.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import uuid
 import zlib
@@ -14,6 +15,14 @@ from typing import Any, BinaryIO
 _ALIGN = 64
 _U32 = 0xFFFFFFFF
 _FLAGS = 0x08  # CRC-32 in a data descriptor after the data
+
+
+def serial_id(base: str | None = None, *names: object) -> str:
+    """A random archive id; or, from `base` and `names`, a derived one: a plan picks one base for all its
+    archives, so that every executor (threads here, or tasks on other hosts) writes the same bytes."""
+    if base is None:
+        return uuid.uuid4().hex
+    return hashlib.sha256(":".join(map(str, (base, *names))).encode()).hexdigest()[:32]
 
 
 class ZipWriter:
@@ -69,9 +78,10 @@ class ZipWriter:
     def add(self, name: str, data: bytes) -> None:
         self.write_member(name, [data], len(data))
 
-    def add_torch_records(self) -> None:
+    def add_torch_records(self, serial: str | None = None) -> None:
+        """The records torch.save ends with; `serial` is the archive's id (random, as torch's, by default)."""
         for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"),
-                            ("version", b"3"), (".data/serialization_id", uuid.uuid4().hex.encode()[:40])):
+                            ("version", b"3"), (".data/serialization_id", (serial or serial_id()).encode()[:40])):
             self.add(name, value)
 
     def close(self) -> int:

@@ -13,6 +13,8 @@ import torch
 
 from ckpt_service.sample import make_samples
 
+from .pg_server import postgres, store_location  # noqa: F401  (fixtures: a real PostgreSQL server)
+
 FSDP2_LAYOUTS = ("fsdp2-dcp", "rank-files-dtensor", "hf-dcp", "torch-full", "safetensors")
 FSDP1_LAYOUTS = ("fsdp1-dcp", "accelerate", "rank-files-sharded", "accelerate-rank-files")
 

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from converters import CheckpointIndex, ConvertOptions, KeyOptions, convert, detect, load_index
 from converters.copier import Copier
 from converters.output import open_output
+from converters.plan import execute
 from converters.storage import RangeReader
 from converters.tensorio import read_box
 from converters.writers import WRITERS
@@ -128,7 +129,8 @@ def test_writer_output_loads_in_the_consumer(fmt: str, tmp_path: Path) -> None:
     index = load_index(str(src))
     target = tmp_path / ("out.pt" if fmt == "torch" else "out")
     with RangeReader() as reader, open_output(str(target), False, fmt, single_file=fmt == "torch") as out:
-        WRITERS[fmt](index, out, Copier(reader), cast_to=None, max_shard_size=1 << 30, metadata={})
+        copier = Copier(reader)
+        execute(WRITERS[fmt](index, out, copier, cast_to=None, max_shard_size=1 << 30, metadata={}), out, copier)
     loaded = _load_back(fmt, target)
     assert sorted(loaded) == sorted(tensors)
     for name, t in tensors.items():

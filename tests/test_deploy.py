@@ -152,7 +152,9 @@ def test_compose_file_matches_the_image(compose: dict[str, Any], dockerfile: Doc
     data_dir = runtime.env()["CKPT_DATA_DIR"]
     assert {"api", "worker"} <= set(services) and "profiles" not in services["api"]
     assert "profiles" not in services["worker"]
-    assert set(compose["volumes"]) == {"data", "checkpoints"}
+    assert set(compose["volumes"]) == {"data", "checkpoints", "pgdata"}
+    assert services["postgres"]["profiles"] == ["scale"] and services["postgres"]["volumes"] == [
+        "pgdata:/var/lib/postgresql/data"]
     for name in ("api", "worker"):
         service = services[name]
         assert f"data:{data_dir}" in service["volumes"], f"{name}: the job store must be on the named volume"
@@ -190,7 +192,8 @@ def test_compose_configuration_is_documented_and_holds_no_secrets(compose: dict[
     assert read_env_file(ENV_EXAMPLE)["CKPT_TOKENS"] == ""
     for service in compose["services"].values():
         env = service.get("environment", {})
-        for key in ("CKPT_TOKENS", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        for key in ("CKPT_TOKENS", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                    "CKPT_DATABASE_URL", "POSTGRES_PASSWORD"):
             assert env.get(key) in (None, f"${{{key}:-}}"), f"{key}: no credential or default for one in compose"
     assert subprocess.run(["git", "check-ignore", "-q", "docker/.env"], cwd=ROOT).returncode == 0, \
         "docker/.env holds local settings: keep it out of git"

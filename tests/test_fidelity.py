@@ -305,9 +305,13 @@ def patch_member(path: Path, suffix: str, old: bytes, new: bytes) -> int:
 
 def spoil(target: Path, fmt: str) -> None:
     """Damage an output so that our reader still reads the same values but the consumer refuses it."""
-    if fmt == "safetensors":  # bytes past the data section: safe_open refuses an incompletely covered file
-        with (target / "model.safetensors").open("ab") as fh:
-            fh.write(b"\0" * 8)
+    if fmt == "safetensors":  # a UTF-8 byte-order mark before the header JSON: Python's json reads it, safe_open
+        path = target / "model.safetensors"  # refuses it ("invalid JSON in header")
+        raw = path.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        header = b"\xef\xbb\xbf" + raw[8:8 + length].rstrip(b" ")
+        header += b" " * (-len(header) % 8)
+        path.write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + length:])
         return
     # a byte order torch does not know: torch.load refuses the archive ("Unknown endianness type")
     files = [target] if fmt == "torch" else sorted(target.glob("*.distcp"))

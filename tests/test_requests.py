@@ -34,7 +34,8 @@ WIRE = {
 }
 for _kind in ("convert", "export", "reshard", "inspect"):  # added with the DeepSpeed reader
     WIRE[_kind] |= {"tag", "weights"}
-EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token"}
+EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token",
+          "ray"}  # offline --ray ADDRESS: the Ray executor for this run
 
 
 def test_each_kind_takes_the_options_it_always_took() -> None:

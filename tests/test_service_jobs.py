@@ -11,18 +11,20 @@ import pytest
 from converters.api import verify
 from converters.transforms import KeyOptions
 
+from .pg_server import STORES, store_env
 from .service_harness import Server, Tokens, job_spec, make_server
 
 pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the full suite (CI), not the edit loop
 
 
-@pytest.fixture(scope="module")
-def env(fsdp2: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path, Path]]:
+@pytest.fixture(scope="module", params=STORES)
+def env(request: pytest.FixtureRequest, fsdp2: dict, tmp_path_factory: pytest.TempPathFactory
+        ) -> Iterator[tuple[Server, Tokens, Path, Path]]:
     tokens = Tokens.make()
     source = fsdp2["fsdp2-dcp"].path
     out = tmp_path_factory.mktemp("jobs-out")
     server = make_server(tmp_path_factory.mktemp("jobs-data"), read_roots=[source.parent], write_roots=[out],
-                         tokens=tokens.entries).start()
+                         tokens=tokens.entries, extra_env=store_env(request)).start()
     yield server, tokens, source, out
     server.stop()
 
@@ -140,6 +142,8 @@ def test_health_ready_and_metrics(env: tuple[Server, Tokens, Path, Path]) -> Non
         assert http.get("/healthz").json() == {"status": "ok"}
         ready = http.get("/readyz")
         assert ready.status_code == 200 and ready.json()["checks"]["workers"]["alive"] is True
+        database = "postgresql" if "CKPT_DATABASE_URL" in server.env else "sqlite"
+        assert (ready.json()["checks"]["database"], ready.json()["checks"]["store"]) == (database, "ok")
         metrics = http.get("/metrics")
     assert metrics.status_code == 200
     text = metrics.text

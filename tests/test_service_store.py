@@ -11,19 +11,44 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from ckpt_service import auth, migrations, roots
-from ckpt_service.errors import Forbidden, InvalidRequest, OutsideRoots, SchemaTooNew, Unauthorized
+from ckpt_service import auth, migrations, roots, store_check
+from ckpt_service.dialect import POSTGRESQL, SQLITE, Dialect, is_url
+from ckpt_service.errors import (
+    Conflict,
+    Forbidden,
+    InvalidRequest,
+    OutsideRoots,
+    SchemaTooNew,
+    StoreDamaged,
+    Unauthorized,
+)
+from ckpt_service.registry import Registry
 from ckpt_service.settings import SettingsError, load
 from ckpt_service.store import JobStore
 
+from .pg_server import PgServer
 
-def v1_database(path: Path) -> None:
+
+def raw_connection(location: str) -> tuple[Any, Dialect]:
+    """An autocommit connection to the store at `location` that takes the store's SQL, and its dialect."""
+    if is_url(location):
+        import psycopg
+
+        from ckpt_service.pg import Connection, row_factory
+
+        return Connection(psycopg.connect(location, autocommit=True, row_factory=row_factory)), POSTGRESQL
+    return sqlite3.connect(location, isolation_level=None), SQLITE
+
+
+def v1_database(location: str) -> None:
     """A job store as the first release wrote it, holding one queued and one finished job."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    migrations.migrate(conn, str(path), upto=1)
+    conn, dialect = raw_connection(location)
+    migrations.migrate(conn, location, upto=1, dialect=dialect)
     spec = {"kind": "export", "source": "/data/a", "target": "/data/b", "options": {}}
     now = time.time()
     for job_id, state in (("job_old_queued", "queued"), ("job_old_done", "succeeded")):
@@ -32,36 +57,70 @@ def v1_database(path: Path) -> None:
     conn.close()
 
 
-def test_store_migrates_an_older_schema_and_keeps_its_jobs(tmp_path: Path) -> None:
-    db = tmp_path / "ckpt.db"
-    v1_database(db)
-    store = JobStore(db)
+def test_store_migrates_an_older_schema_and_keeps_its_jobs(store_location: str) -> None:
+    v1_database(store_location)
+    store = JobStore(store_location)
     assert store.query("SELECT MAX(version) AS v FROM schema_version")[0]["v"] == migrations.LATEST
-    assert store.query("PRAGMA journal_mode")[0][0] == "wal"
+    if store.dialect is SQLITE:
+        assert store.query("PRAGMA journal_mode")[0][0] == "wal"
     old = store.get("job_old_queued")
     assert old.state == "queued" and old.target == "/data/b" and old.cancel_requested is False  # backfilled
     claimed = store.claim("w1", 30)
     assert claimed is not None and claimed.id == "job_old_queued" and claimed.attempt == 1
     assert store.get("job_old_done").state == "succeeded"
-    assert JobStore(db).migrate() == (migrations.LATEST, migrations.LATEST)  # opening again changes nothing
+    assert JobStore(store_location).migrate() == (migrations.LATEST, migrations.LATEST)  # opening again: no change
 
 
-def test_store_newer_than_the_code_is_refused_clearly(tmp_path: Path) -> None:
-    db = tmp_path / "ckpt.db"
-    JobStore(db)
-    conn = sqlite3.connect(db, isolation_level=None)
+def test_migrations_run_once_when_processes_start_together(store_location: str) -> None:
+    results: list[tuple[int, int]] = []
+
+    def start() -> None:
+        store = JobStore(store_location, migrate=False)
+        results.append(store.migrate())
+        store.close()
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [(0, migrations.LATEST)] + [(migrations.LATEST, migrations.LATEST)] * 3
+    versions = JobStore(store_location).query("SELECT version FROM schema_version ORDER BY version")
+    assert [r["version"] for r in versions] == list(range(1, migrations.LATEST + 1))
+
+
+def test_store_newer_than_the_code_is_refused_clearly(store_location: str, tmp_path: Path) -> None:
+    JobStore(store_location)
+    conn, _ = raw_connection(store_location)
     conn.execute("INSERT INTO schema_version (version) VALUES (?)", (migrations.LATEST + 7,))
     conn.close()
     with pytest.raises(SchemaTooNew, match="newer than this ckpt-service understands"):
-        JobStore(db)
+        JobStore(store_location)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "worker", "--data-dir", str(tmp_path)],
+    flags = ["--database-url", store_location] if is_url(store_location) else []
+    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "worker", "--data-dir", str(tmp_path), *flags],
                           capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "200"})
     assert proc.returncode == 2 and "upgrade ckpt-service" in proc.stderr
+    checked = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "store", "check", "--data-dir",
+                              str(tmp_path), *flags], capture_output=True, text=True, timeout=60, env=env)
+    assert checked.returncode == 2 and f"schema version {migrations.LATEST + 7}" in checked.stderr
 
 
-def test_concurrent_claims_never_share_a_job(tmp_path: Path) -> None:
-    store = JobStore(tmp_path / "ckpt.db")
+def test_store_check_reports_the_schema_and_jobs(store_location: str) -> None:
+    store = JobStore(store_location)
+    store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None, callback_url=None,
+                     submitted_by="t", max_attempts=2, queue_limit=100)
+    report = store_check.check(store_location)
+    assert (report.path, report.version, report.jobs) == (store.name, migrations.LATEST, 1)
+    conn, _ = raw_connection(store_location)
+    conn.execute("DROP TABLE lineage")
+    conn.close()
+    with pytest.raises(StoreDamaged, match=f"schema version {migrations.LATEST} but no lineage table"):
+        store_check.check(store_location)
+
+
+def test_concurrent_claims_never_share_a_job(store_location: str) -> None:
+    store = JobStore(store_location)
     for _ in range(20):
         store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None, callback_url=None,
                          submitted_by="t", max_attempts=2, queue_limit=100)
@@ -69,10 +128,11 @@ def test_concurrent_claims_never_share_a_job(tmp_path: Path) -> None:
     lock = threading.Lock()
 
     def worker(name: str) -> None:
-        own = JobStore(tmp_path / "ckpt.db", migrate=False)
+        own = JobStore(store_location, migrate=False)
         while (job := own.claim(name, 30)) is not None:
             with lock:
                 taken.append(job.id)
+        own.close()
 
     threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(4)]
     for t in threads:
@@ -82,8 +142,42 @@ def test_concurrent_claims_never_share_a_job(tmp_path: Path) -> None:
     assert len(taken) == len(set(taken)) == 20
 
 
-def test_lost_attempts_are_requeued_then_failed(tmp_path: Path) -> None:
-    store = JobStore(tmp_path / "ckpt.db")
+def test_concurrent_submissions_keep_idempotency_and_busy_targets(store_location: str) -> None:
+    stores = [JobStore(store_location, migrate=False) for _ in range(4)]
+    stores[0].migrate()
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def submit(store: JobStore, n: int) -> None:
+        for i in range(5):
+            key = ("same-key", "same-hash") if i == 0 else None
+            target = "/data/one" if i == 1 else f"/data/t{n}-{i}"
+            try:
+                job, created = store.create_job(kind="export", spec={"kind": "export"}, target=target,
+                                                callback_url=None, submitted_by="t", max_attempts=2, queue_limit=100,
+                                                idempotency=key)
+                result = f"{i}:{'created' if created else 'replayed'}:{job.id if i == 0 else ''}"
+            except Conflict:
+                result = f"{i}:conflict"
+            with lock:
+                outcomes.append(result)
+
+    threads = [threading.Thread(target=submit, args=(store, n)) for n, store in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for store in stores[1:]:
+        store.close()
+    first = sorted(o for o in outcomes if o.startswith("0:"))
+    assert len({o.rsplit(":", 1)[1] for o in first}) == 1  # one job for the key, whoever came first
+    assert [o.split(":")[1] for o in first].count("created") == 1
+    assert sorted(o for o in outcomes if o.startswith("1:")).count("1:conflict") == 3  # one job per busy target
+    assert stores[0].count_by_state() == {"queued": 1 + 1 + 4 * 3}
+
+
+def test_lost_attempts_are_requeued_then_failed(store_location: str) -> None:
+    store = JobStore(store_location)
     job, _ = store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None,
                               callback_url=None, submitted_by="t", max_attempts=2, queue_limit=10)
     first = store.claim("w1", 30)
@@ -203,3 +297,93 @@ def test_tokens_and_scopes() -> None:
         with pytest.raises(Unauthorized):
             checker.require(header, "read")
     assert auth.TokenChecker([], anonymous=True).require(None, "admin") == auth.ANONYMOUS
+
+
+def test_registry_filters_by_tag_and_walks_lineage(store_location: str) -> None:
+    store = JobStore(store_location)
+    registry = Registry(store)
+    with store.transaction() as conn:
+        first = registry.add(conn, uri="/data/a", name="a", summary={"format": "fsdp2"}, tags=["base", "v1"],
+                             metadata={"step": 1})
+        registry.add(conn, uri="/data/b", name="b", summary={"format": "hf"}, tags=["v1"], metadata={})
+    with store.transaction() as conn:
+        child = registry.record_output(conn, uri="/data/c", summary={"format": "hf"}, job_id="job_x",
+                                       source_uri="/data/a", source_summary=None)
+    assert sorted(v.uri for v in registry.list(tag="v1")[0]) == ["/data/a", "/data/b"]
+    assert [v.uri for v in registry.list(tag="base")[0]] == ["/data/a"]
+    assert registry.list(tag="nope")[0] == []
+    lineage = registry.lineage(first)
+    assert [(e.checkpoint.id, e.job_id, e.depth) for e in lineage.descendants] == [(child, "job_x", 1)]
+    with pytest.raises(Conflict, match="registered already"), store.transaction() as conn:
+        registry.add(conn, uri="/data/a", name="again", summary={}, tags=[], metadata={})
+
+
+def test_postgres_connection_loss_is_retried_and_logged(postgres: PgServer, caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    url = postgres.create_database()
+    store = JobStore(url)
+    store.create_job(kind="inspect", spec={"kind": "inspect", "source": "/x"}, target=None, callback_url=None,
+                     submitted_by="t", max_attempts=2, queue_limit=10)
+    conn, _ = raw_connection(url)
+    killed = conn.execute("SELECT pg_terminate_backend(pid) AS k FROM pg_stat_activity WHERE datname = "
+                          "current_database() AND pid <> pg_backend_pid()").fetchall()
+    conn.close()
+    assert killed and all(r["k"] for r in killed)
+    with caplog.at_level("WARNING", logger="ckpt_service"):
+        job = store.claim("w1", 30)
+    assert job is not None and job.attempt == 1
+    reconnects = [r for r in caplog.records if r.getMessage() == "store.reconnect"]
+    assert reconnects and reconnects[0].fields["store"] == url and reconnects[0].fields["attempt"] == 1
+    store.close()
+
+
+def test_a_dead_hosts_job_is_cleaned_then_retried_by_another_host(store_location: str, tmp_path: Path) -> None:
+    """A worker on another host that stopped renewing its lease (powered off): a live worker takes the job
+    over once, removes the partial output, and queues it for its second attempt."""
+    from ckpt_service.settings import Settings
+    from ckpt_service.worker import WorkerPool
+
+    store = JobStore(store_location)
+    target = tmp_path / "out"
+    job, _ = store.create_job(kind="export", spec={"kind": "export", "source": "/x", "target": str(target)},
+                              target=str(target), callback_url=None, submitted_by="t", max_attempts=2,
+                              queue_limit=10)
+    assert store.claim("far-away-host:4242:abcdef", lease_seconds=0.2) is not None
+    partial = tmp_path / ".out.tmp-1234abcd"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    settings = Settings(data_dir=tmp_path / "data", database_url=store_location if is_url(store_location) else None,
+                        lease_seconds=4, heartbeat_seconds=1)
+    pools = [WorkerPool(settings, JobStore(store_location, migrate=False), slots=0) for _ in range(2)]
+    for pool in pools:
+        pool.reap()
+    assert store.get(job.id).state == "running"  # the lease still runs: nobody touches the job
+    time.sleep(0.3)
+    threads = [threading.Thread(target=pool.reap) for pool in pools]  # two live hosts race to reap it
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    requeued = store.get(job.id)
+    assert (requeued.state, requeued.attempt, requeued.error_type) == ("queued", 1, "WorkerLost")
+    assert "far-away-host:4242:abcdef stopped heartbeating (lease expired)" in (requeued.error_message or "")
+    assert not partial.exists()
+    second = store.claim("near-host:1:aaaaaa", 30)
+    assert second is not None and (second.id, second.attempt) == (job.id, 2)
+    for pool in pools:
+        pool.store.close()
+
+
+def test_database_url_setting_is_checked_and_masked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("CKPT_")]:
+        monkeypatch.delenv(key)
+    config = tmp_path / "ckpt.toml"
+    config.write_text('database_url = "postgresql://ckpt:s3cret@db.internal:5433/jobs"\n')
+    settings = load(config, data_dir=str(tmp_path))
+    assert settings.store_location == "postgresql://ckpt:s3cret@db.internal:5433/jobs"
+    assert settings.masked()["database_url"] == "postgresql://ckpt:****@db.internal:5433/jobs"
+    monkeypatch.setenv("CKPT_DATABASE_URL", "")  # empty: SQLite under the data dir, as without it
+    assert load(data_dir=str(tmp_path)).store_location == str(tmp_path / "ckpt.db")
+    monkeypatch.setenv("CKPT_DATABASE_URL", "mysql://ckpt@db/jobs")
+    with pytest.raises(ValidationError, match="postgresql://USER@HOST"):
+        load(data_dir=str(tmp_path))

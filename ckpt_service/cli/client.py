@@ -45,7 +45,8 @@ def connect(server: str, token: str | None) -> Iterator[ServiceClient]:
 
 
 def as_uri(path: str) -> str:
-    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+    """Local paths made absolute; URIs and registry aliases (`alias:RUN/NAME`) as given."""
+    return path if "://" in path or path.startswith("alias:") else os.path.abspath(os.path.expanduser(path))
 
 
 def print_job(job: dict[str, Any]) -> None:
@@ -229,15 +230,19 @@ def checkpoints_list(name: Annotated[str | None, typer.Option("--name")] = None,
 
 
 @checkpoints_app.command("show")
-def checkpoints_show(checkpoint_id: str, tensors: Annotated[bool, typer.Option("--tensors")] = False,
+def checkpoints_show(checkpoint_id: Annotated[str, typer.Argument(help="Checkpoint id or ALIAS@RUN.")],
+                     tensors: Annotated[bool, typer.Option("--tensors")] = False,
                      as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Show a registered checkpoint (with --tensors, its tensor table)."""
+    from .manage import print_managed, resolve_ref
+
     with connect(server, token) as client:
-        c = client.checkpoint(checkpoint_id, tensors)
-    if as_json:
-        out.print_json(json.dumps(c))
-        return
-    print_checkpoint(c)
+        c = client.checkpoint(resolve_ref(client, checkpoint_id), tensors)
+        if as_json:
+            out.print_json(json.dumps(c))
+            return
+        print_checkpoint(c)
+        print_managed(client, c["id"])
     if tensors:
         table = Table("name", "dtype", "shape", "chunks")
         for row in c["summary"].get("tensor_table", []):

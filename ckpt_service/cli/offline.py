@@ -8,6 +8,7 @@ only by the commands that need it.
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated, Any
 
 import typer
@@ -63,8 +64,14 @@ def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> 
         out.print(table)
 
 
-def run_write(request: JobRequest, source: str, target: str, quiet: bool = False, as_json: bool = False) -> None:
-    """convert, export and reshard: one output, a progress bar on a terminal."""
+def run_write(request: JobRequest, source: str, target: str, quiet: bool = False, as_json: bool = False,
+              ray: str | None = None) -> None:
+    """convert, export and reshard: one output, a progress bar on a terminal; with `--ray`, its files are
+    written by Ray tasks (what CKPT_EXECUTOR=ray / CKPT_RAY_ADDRESS select, for this run)."""
+    if ray:
+        from converters.plan import EXECUTOR_ENV, RAY_ADDRESS_ENV
+
+        os.environ.update({EXECUTOR_ENV: "ray", RAY_ADDRESS_ENV: ray})
     with errors(), progress_bar(quiet or as_json) as update:
         result = engine_call(request, source, target)(update)
     print_result(result, as_json)
@@ -92,7 +99,10 @@ def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> No
 PATH = "Checkpoint path or URI."
 OUTPUTS = {"convert": "The output (a folder, or a .safetensors/.pt file).", "export": "The output folder or file.",
            "reshard": "The output DCP folder."}
-WRITE_EXTRAS = [keyword("quiet", Quiet, False), keyword("as_json", AsJson, False)]
+Ray = Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="Write the output files as Ray tasks on "
+                                         "the cluster at ADDRESS (ray://host:10001, auto); default: "
+                                         "CKPT_EXECUTOR / CKPT_RAY_ADDRESS, else this process.")]
+WRITE_EXTRAS = [keyword("quiet", Quiet, False), keyword("as_json", AsJson, False), keyword("ray", Ray, None)]
 
 job_command(app, REQUESTS["inspect"], [("source", PATH)], [keyword("as_json", AsJson, False)], run_inspect)
 for _kind in ("convert", "export", "reshard"):

@@ -21,6 +21,8 @@ Workers = Annotated[int | None, typer.Option("--workers", help="Job slots; each 
                                              "(CKPT_WORKERS, default 2).")]
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Job store and default storage root "
                                               "(CKPT_DATA_DIR, default ~/.local/share/ckpt-service).")]
+DatabaseUrl = Annotated[str | None, typer.Option("--database-url", help="postgresql://USER@HOST/DB: a job store "
+                                                 "shared by many hosts (CKPT_DATABASE_URL; default SQLite).")]
 Config = Annotated[Path | None, typer.Option("--config", help="A .toml or .json settings file (CKPT_CONFIG).")]
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error.")]
 
@@ -48,9 +50,9 @@ def open_store(settings: Any) -> Any:
 
     try:
         settings.prepare()
-        if settings.db_path.exists():
-            check(settings.db_path)
-        return JobStore(settings.db_path)
+        if settings.database_url or settings.db_path.exists():
+            check(settings.store_location)
+        return JobStore(settings.store_location)
     except OSError as exc:
         fail(f"data dir {settings.data_dir}: {exc.strerror or exc}")
     except StoreError as exc:
@@ -59,11 +61,12 @@ def open_store(settings: Any) -> Any:
 
 @app.command()
 def serve(host: Host = None, port: Port = None, workers: Workers = None, data_dir: DataDir = None,
-          config: Config = None, log_level: LogLevel = None,
+          database_url: DatabaseUrl = None, config: Config = None, log_level: LogLevel = None,
           print_config: Annotated[bool, typer.Option("--print-config", help="Print the effective settings "
                                                      "(secrets masked) and exit.")] = False) -> None:
     """Run the REST API and a pool of job slots (jobs in their own processes), with the job store under the data dir."""
-    settings = load_settings(config, host=host, port=port, workers=workers, data_dir=data_dir, log_level=log_level)
+    settings = load_settings(config, host=host, port=port, workers=workers, data_dir=data_dir,
+                             database_url=database_url, log_level=log_level)
     if print_config:
         out.print_json(json.dumps(settings.masked()))
         return
@@ -84,10 +87,11 @@ def serve(host: Host = None, port: Port = None, workers: Workers = None, data_di
 
 
 @app.command()
-def worker(workers: Workers = None, data_dir: DataDir = None, config: Config = None,
-           log_level: LogLevel = None) -> None:
+def worker(workers: Workers = None, data_dir: DataDir = None, database_url: DatabaseUrl = None,
+           config: Config = None, log_level: LogLevel = None) -> None:
     """Run job slots alone against the same store as a `ckptctl serve` (scale workers apart from the API)."""
-    settings = load_settings(config, workers=workers, data_dir=data_dir, log_level=log_level)
+    settings = load_settings(config, workers=workers, data_dir=data_dir, database_url=database_url,
+                             log_level=log_level)
     from .. import logs
     from ..worker import WorkerPool
 
@@ -128,6 +132,12 @@ store_app = typer.Typer(help="Check, back up and restore the job store (SQLite u
 app.add_typer(store_app, name="store")
 
 
+def sqlite_only(settings: Any, action: str) -> Any:
+    if settings.database_url:
+        fail(f"store {action}: the job store is in PostgreSQL (CKPT_DATABASE_URL); use pg_dump / pg_restore")
+    return settings
+
+
 def _store_run(action: Any) -> Any:
     from ..errors import StoreError
 
@@ -140,13 +150,13 @@ def _store_run(action: Any) -> Any:
 
 
 @store_app.command("check")
-def store_check(data_dir: DataDir = None, config: Config = None,
+def store_check(data_dir: DataDir = None, database_url: DatabaseUrl = None, config: Config = None,
                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Run SQLite's integrity check and the schema checks on the job store (read-only; safe while serving)."""
+    """Run SQLite's integrity check (PostgreSQL: `SELECT 1`) and the schema checks on the job store (read-only)."""
     from ..store_check import check
 
-    settings = load_settings(config, data_dir=data_dir)
-    report = _store_run(lambda: check(settings.db_path))
+    settings = load_settings(config, data_dir=data_dir, database_url=database_url)
+    report = _store_run(lambda: check(settings.store_location))
     if as_json:
         out.print_json(json.dumps({"path": report.path, "ok": True, "version": report.version, "jobs": report.jobs}))
     else:
@@ -161,7 +171,7 @@ def store_backup(dest: Annotated[Path, typer.Argument(help="The backup file to w
     """Copy the job store to DEST with SQLite's online backup API (consistent while the service runs)."""
     from ..store_check import backup
 
-    settings = load_settings(config, data_dir=data_dir)
+    settings = sqlite_only(load_settings(config, data_dir=data_dir), "backup")
     report = _store_run(lambda: backup(settings.db_path, dest.absolute(), overwrite))
     typer.echo(f"backed up {settings.db_path} to {report.path} (schema version {report.version}, {report.jobs} jobs)")
 
@@ -173,7 +183,7 @@ def store_restore(backup_file: Annotated[Path, typer.Argument(metavar="BACKUP", 
     """Replace the job store with a checked backup (stop the service first); the old files are kept beside it."""
     from ..store_check import restore
 
-    settings = load_settings(config, data_dir=data_dir)
+    settings = sqlite_only(load_settings(config, data_dir=data_dir), "restore")
     report, aside = _store_run(lambda: restore(backup_file.absolute(), settings.db_path))
     kept = f"; the previous store is at {aside}" if aside else ""
     typer.echo(f"restored {settings.db_path} from {backup_file} ({report.jobs} jobs){kept}")

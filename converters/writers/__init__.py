@@ -1,5 +1,6 @@
-"""Output writers behind one protocol, in one table: name -> writer. Each writes a (transformed) index
-into an open `Output` (which makes the result atomic)."""
+"""Output writers behind one protocol, in one table: name -> planner. A planner turns a (transformed) index
+into a `Plan` of output parts; `plan.execute` writes them into an open `Output` (which makes the result
+atomic), locally or as Ray tasks."""
 
 from __future__ import annotations
 
@@ -8,32 +9,33 @@ from typing import Protocol
 from ..copier import Copier
 from ..index import CheckpointIndex
 from ..output import Output
-from .dcp import Piece, write_dcp
-from .safetensors import write_safetensors
-from .torchsave import write_torch
+from ..plan import Plan
+from .dcp import Piece, plan_dcp
+from .safetensors import plan_safetensors
+from .torchsave import plan_torch
 
 
 class Writer(Protocol):
     def __call__(self, index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
-                 max_shard_size: int, metadata: dict[str, str]) -> None: ...
+                 max_shard_size: int, metadata: dict[str, str]) -> Plan: ...
 
 
 def _safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
-                 max_shard_size: int, metadata: dict[str, str]) -> None:
-    write_safetensors(index, out, copier, cast_to=cast_to, max_shard_size=max_shard_size, metadata=metadata)
+                 max_shard_size: int, metadata: dict[str, str]) -> Plan:
+    return plan_safetensors(index, out, copier, cast_to=cast_to, max_shard_size=max_shard_size, metadata=metadata)
 
 
 def _torch(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
-           max_shard_size: int, metadata: dict[str, str]) -> None:
-    write_torch(index, out, copier, cast_to=cast_to)
+           max_shard_size: int, metadata: dict[str, str]) -> Plan:
+    return plan_torch(index, cast_to=cast_to)
 
 
 def _dcp(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
-         max_shard_size: int, metadata: dict[str, str]) -> None:
-    """One rank holding every tensor whole (`reshard` writes the N-rank plans)."""
+         max_shard_size: int, metadata: dict[str, str]) -> Plan:
+    """One rank holding every tensor whole (`reshard` plans N ranks)."""
     plan = [[Piece(name, entry, ((0,) * len(entry.shape), entry.shape), copier.out_dtype(entry, cast_to))
              for name, entry in index.tensors.items()]]
-    write_dcp(index, out, copier, plan, lambda entry: cast_to)
+    return plan_dcp(index, copier, plan, lambda entry: cast_to)
 
 
 WRITERS: dict[str, Writer] = {"safetensors": _safetensors, "torch": _torch, "dcp": _dcp}

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes, picklewriter
 from ..copier import Copier
-from ..index import CheckpointIndex, TensorEntry
+from ..index import CheckpointIndex, ObjectEntry, TensorEntry
 from ..output import Output
 from ..picklewriter import Call, Global, Obj, Pairs
+from ..plan import Plan
 from ..tensorio import Box
-from ..zipwriter import ZipWriter
+from ..zipwriter import ZipWriter, serial_id
 from .objects import writable_object
 
 _MD = "torch.distributed.checkpoint.metadata"
@@ -55,83 +55,114 @@ def _planner_path(path: tuple[str, ...]) -> tuple[Any, ...]:
 
 
 def _record(fh: Any, start: int, pickled: bytes, members: list[tuple[str, Any, int]],
-            copy_range: Callable[..., int] | None = None) -> int:
+            copy_range: Callable[..., int] | None = None, serial: str | None = None) -> int:
     """Write one torch.save archive at `start`; return its length."""
     zw = ZipWriter(fh, archive="archive", start=start)
     zw.add("data.pkl", pickled)
     for name, chunks, size in members:
         zw.write_member(name, chunks, size, copy_range)
-    zw.add_torch_records()
+    zw.add_torch_records(serial)
     return zw.close()
 
 
-def object_blob(value: Any) -> bytes:
+def object_blob(value: Any, serial: str | None = None) -> bytes:
     """A torch.save archive of a plain Python value (how DCP stores non-tensor entries)."""
     import io
 
     buf = io.BytesIO()
     zw = ZipWriter(buf, archive="archive")
     zw.add("data.pkl", picklewriter.dumps(value))
-    zw.add_torch_records()
+    zw.add_torch_records(serial)
     zw.close()
     return buf.getvalue()
 
 
-def write_dcp(index: CheckpointIndex, out: Output, copier: Copier, plan: list[list[Piece]],
-              cast_for: Callable[[TensorEntry], str | None]) -> None:
-    """Write rank R's pieces into `__R_0.distcp`; non-tensor entries go to rank 0; then `.metadata`."""
+Record = tuple[str, tuple[int, ...] | None, int, int, Box | None]  # name, chunk offsets, at, length, box
+
+
+@dataclass
+class RankPart:
+    """`__R_0.distcp` of one target rank: one torch.save record per piece, then (rank 0) the non-tensor
+    entries. Returns where each record landed, for `.metadata`."""
+
+    rank: int
+    pieces: list[Piece]
+    objects: list[ObjectEntry]
+    serial: str = field(default_factory=serial_id)  # the archives' ids derive from it (see `serial_id`)
+
+    @property
+    def name(self) -> str:
+        return f"__{self.rank}_0.distcp"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(dtypes.numel(p.box[1]) * dtypes.itemsize(p.dtype) for p in self.pieces)
+
+    def run(self, out: Output, copier: Copier, pool: object = None) -> list[Record]:
+        records: list[Record] = []
+        at = 0
+        with out.open(self.name) as fh:
+            for i, piece in enumerate(self.pieces):
+                nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
+                # piece.dtype is the output dtype: as a cast target it casts exactly when the plan did
+                stream = copier.pieces(piece.entry, piece.dtype, piece.box, in_kernel=out.local)
+                pickled = picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1]))
+                length = _record(fh, at, pickled, [("data/0", stream, nbytes)], copier.copy_range,
+                                 serial_id(self.serial, self.rank, i))
+                records.append((piece.name, piece.box[0], at, length, piece.box))
+                at += length
+            for obj in self.objects:
+                blob = object_blob(writable_object(obj, copier.reader), serial_id(self.serial, self.rank, obj.name))
+                fh.write(blob)
+                records.append((obj.name, None, at, len(blob), None))
+                at += len(blob)
+        return records
+
+
+@dataclass
+class DcpPlan(Plan):
+    """Rank files as parts; `.metadata` (chunks in rank order, storage offsets) by the driver at the end."""
+
+    tensor_meta: dict[str, tuple[str, tuple[int, ...], tuple[str, ...]]] = field(default_factory=dict)
+    object_paths: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def finish(self, out: Output, extras: list[list[Record]]) -> None:
+        storage_data = Pairs()
+        chunks: dict[str, list[Box]] = {name: [] for name in self.tensor_meta}
+        for part, records in zip(self.parts, extras):
+            for name, offsets, at, length, box in records:
+                state: dict[str, Any] = {"fqn": name, "offset": None if offsets is None else _size(offsets),
+                                         "index": None}
+                if box is not None:
+                    state["index"] = len(chunks[name])
+                    chunks[name].append(box)
+                info = {"relative_path": part.name, "offset": at, "length": length, "transform_descriptors": None}
+                storage_data.append((Obj(Global(_MD, "MetadataIndex"), state),
+                                     Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), info)))
+        sd_meta: dict[str, Any] = {name: _tensor_meta(dtype, shape, chunks[name])
+                                   for name, (dtype, shape, _) in self.tensor_meta.items()}
+        for name in self.object_paths:
+            sd_meta[name] = Obj(Global(_MD, "BytesStorageMetadata"), {})
+        paths = {name: path for name, (_, _, path) in self.tensor_meta.items()} | self.object_paths
+        planner_data = {name: _planner_path(path) for name, path in paths.items()}
+        storage_meta = Obj(Global(_MD, "StorageMeta"), {"checkpoint_id": None, "save_id": str(uuid.uuid4()),
+                                                        "load_id": None, "modules": []})
+        metadata = Obj(Global(_MD, "Metadata"), {"state_dict_metadata": sd_meta, "planner_data": planner_data,
+                                                 "storage_data": storage_data, "storage_meta": storage_meta,
+                                                 "version": "1.0.0"})
+        with out.open(".metadata") as fh:
+            fh.write(picklewriter.dumps(metadata))
+
+
+def plan_dcp(index: CheckpointIndex, copier: Copier, plan: list[list[Piece]],
+             cast_for: Callable[[TensorEntry], str | None]) -> DcpPlan:
+    """Rank R's pieces go into `__R_0.distcp`; non-tensor entries go to rank 0; then `.metadata`."""
     for name, entry in index.tensors.items():  # refuse what dcp.load cannot read before anything is written
         dtypes.check_dcp(entry.dtype, name)
-    storage_data = Pairs()
-    chunks: dict[str, list[Box]] = {name: [] for name in index.tensors}
-
-    def index_key(fqn: str, offsets: tuple[int, ...] | None, i: int | None) -> Obj:
-        state = {"fqn": fqn, "offset": None if offsets is None else _size(offsets), "index": i}
-        return Obj(Global(_MD, "MetadataIndex"), state)
-
-    def info(rel: str, offset: int, length: int) -> Obj:
-        return Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                   {"relative_path": rel, "offset": offset, "length": length, "transform_descriptors": None})
-
-    def write_rank(rank: int) -> list[tuple[Obj, Obj, Box | None]]:
-        rel = f"__{rank}_0.distcp"
-        entries: list[tuple[Obj, Obj, Box | None]] = []
-        at = 0
-        with out.open(rel) as fh:
-            for piece in plan[rank]:
-                nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
-                stream = copier.pieces(piece.entry, cast_for(piece.entry), piece.box, in_kernel=out.local)
-                pickled = picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1]))
-                length = _record(fh, at, pickled, [("data/0", stream, nbytes)], copier.copy_range)
-                entries.append((index_key(piece.name, piece.box[0], None), info(rel, at, length), piece.box))
-                at += length
-            if rank == 0:
-                for name, obj in index.objects.items():
-                    blob = object_blob(writable_object(obj, copier.reader))
-                    fh.write(blob)
-                    entries.append((index_key(name, None, None), info(rel, at, len(blob)), None))
-                    at += len(blob)
-        return entries
-
-    with ThreadPoolExecutor(min(copier.threads, len(plan)), thread_name_prefix="ckpt-rank") as pool:
-        results = list(pool.map(write_rank, range(len(plan))))
-    for entries in results:
-        for key, value, box in entries:
-            if box is not None:
-                key.state["index"] = len(chunks[key.state["fqn"]])
-                chunks[key.state["fqn"]].append(box)
-            storage_data.append((key, value))
-    sd_meta: dict[str, Any] = {}
-    for name, entry in index.tensors.items():
-        dtype = cast_for(entry) or entry.dtype
-        sd_meta[name] = _tensor_meta(copier.out_dtype(entry, dtype), entry.shape, chunks[name])
-    for name in index.objects:
-        sd_meta[name] = Obj(Global(_MD, "BytesStorageMetadata"), {})
-    planner_data = {name: _planner_path(e.path) for name, e in [*index.tensors.items(), *index.objects.items()]}  # type: ignore[attr-defined]  # both entry kinds have .path; mypy joins them to object
-    storage_meta = Obj(Global(_MD, "StorageMeta"), {"checkpoint_id": None, "save_id": str(uuid.uuid4()),
-                                                    "load_id": None, "modules": []})
-    metadata = Obj(Global(_MD, "Metadata"), {"state_dict_metadata": sd_meta, "planner_data": planner_data,
-                                             "storage_data": storage_data, "storage_meta": storage_meta,
-                                             "version": "1.0.0"})
-    with out.open(".metadata") as fh:
-        fh.write(picklewriter.dumps(metadata))
+    serial = serial_id()
+    parts = [RankPart(rank, pieces, list(index.objects.values()) if rank == 0 else [], serial)
+             for rank, pieces in enumerate(plan)]
+    tensor_meta = {name: (copier.out_dtype(entry, cast_for(entry) or entry.dtype), entry.shape, entry.path)
+                   for name, entry in index.tensors.items()}
+    object_paths = {name: obj.path for name, obj in index.objects.items()}
+    return DcpPlan("dcp", parts, parallel=True, tensor_meta=tensor_meta, object_paths=object_paths)

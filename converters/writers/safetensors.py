@@ -12,6 +12,7 @@ from ..copier import Copier, pwrite_all
 from ..index import CheckpointIndex, TensorEntry
 from ..names import SAFETENSORS_INDEX as INDEX_NAME
 from ..output import Output
+from ..plan import Plan
 
 SINGLE_NAME = "model.safetensors"
 
@@ -81,28 +82,53 @@ def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cas
     out.record(name, total)
 
 
-def write_safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
-                      max_shard_size: int, metadata: dict[str, str] | None = None) -> None:
-    """Write the tensors of `index` as one file (`model.safetensors`, or the target itself when it is a
+@dataclass
+class ShardPart:
+    """One safetensors file: its header and tensors, written by `write_file`."""
+
+    name: str
+    items: list[Planned]
+    cast_to: str | None
+    metadata: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    def run(self, out: Output, copier: Copier, pool: ThreadPoolExecutor | None) -> None:
+        if pool is not None:
+            write_file(out, self.name, self.items, copier, self.cast_to, self.metadata, pool)
+            return
+        with ThreadPoolExecutor(copier.threads, thread_name_prefix="ckpt-write") as own:
+            write_file(out, self.name, self.items, copier, self.cast_to, self.metadata, own)
+
+
+@dataclass
+class SafetensorsPlan(Plan):
+    index_doc: dict | None = None
+
+    def finish(self, out: Output, extras: list[object]) -> None:
+        if self.index_doc is not None:
+            with out.open(INDEX_NAME) as fh:
+                fh.write(json.dumps(self.index_doc, indent=2).encode())
+
+
+def plan_safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
+                     max_shard_size: int, metadata: dict[str, str] | None = None) -> SafetensorsPlan:
+    """Plan the tensors of `index` as one file (`model.safetensors`, or the target itself when it is a
     `.safetensors` file) or as HF shards plus `model.safetensors.index.json`."""
     meta = {"format": "pt", **(metadata or {})}
     items = [Planned(name, entry, copier.out_dtype(entry, cast_to)) for name, entry in index.tensors.items()]
     for item in items:  # refuse dtypes safetensors cannot hold before anything is written
         dtypes.to_safetensors(item.dtype, item.name)
-    with ThreadPoolExecutor(copier.threads, thread_name_prefix="ckpt-write") as pool:
-        if out.single_file:
-            write_file(out, "", items, copier, cast_to, meta, pool)
-            return
-        shards = plan_shards(items, max_shard_size)
-        if len(shards) == 1:
-            write_file(out, SINGLE_NAME, shards[0], copier, cast_to, meta, pool)
-            return
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            write_file(out, name, shard, copier, cast_to, meta, pool)
-            weight_map.update({item.name: name for item in shard})
+    if out.single_file:
+        return SafetensorsPlan("safetensors", [ShardPart("", items, cast_to, meta)])
+    shards = plan_shards(items, max_shard_size)
+    if len(shards) == 1:
+        return SafetensorsPlan("safetensors", [ShardPart(SINGLE_NAME, shards[0], cast_to, meta)])
+    parts = [ShardPart(f"model-{i:05d}-of-{len(shards):05d}.safetensors", shard, cast_to, meta)
+             for i, shard in enumerate(shards, 1)]
+    weight_map = {item.name: part.name for part in parts for item in part.items}
     index_doc = {"metadata": {"total_size": sum(i.nbytes for i in items), **(metadata or {})},
                  "weight_map": weight_map}
-    with out.open(INDEX_NAME) as fh:
-        fh.write(json.dumps(index_doc, indent=2).encode())
+    return SafetensorsPlan("safetensors", parts, index_doc=index_doc)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes, picklewriter
 from ..copier import Copier
-from ..index import CheckpointIndex
+from ..index import CheckpointIndex, ObjectEntry, TensorEntry
 from ..output import Output
-from ..zipwriter import ZipWriter
+from ..plan import Plan
+from ..zipwriter import ZipWriter, serial_id
 from .objects import writable_object
 
 
@@ -35,22 +37,41 @@ def _lists(node: Any, key: str = "") -> Any:
     return node
 
 
-def write_torch(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None) -> None:
-    """Nest entries by their paths: a flat {fqn: tensor} dict for a model, `model`/`optim` dicts for both."""
-    pairs: list[tuple[tuple[str, ...], Any]] = []
-    storages = []
-    for i, entry in enumerate(index.tensors.values()):
-        dtype = copier.out_dtype(entry, cast_to)
-        pairs.append((entry.path, picklewriter.tensor(str(i), dtype, entry.shape)))
-        storages.append((str(i), entry, dtype))
-    for obj in index.objects.values():
-        pairs.append((obj.path, writable_object(obj, copier.reader)))
-    root = nest(pairs)
-    with out.open() as fh:
-        zw = ZipWriter(fh, archive="archive", start=0)
-        zw.add("data.pkl", picklewriter.dumps(root))
-        for key, entry, dtype in storages:
-            zw.write_member(f"data/{key}", copier.pieces(entry, cast_to, in_kernel=out.local),
-                            dtypes.numel(entry.shape) * dtypes.itemsize(dtype), copier.copy_range)
-        zw.add_torch_records()
-        zw.close()
+@dataclass
+class TorchPart:
+    """The one `torch.save` file: its pickle (entries nested by their paths) and one record per tensor."""
+
+    tensors: list[TensorEntry]
+    objects: list[ObjectEntry]
+    cast_to: str | None
+    name: str = ""
+    serial: str = field(default_factory=serial_id)  # the archive's id, chosen by the plan
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self.tensors)
+
+    def run(self, out: Output, copier: Copier, pool: object = None) -> None:
+        pairs: list[tuple[tuple[str, ...], Any]] = []
+        storages = []
+        for i, entry in enumerate(self.tensors):
+            dtype = copier.out_dtype(entry, self.cast_to)
+            pairs.append((entry.path, picklewriter.tensor(str(i), dtype, entry.shape)))
+            storages.append((str(i), entry, dtype))
+        for obj in self.objects:
+            pairs.append((obj.path, writable_object(obj, copier.reader)))
+        root = nest(pairs)
+        with out.open(self.name) as fh:
+            zw = ZipWriter(fh, archive="archive", start=0)
+            zw.add("data.pkl", picklewriter.dumps(root))
+            for key, entry, dtype in storages:
+                zw.write_member(f"data/{key}", copier.pieces(entry, self.cast_to, in_kernel=out.local),
+                                dtypes.numel(entry.shape) * dtypes.itemsize(dtype), copier.copy_range)
+            zw.add_torch_records(self.serial)
+            zw.close()
+
+
+def plan_torch(index: CheckpointIndex, *, cast_to: str | None) -> Plan:
+    """Nest entries by their paths: a flat {fqn: tensor} dict for a model, `model`/`optim` dicts for both.
+    One file, so one part (a zip archive is written front to back)."""
+    return Plan("torch", [TorchPart(list(index.tensors.values()), list(index.objects.values()), cast_to)])

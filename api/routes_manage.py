@@ -1,0 +1,229 @@
+"""Checkpoint management: tags, aliases, runs (catalog), retention policies, GC and the deletion log
+(retention), rules and `POST /v1/notify` (rules). Deleting data (GC without dry_run, policies) takes admin."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Path, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from ckpt_service.auth import Principal
+from ckpt_service.catalog import AliasChange, ManagedView, RunView
+from ckpt_service.retention import DeletionView, GcReport, PolicySpec, PolicyView, Retention
+from ckpt_service.rules import NotifyResult, Rules, RuleSpec, RuleView, Scheduler, TriggerView
+
+from .schemas import errors
+from .security import Reader, Writer
+
+router = APIRouter(prefix="/v1", tags=["manage"])
+Id = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class TagUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    set: dict[Annotated[str, Field(min_length=1, max_length=64)], Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=dict, max_length=32, description="key -> value; replaces a tag with the same key.")
+    remove: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=32,
+                                                                             description="Keys to remove.")
+
+
+class Tags(BaseModel):
+    checkpoint_id: str
+    tags: list[str]
+
+
+class AliasTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str = Field(min_length=1, max_length=64)
+
+
+class GcRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dry_run: bool = True
+
+
+class NotifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(min_length=1, max_length=4096)
+
+
+def _admin(request: Request) -> Principal:
+    return request.app.state.checker.require(request.headers.get("authorization"), "admin")
+
+
+def _rules(request: Request) -> Rules:
+    return request.app.state.rules
+
+
+def _retention(request: Request) -> Retention:
+    return request.app.state.retention
+
+
+# -- tags, aliases, runs ---------------------------------------------------------------------------
+
+@router.get("/checkpoints/{checkpoint_id}/tags", response_model=Tags, responses=errors(401, 403, 404, 422, 503),
+            summary="A checkpoint's tags")
+def get_tags(checkpoint_id: Id, request: Request, _: Reader) -> Tags:
+    return Tags(checkpoint_id=checkpoint_id, tags=request.app.state.service.registry.get(checkpoint_id).tags)
+
+
+@router.post("/checkpoints/{checkpoint_id}/tags", response_model=Tags,
+             responses=errors(400, 413, 401, 403, 404, 422, 503), summary="Set or remove tags")
+def set_tags(checkpoint_id: Id, body: TagUpdate, request: Request, _: Writer) -> Tags:
+    """`key=value` tags replace the tag with the same key; `pin` protects a checkpoint from GC."""
+    return Tags(checkpoint_id=checkpoint_id,
+                tags=request.app.state.service.catalog.set_tags(checkpoint_id, body.set, body.remove))
+
+
+@router.get("/checkpoints/{checkpoint_id}/managed", response_model=ManagedView,
+            responses=errors(401, 403, 404, 422, 503), summary="A checkpoint with its run, step, aliases and rule")
+def managed(checkpoint_id: Id, request: Request, _: Reader) -> ManagedView:
+    return request.app.state.service.catalog.managed(checkpoint_id)
+
+
+@router.get("/aliases", responses=errors(401, 403, 422, 503), summary="List aliases")
+def list_aliases(request: Request, _: Reader,
+                 namespace: Annotated[str | None, Query(max_length=64)] = None) -> list[dict[str, Any]]:
+    return request.app.state.service.catalog.aliases(namespace)
+
+
+@router.get("/aliases/{namespace}/{name}", response_model=ManagedView, responses=errors(401, 403, 404, 422, 503),
+            summary="The checkpoint an alias names")
+def get_alias(namespace: Id, name: Id, request: Request, _: Reader) -> ManagedView:
+    catalog = request.app.state.service.catalog
+    return catalog.managed(catalog.resolve(namespace, name))
+
+
+@router.put("/aliases/{namespace}/{name}", response_model=ManagedView,
+            responses=errors(400, 413, 401, 403, 404, 422, 503), summary="Point an alias at a checkpoint")
+def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, principal: Writer) -> ManagedView:
+    """Moves the alias atomically (its history keeps every move)."""
+    return request.app.state.service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name)
+
+
+@router.delete("/aliases/{namespace}/{name}", status_code=204, responses=errors(401, 403, 404, 422, 503),
+               summary="Remove an alias")
+def delete_alias(namespace: Id, name: Id, request: Request, principal: Writer) -> None:
+    request.app.state.service.catalog.remove_alias(namespace, name, principal.name)
+
+
+@router.get("/aliases/{namespace}/{name}/history", response_model=list[AliasChange],
+            responses=errors(401, 403, 404, 422, 503), summary="Every move of an alias")
+def alias_history(namespace: Id, name: Id, request: Request, _: Reader) -> list[AliasChange]:
+    return request.app.state.service.catalog.history(namespace, name)
+
+
+@router.get("/runs", response_model=list[RunView], responses=errors(401, 403, 503), summary="List runs")
+def runs(request: Request, _: Reader) -> list[RunView]:
+    return request.app.state.service.catalog.runs()
+
+
+@router.get("/runs/{run}", response_model=list[ManagedView], responses=errors(401, 403, 404, 422, 503),
+            summary="A run's checkpoints by step")
+def run_steps(run: Id, request: Request, _: Reader) -> list[ManagedView]:
+    return request.app.state.service.catalog.steps(run)
+
+
+@router.get("/runs/{run}/latest", response_model=ManagedView, responses=errors(401, 403, 404, 422, 503),
+            summary="The latest step of a run")
+def run_latest(run: Id, request: Request, _: Reader) -> ManagedView:
+    return request.app.state.service.catalog.latest(run)
+
+
+# -- retention and GC ------------------------------------------------------------------------------
+
+@router.get("/policies", response_model=list[PolicyView], responses=errors(401, 403, 503), summary="List policies")
+def list_policies(request: Request, _: Reader) -> list[PolicyView]:
+    return _retention(request).policies()
+
+
+@router.post("/policies", status_code=201, response_model=PolicyView,
+             responses=errors(400, 413, 401, 403, 409, 422, 503), summary="Add a retention policy (admin)")
+def add_policy(body: PolicySpec, request: Request) -> PolicyView:
+    return _retention(request).add_policy(body, _admin(request).name)
+
+
+@router.delete("/policies/{policy_id}", response_model=PolicyView, responses=errors(401, 403, 404, 422, 503),
+               summary="Remove a retention policy (admin)")
+def remove_policy(policy_id: Id, request: Request) -> PolicyView:
+    _admin(request)
+    return _retention(request).remove_policy(policy_id)
+
+
+@router.post("/gc", response_model=GcReport, responses=errors(400, 413, 401, 403, 422, 503), summary="Garbage-collect")
+def gc(body: GcRequest, request: Request, principal: Reader) -> GcReport:
+    """The plan (what, which policy and why, bytes); without `dry_run` (admin) it is carried out."""
+    if not body.dry_run:
+        principal = _admin(request)
+    return _retention(request).run(body.dry_run, principal.name)
+
+
+@router.get("/deletions", response_model=list[DeletionView], responses=errors(401, 403, 422, 503),
+            summary="The deletion log")
+def deletions(request: Request, _: Reader,
+              state: Annotated[str | None, Query(pattern="^(pending|done|refused)$")] = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[DeletionView]:
+    return _retention(request).deletions(state, limit)
+
+
+# -- rules -----------------------------------------------------------------------------------------
+
+@router.get("/rules", response_model=list[RuleView], responses=errors(401, 403, 503), summary="List rules")
+def list_rules(request: Request, _: Reader) -> list[RuleView]:
+    return _rules(request).all()
+
+
+@router.post("/rules", status_code=201, response_model=RuleView, responses=errors(400, 413, 401, 403, 409, 422, 503),
+             summary="Add a rule")
+def add_rule(body: RuleSpec, request: Request, principal: Writer) -> RuleView:
+    return _rules(request).add(body, principal.name)
+
+
+@router.get("/rules/{rule_id}", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
+            summary="Show a rule")
+def get_rule(rule_id: Id, request: Request, _: Reader) -> RuleView:
+    return _rules(request).get(rule_id)
+
+
+@router.delete("/rules/{rule_id}", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
+               summary="Remove a rule")
+def remove_rule(rule_id: Id, request: Request, _: Writer) -> RuleView:
+    return _rules(request).remove(rule_id)
+
+
+@router.post("/rules/{rule_id}/pause", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
+             summary="Pause a rule")
+def pause_rule(rule_id: Id, request: Request, _: Writer) -> RuleView:
+    return _rules(request).pause(rule_id, True)
+
+
+@router.post("/rules/{rule_id}/resume", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
+             summary="Resume a rule")
+def resume_rule(rule_id: Id, request: Request, _: Writer) -> RuleView:
+    return _rules(request).pause(rule_id, False)
+
+
+@router.get("/rules/{rule_id}/triggers", response_model=list[TriggerView], responses=errors(401, 403, 404, 422, 503),
+            summary="What a rule fired on")
+def rule_triggers(rule_id: Id, request: Request, _: Reader) -> list[TriggerView]:
+    return _rules(request).triggers(rule_id)
+
+
+@router.post("/notify", response_model=NotifyResult, responses=errors(400, 413, 401, 403, 409, 422, 503),
+             summary="A checkpoint finished writing")
+def notify(body: NotifyRequest, request: Request, principal: Writer) -> NotifyResult:
+    """Registers the checkpoint (409 while it is incomplete) and fires the rules whose pattern matches it."""
+    return _rules(request).notify(body.uri, principal.name)
+
+
+def install(app: FastAPI) -> Scheduler:
+    """Add the routes and the managers to `app`; returns the discovery/GC scheduler (not started)."""
+    service, settings = app.state.service, app.state.settings
+    app.state.rules, app.state.retention = Rules(service), Retention(service)
+    app.include_router(router)
+    return Scheduler(app.state.rules, app.state.retention, settings.discover_seconds, settings.gc_seconds)

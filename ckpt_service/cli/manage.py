@@ -1,0 +1,298 @@
+"""Checkpoint management commands against a server: `checkpoints tag|alias`, `runs`, `aliases`, `rules`,
+`policies`, `gc`, `deletions` and `notify`. A checkpoint may be named by id or as `ALIAS@RUN`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..client import DEFAULT_SERVER, ServiceClient
+from ..units import human
+from .client import Server, Token, as_uri, checkpoints_app, connect
+from .common import AsJson, app, fail, out
+
+
+def get(client: ServiceClient, path: str, **params: Any) -> Any:
+    return client._request("GET", path, params={k: v for k, v in params.items() if v is not None})
+
+
+def send(client: ServiceClient, method: str, path: str, body: Any = None) -> Any:
+    return client._request(method, path, json=body, retry=False)
+
+
+def resolve_ref(client: ServiceClient, ref: str) -> str:
+    """A checkpoint id, or the id `ALIAS@RUN` names now."""
+    name, sep, namespace = ref.partition("@")
+    if not sep:
+        return ref
+    if not name or not namespace:
+        fail(f"{ref!r}: write ALIAS@RUN, e.g. prod@run-7")
+    return client._request("GET", f"/v1/aliases/{namespace}/{name}")["checkpoint"]["id"]
+
+
+def print_managed(client: ServiceClient, checkpoint_id: str) -> None:
+    m = client._request("GET", f"/v1/checkpoints/{checkpoint_id}/managed")
+    if m["run"] is not None or m["aliases"] or m["rule_id"] or m["deleted_at"]:
+        out.print(f"  run {m['run']}  step {m['step']}  aliases: {', '.join(m['aliases']) or '-'}"
+                  + (f"  made by rule {m['rule_id']}" if m["rule_id"] else "")
+                  + (f"  deleted {m['deleted_at']}" if m["deleted_at"] else ""), highlight=False)
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not key:
+            fail(f"{what} {item!r}: expected KEY=VALUE")
+        found[key] = value if sep else ""
+    return found
+
+
+def _emit(data: Any, as_json: bool) -> bool:
+    if as_json:
+        out.print_json(json.dumps(data))
+    return as_json
+
+
+# -- checkpoints tag | alias -----------------------------------------------------------------------
+
+@checkpoints_app.command("tag")
+def checkpoints_tag(ref: Annotated[str, typer.Argument(help="Checkpoint id or ALIAS@RUN.")],
+                    tags: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE or KEY (e.g. pin).")] = None,
+                    remove: Annotated[list[str] | None, typer.Option("--remove", help="Remove the tag with this "
+                                                                     "key (repeatable).")] = None,
+                    as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Set key=value tags (replacing the same key) or remove them; `pin` protects from GC."""
+    with connect(server, token) as client:
+        checkpoint_id = resolve_ref(client, ref)
+        result = send(client, "POST", f"/v1/checkpoints/{checkpoint_id}/tags",
+                             {"set": _pairs(tags, "tag"), "remove": remove or []})
+    if not _emit(result, as_json):
+        out.print(f"{checkpoint_id}: {', '.join(result['tags']) or 'no tags'}", highlight=False)
+
+
+@checkpoints_app.command("alias")
+def checkpoints_alias(ref: Annotated[str, typer.Argument(help="Checkpoint id or ALIAS@RUN.")],
+                      name: Annotated[str, typer.Argument(help="The alias, e.g. prod.")],
+                      namespace: Annotated[str | None, typer.Option("--run", help="Namespace (default: the "
+                                                                    "checkpoint's run).")] = None,
+                      as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Point an alias at a checkpoint (moves it atomically; its history keeps every move)."""
+    with connect(server, token) as client:
+        checkpoint_id = resolve_ref(client, ref)
+        ns = namespace or get(client, f"/v1/checkpoints/{checkpoint_id}/managed")["run"] or "default"
+        result = send(client, "PUT", f"/v1/aliases/{ns}/{name}", {"checkpoint_id": checkpoint_id})
+    if not _emit(result, as_json):
+        out.print(f"{name}@{ns} -> {checkpoint_id} ({result['checkpoint']['uri']})", highlight=False)
+
+
+# -- runs and aliases ------------------------------------------------------------------------------
+
+runs_app = typer.Typer(help="Training runs and their steps.", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+
+
+@runs_app.command("list")
+def runs_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Runs with their number of checkpoints and latest step."""
+    with connect(server, token) as client:
+        rows = get(client, "/v1/runs")
+    if not _emit(rows, as_json):
+        table = Table("run", "checkpoints", "latest step", "latest id")
+        for r in rows:
+            table.add_row(r["run"], str(r["checkpoints"]), str(r["latest_step"]), str(r["latest_id"]))
+        out.print(table)
+
+
+@runs_app.command("show")
+def runs_show(run: str, latest: Annotated[bool, typer.Option("--latest", help="Only the latest step.")] = False,
+              as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """A run's checkpoints by step (with --latest, the latest step only)."""
+    with connect(server, token) as client:
+        rows = [get(client, f"/v1/runs/{run}/latest")] if latest else get(client, f"/v1/runs/{run}")
+    if not _emit(rows[0] if latest else rows, as_json):
+        table = Table("step", "id", "aliases", "rule", "uri")
+        for m in rows:
+            table.add_row(str(m["step"]), m["checkpoint"]["id"], ",".join(m["aliases"]), str(m["rule_id"] or ""),
+                          m["checkpoint"]["uri"])
+        out.print(table)
+
+
+@app.command("aliases")
+def aliases(history: Annotated[str | None, typer.Option("--history", help="ALIAS@RUN: every move.")] = None,
+            namespace: Annotated[str | None, typer.Option("--run")] = None, as_json: AsJson = False,
+            server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """List aliases (or one alias's history)."""
+    with connect(server, token) as client:
+        if history:
+            name, _sep, ns = history.partition("@")
+            rows = get(client, f"/v1/aliases/{ns or 'default'}/{name}/history")
+        else:
+            rows = get(client, "/v1/aliases", namespace=namespace)
+    if not _emit(rows, as_json):
+        for r in rows:
+            when = r.get("changed_at") or r.get("updated_at")
+            who = r.get("changed_by") or r.get("updated_by")
+            out.print(f"{r['name']}@{r['namespace']} -> {r['checkpoint_id']}  ({who}, {when})", highlight=False)
+
+
+# -- retention and GC ------------------------------------------------------------------------------
+
+policies_app = typer.Typer(help="Retention policies (adding and removing them takes an admin token).",
+                           no_args_is_help=True)
+app.add_typer(policies_app, name="policies")
+
+
+@policies_app.command("add")
+def policies_add(name: str, run: Annotated[str | None, typer.Option("--run")] = None,
+                 prefix: Annotated[str | None, typer.Option("--prefix", help="Or everything under this path.")] = None,
+                 applies_to: Annotated[str, typer.Option("--applies-to", help="all, sources or exports.")] = "all",
+                 keep_last: Annotated[int | None, typer.Option("--keep-last")] = None,
+                 keep_every: Annotated[int | None, typer.Option("--keep-every")] = None,
+                 keep_younger_than: Annotated[str | None, typer.Option("--keep-younger-than",
+                                                                       help="e.g. 36h or 7d.")] = None,
+                 delete_with_outputs: Annotated[bool, typer.Option("--delete-with-outputs")] = False,
+                 as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Add a retention policy for a run or a path prefix."""
+    body = {"name": name, "run": run, "prefix": as_uri(prefix) if prefix else None, "applies_to": applies_to,
+            "keep_last": keep_last, "keep_every": keep_every, "keep_younger_than": keep_younger_than,
+            "delete_with_outputs": delete_with_outputs}
+    with connect(server, token) as client:
+        result = send(client, "POST", "/v1/policies", body)
+    if not _emit(result, as_json):
+        out.print(f"added policy {result['spec']['name']} ({result['id']})", highlight=False)
+
+
+@policies_app.command("list")
+def policies_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    with connect(server, token) as client:
+        rows = get(client, "/v1/policies")
+    if not _emit(rows, as_json):
+        for p in rows:
+            out.print(f"{p['id']}  {json.dumps(p['spec'])}", highlight=False)
+
+
+@policies_app.command("remove")
+def policies_remove(policy: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    with connect(server, token) as client:
+        result = send(client, "DELETE", f"/v1/policies/{policy}")
+    out.print(f"removed policy {result['spec']['name']}", highlight=False)
+
+
+@app.command("gc")
+def gc(dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan.")] = False,
+       as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Delete what the retention policies allow (admin), after printing the plan; --dry-run prints only."""
+    with connect(server, token) as client:
+        report = send(client, "POST", "/v1/gc", {"dry_run": dry_run})
+    if _emit(report, as_json):
+        return
+    for item in report["plan"]:
+        out.print(f"{'would delete' if dry_run else 'deleted'} {item['uri']}  {human(item['bytes'])}  "
+                  f"[{item['policy']}] {item['reason']}", highlight=False)
+    out.print(f"{len(report['plan'])} checkpoint(s), {human(report['bytes'])}"
+              + (f"; {len(report['failed'])} left pending (see `ckptctl deletions`)" if report["failed"] else ""),
+              highlight=False)
+
+
+@app.command("deletions")
+def deletions(state: Annotated[str | None, typer.Option("--state", help="pending, done or refused.")] = None,
+              limit: Annotated[int, typer.Option("--limit")] = 100, as_json: AsJson = False,
+              server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """The deletion log: what GC deleted, by which policy, who ran it, when, and how many bytes."""
+    with connect(server, token) as client:
+        rows = get(client, "/v1/deletions", state=state, limit=limit)
+    if not _emit(rows, as_json):
+        table = Table("when", "state", "uri", "bytes", "policy", "by")
+        for d in rows:
+            table.add_row(d["planned_at"], d["state"], d["uri"], human(d["bytes"]), d["policy"], d["requested_by"])
+        out.print(table)
+
+
+# -- rules and notify ------------------------------------------------------------------------------
+
+rules_app = typer.Typer(help="Rules that convert new checkpoints as they land.", no_args_is_help=True)
+app.add_typer(rules_app, name="rules")
+
+
+@rules_app.command("add")
+def rules_add(name: str, pattern: Annotated[str, typer.Argument(help="e.g. '/data/runs/*/step_*' (quote it).")],
+              kind: Annotated[str, typer.Option("--kind", help="export, convert or reshard.")],
+              target: Annotated[str, typer.Option("--target", help="With {run}, {step}, {name}.")],
+              option: Annotated[list[str] | None, typer.Option("--option", help="KEY=VALUE job option, e.g. "
+                                                               "dtype=bfloat16 (repeatable; JSON values).")] = None,
+              latest_only: Annotated[bool, typer.Option("--latest-only")] = False,
+              skip_existing: Annotated[bool, typer.Option("--skip-existing/--no-skip-existing")] = True,
+              max_concurrent: Annotated[int, typer.Option("--max-concurrent")] = 2,
+              as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Add a rule: each new complete checkpoint matching PATTERN gets one job."""
+    options = {}
+    for key, value in _pairs(option, "--option").items():
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    body = {"name": name, "pattern": as_uri(pattern), "job": {"kind": kind, "target": as_uri(target),
+                                                               "options": options},
+            "latest_only": latest_only, "skip_existing": skip_existing, "max_concurrent": max_concurrent}
+    with connect(server, token) as client:
+        result = send(client, "POST", "/v1/rules", body)
+    if not _emit(result, as_json):
+        out.print(f"added rule {name} ({result['id']})", highlight=False)
+
+
+@rules_app.command("list")
+def rules_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    with connect(server, token) as client:
+        rows = get(client, "/v1/rules")
+    if not _emit(rows, as_json):
+        table = Table("id", "name", "paused", "pattern", "job", "triggers")
+        for r in rows:
+            job = r["spec"]["job"]
+            table.add_row(r["id"], r["spec"]["name"], str(r["paused"]), r["spec"]["pattern"],
+                          f"{job['kind']} -> {job['target']}", json.dumps(r["triggers"]))
+        out.print(table)
+
+
+def _rule_action(method: str, path: str, server: str, token: str | None, done: str) -> None:
+    with connect(server, token) as client:
+        result = send(client, method, path)
+    out.print(f"{done} rule {result['spec']['name']}", highlight=False)
+
+
+@rules_app.command("remove")
+def rules_remove(rule: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    _rule_action("DELETE", f"/v1/rules/{rule}", server, token, "removed")
+
+
+@rules_app.command("pause")
+def rules_pause(rule: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    _rule_action("POST", f"/v1/rules/{rule}/pause", server, token, "paused")
+
+
+@rules_app.command("resume")
+def rules_resume(rule: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    _rule_action("POST", f"/v1/rules/{rule}/resume", server, token, "resumed")
+
+
+@rules_app.command("triggers")
+def rules_triggers(rule: str, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """What a rule fired on, with the job and its outcome."""
+    with connect(server, token) as client:
+        rows = get(client, f"/v1/rules/{rule}/triggers")
+    if not _emit(rows, as_json):
+        for t in rows:
+            out.print(f"{t['state']:<10} {t['uri']}  job {t['job_id']}  {t['detail'] or ''}", highlight=False)
+
+
+@app.command("notify")
+def notify(path: str, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Tell the server a checkpoint finished writing (it registers it and fires matching rules)."""
+    with connect(server, token) as client:
+        result = send(client, "POST", "/v1/notify", {"uri": as_uri(path)})
+    if not _emit(result, as_json):
+        out.print(f"{result['checkpoint_id']} run {result['run']} step {result['step']}: "
+                  f"{len(result['triggers'])} rule trigger(s)", highlight=False)

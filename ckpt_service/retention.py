@@ -1,0 +1,360 @@
+"""Retention policies and garbage collection.
+
+A policy covers the checkpoints of one run, or those under one path prefix, optionally only sources
+(checkpoints no job made) or only exports (made by a job). Within each run it keeps the last K steps,
+every Nth step and anything younger than T; a checkpoint is deleted when a policy covers it, no policy
+covering it keeps it, and nothing protects it (a run's own checkpoints and each rule's outputs of that run
+are ranked separately):
+
+- an alias or a `pin` tag (`pin` or `pin=…`) protects a checkpoint always;
+- a checkpoint with a derived output that stays is kept, unless the policy says `delete_with_outputs`;
+- a checkpoint a queued or running job reads or writes, or that an active rule has yet to fire on, waits
+  for a later run;
+- nothing outside the write roots is ever planned (and `roots.check` runs again before each removal).
+
+GC plans first (what, which policy and why, bytes). Executing marks the plan's entries deleted in the
+registry and appends them to the deletion log (`pending`) in batches, then removes the data, each only
+after `roots.check` places it under a write root, and marks the log entry `done`. An interrupted GC
+leaves `pending` entries, which the next run finishes first; data already gone counts as removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import defaultdict
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from . import logs, roots
+from .catalog import NAME, when
+from .errors import Conflict, NotFound, ServiceError
+from .store import new_id
+
+if TYPE_CHECKING:
+    from .service import CkptService
+
+_DURATION = re.compile(r"^(\d{1,9})([smhdw]?)$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(value: int | float | str) -> float:
+    """Seconds, or a number with s/m/h/d/w (`36h`, `7d`)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    match = _DURATION.match(str(value).strip())
+    if not match:
+        raise ValueError("write seconds or a duration such as 90m, 36h or 7d")
+    return float(int(match[1]) * _SECONDS[match[2]])
+
+
+class PolicySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME.pattern)
+    run: str | None = Field(None, pattern=NAME.pattern, description="The run this policy covers.")
+    prefix: str | None = Field(None, min_length=1, max_length=4096, description="Or: everything under this URI.")
+    applies_to: Literal["all", "sources", "exports"] = Field("all", description="sources: checkpoints no job made; "
+                                                             "exports: outputs of jobs.")
+    keep_last: int | None = Field(None, ge=0, le=1_000_000, description="Keep the last K steps of each run.")
+    keep_every: int | None = Field(None, ge=1, le=10**12, description="Keep steps divisible by N.")
+    keep_younger_than: float | None = Field(None, ge=0, description="Keep checkpoints registered within T "
+                                            "(seconds, or 90m, 36h, 7d).")
+    delete_with_outputs: bool = Field(False, description="Delete even when outputs derived from it are kept.")
+
+    @field_validator("keep_younger_than", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        return None if value is None else parse_duration(value)
+
+    @model_validator(mode="after")
+    def _scope(self) -> PolicySpec:
+        if (self.run is None) == (self.prefix is None):
+            raise ValueError("give exactly one of run or prefix")
+        if self.keep_last is None and self.keep_every is None and self.keep_younger_than is None:
+            raise ValueError("give at least one of keep_last, keep_every, keep_younger_than (a policy that keeps "
+                             "nothing would delete everything it covers)")
+        return self
+
+
+class PolicyView(BaseModel):
+    id: str
+    spec: PolicySpec
+    created_by: str
+    created_at: datetime
+
+
+class PlanItem(BaseModel):
+    checkpoint_id: str
+    uri: str
+    run: str | None
+    step: int | None
+    bytes: int
+    policy: str
+    reason: str
+
+
+class GcReport(BaseModel):
+    dry_run: bool
+    plan: list[PlanItem]
+    bytes: int = Field(description="Bytes the plan frees.")
+    deleted: list[str] = Field(default_factory=list, description="Deletion ids finished by this run.")
+    failed: list[str] = Field(default_factory=list, description="Deletion ids left pending (see their error).")
+
+
+class DeletionView(BaseModel):
+    id: str
+    checkpoint_id: str
+    uri: str
+    bytes: int
+    policy: str
+    reason: str
+    requested_by: str
+    state: Literal["pending", "done", "refused"]
+    error: str | None
+    planned_at: datetime
+    done_at: datetime | None
+
+
+def disk_bytes(uri: str) -> int:
+    """Bytes the data at `uri` takes (0 when it is gone)."""
+    from converters import storage
+
+    if storage.is_local(uri):
+        path = storage.local_path(uri)
+        if os.path.islink(path) or os.path.isfile(path):
+            return os.lstat(path).st_size
+        total = 0
+        for folder, _, files in os.walk(path):
+            total += sum(os.lstat(os.path.join(folder, f)).st_size for f in files)
+        return total
+    try:
+        fs, path = storage.filesystem(uri)
+        return int(fs.du(path)) if fs.exists(path) else 0
+    except (OSError, ValueError):
+        return 0
+
+
+class Retention:
+    def __init__(self, service: CkptService) -> None:
+        self.service = service
+        self.store = service.store
+
+    # -- policies ----------------------------------------------------------------------------------
+
+    def add_policy(self, spec: PolicySpec, by: str) -> PolicyView:
+        if spec.prefix is not None:
+            spec = spec.model_copy(update={"prefix": roots.check(spec.prefix, self.service.settings.write_locations,
+                                                                 field="prefix", purpose="read")})
+        policy_id, now = new_id("pol"), time.time()
+        with self.store.transaction() as conn:
+            if conn.execute("SELECT 1 FROM retention_policies WHERE name = ?", (spec.name,)).fetchone():
+                raise Conflict(f"a policy named {spec.name} exists; remove it first or choose another name")
+            conn.execute("INSERT INTO retention_policies (id, name, spec, created_by, created_at) VALUES "
+                         "(?, ?, ?, ?, ?)", (policy_id, spec.name, spec.model_dump_json(), by, now))
+        return self.policy(policy_id)
+
+    def _row_view(self, row: Any) -> PolicyView:
+        return PolicyView(id=row["id"], spec=PolicySpec.model_validate_json(row["spec"]), created_by=row["created_by"],
+                          created_at=when(row["created_at"]))  # type: ignore[arg-type]
+
+    def policy(self, policy_id: str) -> PolicyView:
+        rows = self.store.query("SELECT * FROM retention_policies WHERE id = ? OR name = ?", (policy_id, policy_id))
+        if not rows:
+            raise NotFound(f"no retention policy {policy_id}")
+        return self._row_view(rows[0])
+
+    def policies(self) -> list[PolicyView]:
+        return [self._row_view(r) for r in self.store.query("SELECT * FROM retention_policies ORDER BY name")]
+
+    def remove_policy(self, policy_id: str) -> PolicyView:
+        view = self.policy(policy_id)
+        with self.store.transaction() as conn:
+            conn.execute("DELETE FROM retention_policies WHERE id = ?", (view.id,))
+        return view
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def _live(self) -> list[dict[str, Any]]:
+        rows = self.store.query(
+            "SELECT c.id, c.uri, c.tags, c.made_by_job, c.created_at, r.run, r.step, r.rule_id FROM checkpoints c "
+            "LEFT JOIN checkpoint_runs r ON r.checkpoint_id = c.id WHERE r.deleted_at IS NULL ORDER BY c.id")
+        return [dict(r) for r in rows]
+
+    def _busy(self) -> set[str]:
+        busy: set[str] = set()
+        for row in self.store.query("SELECT spec FROM jobs WHERE state IN ('queued', 'running')"):
+            spec = json.loads(row["spec"])
+            busy.update(u for u in (spec.get("source"), spec.get("target")) if u)
+        return busy
+
+    @staticmethod
+    def _covers(spec: PolicySpec, c: dict[str, Any]) -> bool:
+        made = c["made_by_job"] is not None
+        if (spec.applies_to == "sources" and made) or (spec.applies_to == "exports" and not made):
+            return False
+        if spec.run is not None:
+            return c["run"] == spec.run
+        prefix = roots.parse(spec.prefix or "", resolve=False)
+        try:
+            return prefix.contains(roots.parse(c["uri"], resolve=False))
+        except ServiceError:
+            return False
+
+    @staticmethod
+    def _verdicts(spec: PolicySpec, covered: list[dict[str, Any]], now: float) -> dict[str, str | None]:
+        """checkpoint id -> None (kept) or why this policy would delete it."""
+        verdicts: dict[str, str | None] = {}
+        by_run: dict[tuple[str | None, str], list[dict[str, Any]]] = defaultdict(list)
+        for c in covered:  # a run's training checkpoints, and each rule's outputs of it, are counted apart
+            by_run[c["run"], "source" if c["made_by_job"] is None else c["rule_id"] or "output"].append(c)
+        for (run, _), group in by_run.items():
+            group.sort(key=lambda c: (c["step"] if c["step"] is not None else -1, c["created_at"]), reverse=True)
+            for rank, c in enumerate(group):
+                kept = ((spec.keep_last is not None and rank < spec.keep_last)
+                        or (spec.keep_every is not None and c["step"] is not None and c["step"] % spec.keep_every == 0)
+                        or (spec.keep_younger_than is not None and c["created_at"] >= now - spec.keep_younger_than))
+                where = f"run {run} step {c['step']}" if run is not None else "no run"
+                verdicts[c["id"]] = None if kept else f"{where}: not kept by {_keeps(spec)}"
+        return verdicts
+
+    def _writable(self, uri: str) -> bool:
+        try:
+            roots.check(uri, self.service.settings.write_locations, field="uri", purpose="write")
+        except ServiceError:
+            return False
+        return True
+
+    def _unconverted(self, uris: set[str]) -> set[str]:
+        """Those of `uris` that an active rule matches and has not fired on yet (its job is still to come)."""
+        from .rules import RuleSpec, matches
+
+        fired = {(r["rule_id"], r["uri"]) for r in self.store.query("SELECT rule_id, uri FROM rule_triggers")}
+        waiting = set()
+        for row in self.store.query("SELECT id, spec FROM rules WHERE paused = 0"):
+            pattern = RuleSpec.model_validate_json(row["spec"]).pattern
+            waiting |= {u for u in uris if matches(pattern, u) and (row["id"], u) not in fired}
+        return waiting
+
+    def plan(self, now: float | None = None) -> list[PlanItem]:
+        now = time.time() if now is None else now
+        live = self._live()
+        policies = [p.spec for p in self.policies()]
+        aliased = {r["checkpoint_id"] for r in self.store.query("SELECT DISTINCT checkpoint_id FROM aliases")}
+        busy = self._busy()
+        doomed: dict[str, tuple[PolicySpec, str]] = {}
+        kept_by_some: set[str] = set()
+        for spec in policies:
+            for checkpoint_id, reason in self._verdicts(spec, [c for c in live if self._covers(spec, c)], now).items():
+                if reason is None:
+                    kept_by_some.add(checkpoint_id)
+                elif checkpoint_id not in doomed:
+                    doomed[checkpoint_id] = (spec, reason)
+        by_id = {c["id"]: c for c in live}
+        for checkpoint_id in list(doomed):
+            c = by_id[checkpoint_id]
+            pinned = any(t == "pin" or t.startswith("pin=") for t in json.loads(c["tags"]))
+            if (checkpoint_id in kept_by_some or checkpoint_id in aliased or pinned or c["uri"] in busy
+                    or not self._writable(c["uri"])):
+                del doomed[checkpoint_id]
+        waiting = self._unconverted({c["uri"] for i, c in by_id.items() if i in doomed})
+        for checkpoint_id in [i for i in doomed if by_id[i]["uri"] in waiting]:
+            del doomed[checkpoint_id]
+        children: dict[str, list[str]] = defaultdict(list)
+        for row in self.store.query("SELECT child_id, parent_id FROM lineage"):
+            children[row["parent_id"]].append(row["child_id"])
+        changed = True
+        while changed:  # a derived output that stays keeps its source (and so on up the chain)
+            changed = False
+            for checkpoint_id in list(doomed):
+                spec, _ = doomed[checkpoint_id]
+                if not spec.delete_with_outputs and any(k in by_id and k not in doomed
+                                                        for k in children[checkpoint_id]):
+                    del doomed[checkpoint_id]
+                    changed = True
+        return [PlanItem(checkpoint_id=i, uri=by_id[i]["uri"], run=by_id[i]["run"], step=by_id[i]["step"],
+                         bytes=disk_bytes(by_id[i]["uri"]), policy=spec.name, reason=reason)
+                for i, (spec, reason) in sorted(doomed.items(), key=lambda kv: (by_id[kv[0]]["uri"]))]
+
+    # -- execution ---------------------------------------------------------------------------------
+
+    def run(self, dry_run: bool, by: str) -> GcReport:
+        plan = self.plan()
+        report = GcReport(dry_run=dry_run, plan=plan, bytes=sum(p.bytes for p in plan))
+        if dry_run:
+            return report
+        batch = self.service.settings.gc_batch
+        for start in range(0, len(plan), batch):
+            self._mark(plan[start:start + batch], by)
+        report.deleted, report.failed = self.finish_pending()
+        logs.event("gc.done", by=by, planned=len(plan), deleted=len(report.deleted), failed=len(report.failed),
+                   bytes=report.bytes)
+        return report
+
+    def _mark(self, items: list[PlanItem], by: str) -> None:
+        """One transaction: mark a batch deleted in the registry and log each deletion as pending."""
+        now = time.time()
+        with self.store.transaction() as conn:
+            for item in items:
+                if conn.execute("SELECT 1 FROM aliases WHERE checkpoint_id = ?", (item.checkpoint_id,)).fetchone():
+                    continue  # aliased since the plan was made
+                cur = conn.execute(
+                    "INSERT INTO checkpoint_runs (checkpoint_id, run, step, deleted_at) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (checkpoint_id) DO UPDATE SET deleted_at = excluded.deleted_at "
+                    "WHERE checkpoint_runs.deleted_at IS NULL", (item.checkpoint_id, item.run, item.step, now))
+                if cur.rowcount != 1:
+                    continue  # another GC (another replica) took it
+                conn.execute("INSERT INTO deletions (id, checkpoint_id, uri, bytes, policy, reason, requested_by, "
+                             "state, planned_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                             (new_id("del"), item.checkpoint_id, item.uri, item.bytes, item.policy, item.reason, by,
+                              now))
+
+    def finish_pending(self) -> tuple[list[str], list[str]]:
+        """Remove the data of every pending deletion (this run's and any an interrupted run left)."""
+        from .service import remove_data
+
+        done: list[str] = []
+        failed: list[str] = []
+        for row in self.store.query("SELECT id, uri FROM deletions WHERE state = 'pending' ORDER BY planned_at, id"):
+            state, error = "done", None
+            try:
+                uri = roots.check(row["uri"], self.service.settings.write_locations, field="uri", purpose="write")
+                remove_data(uri)
+            except roots.OutsideRoots as exc:
+                state, error = "refused", str(exc)
+            except ServiceError as exc:
+                state, error = "pending", str(exc)
+            with self.store.transaction() as conn:
+                conn.execute("UPDATE deletions SET state = ?, error = ?, done_at = ? WHERE id = ?",
+                             (state, error, time.time() if state != "pending" else None, row["id"]))
+            (done if state == "done" else failed).append(row["id"])
+            logs.event("gc.deleted" if state == "done" else "gc.not_deleted", deletion=row["id"], uri=row["uri"],
+                       state=state, error=error)
+        return done, failed
+
+    def deletions(self, state: str | None = None, limit: int = 100) -> list[DeletionView]:
+        sql = "SELECT * FROM deletions"
+        params: tuple[str, ...] = ()
+        if state is not None:
+            sql, params = sql + " WHERE state = ?", (state,)
+        rows = self.store.query(sql + " ORDER BY planned_at DESC, id LIMIT ?", (*params, limit))
+        return [DeletionView(id=r["id"], checkpoint_id=r["checkpoint_id"], uri=r["uri"], bytes=r["bytes"],
+                             policy=r["policy"], reason=r["reason"], requested_by=r["requested_by"], state=r["state"],
+                             error=r["error"], planned_at=when(r["planned_at"]),  # type: ignore[arg-type]
+                             done_at=when(r["done_at"])) for r in rows]
+
+
+def _keeps(spec: PolicySpec) -> str:
+    parts = []
+    if spec.keep_last is not None:
+        parts.append(f"keep_last {spec.keep_last}")
+    if spec.keep_every is not None:
+        parts.append(f"keep_every {spec.keep_every}")
+    if spec.keep_younger_than is not None:
+        parts.append(f"keep_younger_than {spec.keep_younger_than:g}s")
+    return f"policy {spec.name} (" + ", ".join(parts) + ")"
+

@@ -1,0 +1,452 @@
+"""Rules: convert new checkpoints as they land.
+
+A rule is a source pattern (`/data/runs/*/step_*` or `s3://bucket/runs/*/step_*`; `*`, `?` and `[…]`
+match within one path segment), a job template (kind, options, and a target with `{run}`, `{step}` and
+`{name}`), and options: only the latest step of each run, skip when the target exists, at most N of its
+jobs queued or running at once.
+
+Discovery (polling every `discover_seconds`, or `POST /v1/notify` for one path) registers each new
+checkpoint once it is *complete*: no unfinished-upload marker, and the engine's own index loads with
+every file at least as long as the metadata says (a DCP `.metadata` is written last; our
+`ckpt-manifest.json` lists each file's size; a DeepSpeed folder names its tag in `latest`). A half-written
+checkpoint fails that check and is looked at again on the next poll.
+
+Each (rule, checkpoint) pair fires at most once: the trigger row's primary key is claimed with
+`INSERT … ON CONFLICT DO NOTHING` before the job is submitted, and the job is submitted with an
+idempotency key derived from the pair, so a claim left behind by a crash is finished by the next scan
+(on any replica) without a second job. Outputs get the source's run and step and link to the rule.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from collections import defaultdict
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from converters.errors import CkptError
+
+from . import logs, roots
+from .auth import Principal
+from .catalog import NAME, when
+from .errors import Conflict, InvalidRequest, NotFound, ServiceError
+from .jobs import JobOptions, JobSpec
+from .store import new_id
+
+if TYPE_CHECKING:
+    from .service import CkptService
+
+STALE_CLAIM_SECONDS = 300.0
+HELD_BACK_SECONDS = 2.0  # with polling off: how often checkpoints held back by max_concurrent are retried
+_GLOB = set("*?[")
+
+
+class JobTemplate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["convert", "export", "reshard"]
+    target: str = Field(min_length=1, max_length=4096, description="With {run}, {step} and {name} (the source's "
+                        "last path segment), e.g. s3://bucket/exports/{run}/{step}.")
+    options: JobOptions = Field(default_factory=JobOptions)  # type: ignore[valid-type]
+
+
+class RuleSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME.pattern)
+    pattern: str = Field(min_length=1, max_length=4096, description="Checkpoints to convert: a path or URI glob.")
+    job: JobTemplate
+    latest_only: bool = Field(False, description="Only the newest complete step of each run; older new ones are "
+                              "recorded as superseded.")
+    skip_existing: bool = Field(True, description="Skip (and record) a checkpoint whose target exists.")
+    max_concurrent: int = Field(2, ge=1, le=1000, description="This rule's jobs queued or running at once.")
+
+
+class RuleView(BaseModel):
+    id: str
+    spec: RuleSpec
+    paused: bool
+    created_by: str
+    created_at: datetime
+    triggers: dict[str, int] = Field(default_factory=dict, description="Trigger counts by state.")
+
+
+class TriggerView(BaseModel):
+    rule_id: str
+    uri: str
+    checkpoint_id: str | None
+    state: Literal["claimed", "submitted", "done", "job_failed", "skipped", "superseded", "failed"]
+    job_id: str | None
+    detail: str | None
+    claimed_at: datetime
+
+
+class NotifyResult(BaseModel):
+    uri: str
+    checkpoint_id: str
+    run: str | None
+    step: int | None
+    triggers: list[TriggerView]
+
+
+def trigger_key(rule_id: str, uri: str) -> str:
+    """The idempotency key of the job a rule submits for a checkpoint (the same on every replica and retry)."""
+    return "rule-" + hashlib.sha256(f"{rule_id}\n{uri}".encode()).hexdigest()[:40]
+
+
+def render(template: str, run: str | None, step: int | None, uri: str) -> str:
+    for key, value in (("{run}", run), ("{step}", step)):
+        if key in template and value is None:
+            raise InvalidRequest(f"job.target: {uri} has no {key[1:-1]} (see CKPT_RUN_PATTERN)", "job.target")
+        template = template.replace(key, str(value))
+    return template.replace("{name}", uri.rstrip("/").rsplit("/", 1)[-1])
+
+
+def matches(pattern: str, uri: str) -> bool:
+    a, b = pattern.rstrip("/").split("/"), uri.rstrip("/").split("/")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(y, x) for x, y in zip(a, b))
+
+
+def expand(pattern: str) -> list[str]:
+    """The paths or URIs a pattern matches now (hidden names, such as temporary outputs, left out)."""
+    from converters import storage
+
+    if storage.is_local(pattern):
+        found = glob.glob(storage.local_path(pattern))
+    else:
+        fs, path = storage.filesystem(pattern)
+        scheme = pattern.split("://", 1)[0]
+        fs.invalidate_cache()
+        found = [f"{scheme}://{p}" for p in fs.glob(path.split("://", 1)[-1])]
+    return sorted(p for p in found if not p.rstrip("/").rsplit("/", 1)[-1].startswith("."))
+
+
+def complete(uri: str) -> tuple[dict[str, Any] | None, str]:
+    """(summary, "") for a complete checkpoint; (None, why not) for anything else."""
+    from converters import storage
+    from converters.formats import load_index
+
+    from .summary import summarize
+
+    try:
+        if storage.is_incomplete(uri):
+            return None, "an upload started and did not finish"
+        return summarize(load_index(uri, locate=True)), ""
+    except (CkptError, OSError, ValueError) as exc:
+        return None, str(exc)[:300]
+
+
+class Rules:
+    def __init__(self, service: CkptService) -> None:
+        self.service = service
+        self.store = service.store
+        self._scan_lock = threading.Lock()
+
+    # -- managing rules ----------------------------------------------------------------------------
+
+    def add(self, spec: RuleSpec, by: str) -> RuleView:
+        s = self.service.settings
+        fixed = _fixed_part(spec.pattern)
+        pattern = roots.check(fixed, s.read_locations, field="pattern", purpose="read").rstrip("/")
+        spec = spec.model_copy(update={"pattern": pattern + spec.pattern[len(fixed.rstrip("/")):]})
+        probe = render(spec.job.target, "run", 1, "name")
+        roots.check(probe, s.write_locations, field="job.target", purpose="write")
+        parts = probe.rstrip("/").split("/")
+        if (any(matches(spec.pattern, "/".join(parts[:i])) for i in range(1, len(parts) + 1))
+                or roots.parse(probe, resolve=False).contains(roots.parse(fixed, resolve=False))):
+            raise InvalidRequest("job.target: outputs would land where the pattern looks; write them elsewhere",
+                                 "job.target")
+        example = re.sub(r"\[[^\]/]*\]|[*?]", "x", spec.pattern)  # a path the pattern would match
+        options = spec.job.options.model_copy(update={"overwrite": True})  # type: ignore[attr-defined]
+        self.service.normalise(JobSpec(kind=spec.job.kind, source=example, target=probe, options=options,
+                                       callback_url=None))
+        rule_id, now = new_id("rule"), time.time()
+        with self.store.transaction() as conn:
+            if conn.execute("SELECT 1 FROM rules WHERE name = ?", (spec.name,)).fetchone():
+                raise Conflict(f"a rule named {spec.name} exists; remove it first or choose another name")
+            conn.execute("INSERT INTO rules (id, name, spec, paused, created_by, created_at) VALUES (?, ?, ?, 0, ?, ?)",
+                         (rule_id, spec.name, spec.model_dump_json(exclude_unset=True), by, now))
+        return self.get(rule_id)
+
+    def get(self, rule_id: str) -> RuleView:
+        rows = self.store.query("SELECT * FROM rules WHERE id = ? OR name = ?", (rule_id, rule_id))
+        if not rows:
+            raise NotFound(f"no rule {rule_id}")
+        return self._view(rows[0])
+
+    def _view(self, row: Any) -> RuleView:
+        counts = {r["state"]: r["n"] for r in self.store.query(
+            "SELECT state, COUNT(*) AS n FROM rule_triggers WHERE rule_id = ? GROUP BY state", (row["id"],))}
+        return RuleView(id=row["id"], spec=RuleSpec.model_validate_json(row["spec"]), paused=bool(row["paused"]),
+                        created_by=row["created_by"], created_at=when(row["created_at"]),  # type: ignore[arg-type]
+                        triggers=counts)
+
+    def all(self) -> list[RuleView]:
+        return [self._view(r) for r in self.store.query("SELECT * FROM rules ORDER BY name")]
+
+    def remove(self, rule_id: str) -> RuleView:
+        view = self.get(rule_id)
+        with self.store.transaction() as conn:
+            conn.execute("DELETE FROM rules WHERE id = ?", (view.id,))
+        return view
+
+    def pause(self, rule_id: str, paused: bool) -> RuleView:
+        view = self.get(rule_id)
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE rules SET paused = ? WHERE id = ?", (int(paused), view.id))
+        return self.get(view.id)
+
+    def triggers(self, rule_id: str) -> list[TriggerView]:
+        view = self.get(rule_id)
+        self.link_outputs()
+        return [_trigger(r) for r in self.store.query(
+            "SELECT * FROM rule_triggers WHERE rule_id = ? ORDER BY claimed_at, uri", (view.id,))]
+
+    # -- discovery ---------------------------------------------------------------------------------
+
+    def _registered(self, uri: str, summary_of: Any, by: str) -> tuple[str, str | None, int | None] | None:
+        """(checkpoint id, run, step) of a complete checkpoint, registering it first if it is new; None while
+        it is incomplete or after GC deleted it."""
+        registry, catalog = self.service.registry, self.service.catalog
+        rows = self.store.query("SELECT c.id, r.run, r.step, r.deleted_at FROM checkpoints c LEFT JOIN "
+                                "checkpoint_runs r ON r.checkpoint_id = c.id WHERE c.uri = ?", (uri,))
+        if rows:
+            row = rows[0]
+            return None if row["deleted_at"] is not None else (row["id"], row["run"], row["step"])
+        summary, why = summary_of(uri)
+        if summary is None:
+            logs.event("rules.incomplete", uri=uri, reason=why, level=logging.DEBUG)
+            return None
+        run, step = catalog.derive(uri)
+        with self.store.transaction() as conn:
+            if conn.execute("SELECT 1 FROM checkpoints WHERE uri = ?", (uri,)).fetchone():
+                return self._registered(uri, summary_of, by)  # another replica registered it meanwhile
+            checkpoint_id = registry.add(conn, uri=uri, name=uri.rstrip("/").rsplit("/", 1)[-1], summary=summary,
+                                         tags=[], metadata={})
+            catalog.place(conn, checkpoint_id, run, step, by)
+        logs.event("rules.discovered", uri=uri, checkpoint_id=checkpoint_id, run=run, step=step)
+        return checkpoint_id, run, step
+
+    def scan(self, by: str = "discovery", look: bool = True) -> int:
+        """One pass over every active rule; returns the number of jobs submitted. It fires on registered
+        checkpoints the rule matches and has not fired on (e.g. held back by max_concurrent) and, with `look`,
+        on new complete checkpoints its pattern finds."""
+        with self._scan_lock:
+            self.link_outputs()
+            submitted = 0
+            for row in self.store.query("SELECT * FROM rules WHERE paused = 0 ORDER BY name"):
+                try:
+                    submitted += self._scan_rule(row["id"], RuleSpec.model_validate_json(row["spec"]), by, look)
+                except (ServiceError, CkptError, OSError) as exc:
+                    logs.event("rules.scan_failed", rule=row["name"], error=str(exc)[:300])
+            return submitted
+
+    def _scan_rule(self, rule_id: str, spec: RuleSpec, by: str, look: bool) -> int:
+        seen = {r["uri"]: r for r in self.store.query(
+            "SELECT uri, state, claimed_at FROM rule_triggers WHERE rule_id = ?", (rule_id,))}
+        fresh: list[tuple[str, str, str | None, int | None]] = []
+        registered = [r["uri"] for r in self.store.query(
+            "SELECT c.uri FROM checkpoints c LEFT JOIN checkpoint_runs r ON r.checkpoint_id = c.id "
+            "WHERE c.made_by_job IS NULL AND r.deleted_at IS NULL") if matches(spec.pattern, r["uri"])]
+        for uri in sorted(set(registered) | set(expand(spec.pattern) if look else ())):
+            if uri in seen:
+                continue
+            try:
+                uri = roots.check(uri, self.service.settings.read_locations, field="source", purpose="read")
+            except ServiceError:
+                continue  # e.g. a symlink out of the roots
+            found = self._registered(uri, complete, by)
+            if found is not None:
+                fresh.append((uri, *found))
+        stale = [u for u, r in seen.items() if r["state"] == "claimed"
+                 and r["claimed_at"] < time.time() - STALE_CLAIM_SECONDS]
+        if spec.latest_only:
+            fresh = self._supersede(rule_id, fresh)
+        fresh.sort(key=lambda f: (f[2] or "", f[3] if f[3] is not None else -1, f[0]))
+        submitted = 0
+        for uri in stale:
+            submitted += self._fire(rule_id, spec, uri, reclaim=True)
+        for uri, checkpoint_id, _, _ in fresh:
+            if self._active(rule_id) >= spec.max_concurrent:
+                break  # the rest waits for the next scan
+            submitted += self._fire(rule_id, spec, uri, checkpoint_id=checkpoint_id)
+        return submitted
+
+    def _supersede(self, rule_id: str, fresh: list[tuple[str, str, str | None, int | None]]
+                   ) -> list[tuple[str, str, str | None, int | None]]:
+        """latest_only: keep the newest fresh step per run (if nothing newer fired already); record the rest."""
+        newest: dict[str | None, int] = defaultdict(lambda: -1)
+        for r in self.store.query("SELECT r.run, MAX(r.step) AS step FROM rule_triggers t JOIN checkpoint_runs r ON "
+                                  "r.checkpoint_id = t.checkpoint_id WHERE t.rule_id = ? AND t.state <> 'superseded' "
+                                  "GROUP BY r.run", (rule_id,)):
+            newest[r["run"]] = r["step"] if r["step"] is not None else -1
+        best: dict[str | None, tuple[str, str, str | None, int | None]] = {}
+        for f in fresh:
+            if f[2] is None or f[3] is None:
+                best[f[0]] = f  # no run or step: nothing to compare with
+            elif f[3] > newest[f[2]] and (f[2] not in best or f[3] > (best[f[2]][3] or -1)):
+                best[f[2]] = f
+        keep = set(best.values())
+        now = time.time()
+        with self.store.transaction() as conn:
+            for f in fresh:
+                if f not in keep:
+                    conn.execute("INSERT INTO rule_triggers (rule_id, uri, checkpoint_id, state, detail, claimed_at) "
+                                 "VALUES (?, ?, ?, 'superseded', 'a newer step of the run came first', ?) "
+                                 "ON CONFLICT (rule_id, uri) DO NOTHING", (rule_id, f[0], f[1], now))
+        return [f for f in fresh if f in keep]
+
+    def _active(self, rule_id: str) -> int:
+        row = self.store.query("SELECT COUNT(*) AS n FROM rule_triggers t LEFT JOIN jobs j ON j.id = t.job_id "
+                               "WHERE t.rule_id = ? AND (t.state = 'claimed' OR (t.state = 'submitted' AND "
+                               "j.state IN ('queued', 'running')))", (rule_id,))
+        return int(row[0]["n"])
+
+    def _fire(self, rule_id: str, spec: RuleSpec, uri: str, checkpoint_id: str | None = None,
+              reclaim: bool = False) -> int:
+        """Claim (rule, uri) and submit its job; 1 when a job was submitted by this call."""
+        now = time.time()
+        with self.store.transaction() as conn:
+            if reclaim:
+                cur = conn.execute("UPDATE rule_triggers SET claimed_at = ? WHERE rule_id = ? AND uri = ? AND "
+                                   "state = 'claimed' AND claimed_at < ?",
+                                   (now, rule_id, uri, now - STALE_CLAIM_SECONDS))
+                row = conn.execute("SELECT checkpoint_id FROM rule_triggers WHERE rule_id = ? AND uri = ?",
+                                   (rule_id, uri)).fetchone()
+                checkpoint_id = row["checkpoint_id"] if row else None
+            else:
+                cur = conn.execute("INSERT INTO rule_triggers (rule_id, uri, checkpoint_id, state, claimed_at) "
+                                   "VALUES (?, ?, ?, 'claimed', ?) ON CONFLICT (rule_id, uri) DO NOTHING",
+                                   (rule_id, uri, checkpoint_id, now))
+        if cur.rowcount != 1:
+            return 0  # another scan (another replica) has it
+        state, job_id, detail = self._submit(rule_id, spec, uri, checkpoint_id)
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE rule_triggers SET state = ?, job_id = ?, detail = ? WHERE rule_id = ? AND uri = ?",
+                         (state, job_id, detail, rule_id, uri))
+        logs.event("rules.fired", rule=spec.name, uri=uri, state=state, job_id=job_id, detail=detail)
+        return int(state == "submitted")
+
+    def _submit(self, rule_id: str, spec: RuleSpec, uri: str, checkpoint_id: str | None
+                ) -> tuple[str, str | None, str | None]:
+        from converters import storage
+
+        row = self.store.query("SELECT run, step FROM checkpoint_runs WHERE checkpoint_id = ?", (checkpoint_id,))
+        run, step = (row[0]["run"], row[0]["step"]) if row else (None, None)
+        try:
+            target = render(spec.job.target, run, step, uri)
+            if spec.skip_existing and storage.exists(target):
+                return "skipped", None, f"target {target} exists"
+            job = JobSpec(kind=spec.job.kind, source=uri, target=target, options=spec.job.options, callback_url=None)
+            view, _ = self.service.submit(job, Principal(f"rule:{spec.name}", "write"),
+                                          idempotency_key=trigger_key(rule_id, uri))
+        except (ServiceError, CkptError, OSError) as exc:
+            return "failed", None, str(exc)[:500]
+        return "submitted", view.id, None
+
+    def link_outputs(self) -> None:
+        """Give finished rule jobs' outputs their source's run and step and the rule's id (lineage)."""
+        rows = self.store.query(
+            "SELECT t.rule_id, t.uri, t.checkpoint_id, j.state, j.result, j.error_message FROM rule_triggers t "
+            "JOIN jobs j ON j.id = t.job_id WHERE t.state = 'submitted' AND j.state IN "
+            "('succeeded', 'failed', 'cancelled')")
+        for r in rows:
+            output = (json.loads(r["result"]) if r["result"] else {}).get("checkpoint_id")
+            with self.store.transaction() as conn:
+                if r["state"] == "succeeded" and output:
+                    source = conn.execute("SELECT run, step FROM checkpoint_runs WHERE checkpoint_id = ?",
+                                          (r["checkpoint_id"],)).fetchone()
+                    self.service.catalog.place(conn, output, source["run"] if source else None,
+                                               source["step"] if source else None, "rule", rule_id=r["rule_id"])
+                    conn.execute("UPDATE rule_triggers SET state = 'done', detail = ? WHERE rule_id = ? AND uri = ?",
+                                 (output, r["rule_id"], r["uri"]))
+                else:
+                    conn.execute("UPDATE rule_triggers SET state = 'job_failed', detail = ? WHERE rule_id = ? AND "
+                                 "uri = ?", ((r["error_message"] or r["state"])[:500], r["rule_id"], r["uri"]))
+
+    def notify(self, uri: str, by: str) -> NotifyResult:
+        """A pipeline says `uri` is finished: register it if complete and fire the rules whose pattern matches."""
+        uri = roots.check(uri, self.service.settings.read_locations, field="uri", purpose="read")
+        reasons: list[str] = []
+
+        def summary_of(u: str) -> tuple[dict[str, Any] | None, str]:
+            summary, why = complete(u)
+            reasons.append(why)
+            return summary, why
+
+        found = self._registered(uri, summary_of, by)
+        if found is None:
+            why = reasons[-1] if reasons else "it was deleted by garbage collection"
+            raise Conflict(f"{uri} is not a complete checkpoint ({why}); notify again once it is written")
+        checkpoint_id, run, step = found
+        fired: list[TriggerView] = []
+        with self._scan_lock:
+            self.link_outputs()
+            for row in self.store.query("SELECT * FROM rules WHERE paused = 0 ORDER BY name"):
+                spec = RuleSpec.model_validate_json(row["spec"])
+                if not matches(spec.pattern, uri):
+                    continue
+                entry = (uri, checkpoint_id, run, step)
+                if (not spec.latest_only or self._supersede(row["id"], [entry])) \
+                        and self._active(row["id"]) < spec.max_concurrent:
+                    self._fire(row["id"], spec, uri, checkpoint_id=checkpoint_id)
+                fired.extend(_trigger(t) for t in self.store.query(
+                    "SELECT * FROM rule_triggers WHERE rule_id = ? AND uri = ?", (row["id"], uri)))
+        return NotifyResult(uri=uri, checkpoint_id=checkpoint_id, run=run, step=step, triggers=fired)
+
+
+def _fixed_part(pattern: str) -> str:
+    """The pattern up to its first segment with a glob character (what the roots check looks at)."""
+    head, rest = (pattern.split("://", 1)[0] + "://", pattern.split("://", 1)[1]) if "://" in pattern else ("", pattern)
+    fixed = []
+    for segment in rest.split("/"):
+        if _GLOB & set(segment):
+            break
+        fixed.append(segment)
+    return head + "/".join(fixed)
+
+
+def _trigger(row: Any) -> TriggerView:
+    return TriggerView(rule_id=row["rule_id"], uri=row["uri"], checkpoint_id=row["checkpoint_id"], state=row["state"],
+                       job_id=row["job_id"], detail=row["detail"], claimed_at=when(row["claimed_at"]))  # type: ignore[arg-type]
+
+
+class Scheduler(threading.Thread):
+    """Discovery every `discover_seconds` (0: pushes only, and what max_concurrent held back is retried every
+    HELD_BACK_SECONDS) and GC every `gc_seconds` (0: off), inside the API process."""
+
+    def __init__(self, rules: Rules, retention: Any, discover_seconds: float, gc_seconds: float) -> None:
+        super().__init__(name="ckpt-manage", daemon=True)
+        self.rules, self.retention = rules, retention
+        self.discover_seconds, self.gc_seconds = discover_seconds, gc_seconds
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        next_scan = next_gc = time.monotonic()
+        if self.gc_seconds:
+            next_gc += self.gc_seconds
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            try:
+                if now >= next_scan:  # without polling, still fire what max_concurrent held back after pushes
+                    next_scan = now + (self.discover_seconds or HELD_BACK_SECONDS)
+                    self.rules.scan(look=bool(self.discover_seconds))
+                if self.gc_seconds and now >= next_gc:
+                    next_gc = now + self.gc_seconds
+                    self.retention.run(dry_run=False, by="scheduler")
+            except Exception:
+                logs.event("manage.loop_error", exc_info=True)
+            self.stopping.wait(0.2)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(10)
