@@ -22,6 +22,20 @@ from .copier import Copier
 from .errors import OptionError
 from .output import Output
 
+
+def greedy_groups(items: list[Any], limit: int) -> list[list[Any]]:
+    """Consecutive items in groups of at most `limit` bytes (`item.nbytes`): a new group starts when the next
+    item would overflow the current one; an item larger than `limit` is a group of its own."""
+    groups: list[list[Any]] = [[]]
+    size = 0
+    for item in items:
+        if groups[-1] and size + item.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item.nbytes
+    return groups
+
 EXECUTORS = ("local", "ray")
 EXECUTOR_ENV = "CKPT_EXECUTOR"
 RAY_ADDRESS_ENV = "CKPT_RAY_ADDRESS"

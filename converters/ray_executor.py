@@ -23,7 +23,7 @@ from . import storage
 from .copier import Copier, Progress
 from .errors import CkptError, TargetError
 from .output import Output
-from .plan import PartResult, Plan, run_part
+from .plan import PartResult, Plan, greedy_groups, run_part
 
 PART_BYTES_ENV = "CKPT_RAY_PART_BYTES"
 DEFAULT_PART_BYTES = 1 << 30
@@ -49,15 +49,7 @@ class Target:
 
 def batches(parts: list[Any], part_bytes: int) -> list[list[Any]]:
     """Group consecutive parts into tasks of at most `part_bytes` (a larger part is a task of its own)."""
-    groups: list[list[Any]] = [[]]
-    size = 0
-    for part in parts:
-        if groups[-1] and size + part.nbytes > part_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(part)
-        size += part.nbytes
-    return groups
+    return greedy_groups(parts, part_bytes)
 
 
 class _Reporter:

@@ -12,7 +12,7 @@ from ..copier import Copier, pwrite_all
 from ..index import CheckpointIndex, TensorEntry
 from ..names import SAFETENSORS_INDEX as INDEX_NAME
 from ..output import Output
-from ..plan import Plan
+from ..plan import Plan, greedy_groups
 
 SINGLE_NAME = "model.safetensors"
 
@@ -30,15 +30,7 @@ class Planned:
 
 def plan_shards(items: list[Planned], max_shard_size: int) -> list[list[Planned]]:
     """Greedy in key order, like huggingface_hub: start a new shard when the next tensor would overflow."""
-    shards: list[list[Planned]] = [[]]
-    size = 0
-    for item in items:
-        if shards[-1] and size + item.nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item.nbytes
-    return shards
+    return greedy_groups(items, max_shard_size)
 
 
 def header_bytes(items: list[Planned], metadata: dict[str, str]) -> bytes:
