@@ -269,10 +269,11 @@ ATTACKS = _attacks()
 
 def _params() -> list:
     params = []
-    for attack in ATTACKS:
-        fast = COMMANDS if attack.full else ("inspect", "export") if "truncated" in attack.name else ("export",)
-        params.append(pytest.param(attack, fast, id=attack.id))
-        rest = tuple(c for c in COMMANDS if c not in fast)
+    for attack in ATTACKS:  # through the real CLI in subprocesses: the full suite (the fast layer runs
+        #                     every attack in-process, below)
+        first = COMMANDS if attack.full else ("inspect", "export") if "truncated" in attack.name else ("export",)
+        params.append(pytest.param(attack, first, id=attack.id, marks=pytest.mark.slow))
+        rest = tuple(c for c in COMMANDS if c not in first)
         if rest:
             params.append(pytest.param(attack, rest, id=f"{attack.id}-rest", marks=pytest.mark.slow))
     return params
@@ -338,6 +339,33 @@ def test_attack_is_refused(attack: Attack, commands: tuple[str, ...], bases: dic
             assert not any(s in proc.stderr for s in secrets), said
         assert _snapshot(tmp_path) == before, f"{command} left something behind"
         assert not marker.exists(), f"{command} imported a module the checkpoint names"
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=[a.id for a in ATTACKS])
+def test_attack_is_refused_in_process(attack: Attack, bases: dict[str, Path], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast layer's run of each attack: the offline export's engine call, in this process, raises one
+    CkptError line naming the file, writes nothing and imports nothing."""
+    from ckpt_service.executor import engine_call
+    from ckpt_service.job_requests import build
+    from converters.errors import CkptError
+
+    ckpt = kit.copy_base(bases[attack.reader], tmp_path / "ckpt")
+    (tmp_path / "out").mkdir()
+    attack.breaker(ckpt, tmp_path)
+    for key, value in attack.env.items():
+        monkeypatch.setenv(key, value.format(ckpt=ckpt))
+    before = _snapshot(tmp_path)
+    with pytest.raises(CkptError) as caught:
+        engine_call(build("export", {}), str(ckpt), str(tmp_path / "out" / "export"))(None)
+    message = str(caught.value)
+    assert attack.expect in message and "\n" not in message, message
+    if attack.secret:
+        outside = tmp_path / "outside"
+        assert str(outside) not in message and not any(f"{p.stat().st_size} bytes" in message
+                                                       for p in outside.rglob("*") if p.is_file()), message
+    assert _snapshot(tmp_path) == before
+    assert "ckpt_canary" not in sys.modules
 
 
 def test_every_reader_and_class_is_attacked() -> None:
