@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from ckpt_service.auth import create
 from ckpt_service.jobs import JobSpec
+from ckpt_service.migrations import LATEST
 from ckpt_service.netguard import CallbackPolicy, CallbackRefused, address_class, pin
 from ckpt_service.store import JobStore
 
@@ -357,7 +358,7 @@ def test_store_backup_and_restore_round_trip(tmp_path: Path) -> None:
     filled_store(db, 40)
     d = ["--data-dir", str(data_dir)]
     checked = ckptctl("store", "check", *d)
-    assert checked.returncode == 0 and checked.stdout.strip() == f"job store {db}: ok (schema version 2, 40 jobs)"
+    assert checked.returncode == 0 and checked.stdout.strip() == f"job store {db}: ok (schema version {LATEST}, 40 jobs)"
     backup = tmp_path / "backups" / "ckpt-1.db"
     missing = ckptctl("store", "backup", str(backup), *d)
     assert missing.returncode == 2 and f"folder {backup.parent} does not exist" in missing.stderr
@@ -372,7 +373,7 @@ def test_store_backup_and_restore_round_trip(tmp_path: Path) -> None:
     one_error_line(ckptctl("store", "backup", str(tmp_path / "other.db"), *d), db)  # no backup of a damaged store
     restored = ckptctl("store", "restore", str(backup), *d)
     assert restored.returncode == 0 and "40 jobs" in restored.stdout, restored.stderr
-    assert ckptctl("store", "check", *d).stdout.strip() == f"job store {db}: ok (schema version 2, 40 jobs)"
+    assert ckptctl("store", "check", *d).stdout.strip() == f"job store {db}: ok (schema version {LATEST}, 40 jobs)"
     kept = [p for p in data_dir.iterdir() if p.name.startswith("ckpt.db.replaced-")
             and not p.name.endswith(("-wal", "-shm"))]
     assert len(kept) == 1 and kept[0].read_bytes()[3 * PAGE:4 * PAGE] == b"\xa5" * PAGE  # kept aside, as it was
