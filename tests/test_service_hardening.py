@@ -358,7 +358,8 @@ def test_store_backup_and_restore_round_trip(tmp_path: Path) -> None:
     filled_store(db, 40)
     d = ["--data-dir", str(data_dir)]
     checked = ckptctl("store", "check", *d)
-    assert checked.returncode == 0 and checked.stdout.strip() == f"job store {db}: ok (schema version {LATEST}, 40 jobs)"
+    healthy = f"job store {db}: ok (schema version {LATEST}, 40 jobs)"
+    assert checked.returncode == 0 and checked.stdout.strip() == healthy
     backup = tmp_path / "backups" / "ckpt-1.db"
     missing = ckptctl("store", "backup", str(backup), *d)
     assert missing.returncode == 2 and f"folder {backup.parent} does not exist" in missing.stderr
