@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +28,21 @@ FAST = {"CKPT_LEASE_SECONDS": "3", "CKPT_HEARTBEAT_SECONDS": "0.25", "CKPT_POLL_
         "CKPT_PROGRESS_SECONDS": "0.1", "CKPT_JOB_NICE": "0"}
 
 
+
+
+@contextlib.contextmanager
+def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
+    """A real HTTP server on a free loopback port, in a thread, for the life of the `with` block."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:

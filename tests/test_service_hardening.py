@@ -10,11 +10,10 @@ import os
 import sqlite3
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from ckpt_service.migrations import LATEST
 from ckpt_service.netguard import CallbackPolicy, CallbackRefused, address_class, pin
 from ckpt_service.store import JobStore
 
-from .service_harness import Server, Tokens, job_spec, make_server, wait_for
+from .service_harness import Server, Tokens, job_spec, make_server, serve, wait_for
 
 PAGE = 4096  # SQLite's default page size, which the store keeps
 
@@ -74,15 +73,9 @@ def listener() -> Iterator[Listener]:
         def log_message(self, *args: object) -> None:
             pass
 
-    hook = HTTPServer(("127.0.0.1", 0), Hook)
-    seen.port = hook.server_port
-    thread = threading.Thread(target=hook.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve(Hook) as hook:
+        seen.port = hook.server_port
         yield seen
-    finally:
-        hook.shutdown()
-        thread.join(5)
 
 
 def callback_states(server: Server, job_ids: list[str]) -> dict[str, str | None]:
