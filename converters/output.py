@@ -2,9 +2,9 @@
 
 - Local: everything goes into a temporary sibling, renamed into place at the end.
 - Object storage (s3://, memory://, any fsspec URI): a `.ckpt-writing` marker goes up first, then the
-  data files (streamed; multipart for large files), then `ckpt-manifest.json` (each file's size and
-  CRC-32) last, then the marker is removed. A prefix with the marker and no manifest is incomplete;
-  readers say so. A failed or cancelled run removes what it uploaded.
+  data files (streamed; on S3 a parallel multipart upload for large files, see `upload`), then
+  `ckpt-manifest.json` (each file's size and CRC-32) last, then the marker is removed. A prefix with
+  the marker and no manifest is incomplete; readers say so. A failed or cancelled run removes what it uploaded.
 - A single-file target on object storage is one upload, which S3 completes atomically.
 """
 
@@ -22,11 +22,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from . import storage
+from . import storage, upload
 from .errors import TargetError
 from .names import MANIFEST, WRITING, tmp_prefix
-
-UPLOAD_BLOCK = 16 * 1024 * 1024
+from .upload import UPLOAD_BLOCK
 
 
 class _Checksummed:
@@ -57,6 +56,8 @@ class Output:
         self.local = storage.is_local(uri)
         self.files: dict[str, dict[str, Any]] = {}
         self.root = ""  # where files go now: a temp path locally, the final prefix remotely
+        # S3 parts in flight, shared by every upload of this output (memory: slots + open files, in parts)
+        self.slots = None if self.local else upload.Slots(upload.parallel())
 
     def path(self, name: str = "") -> str:
         """Local path of an output file (local targets only); '' names the single-file target itself."""
@@ -75,18 +76,24 @@ class Output:
         fs, _ = storage.filesystem(self.uri)
         target = self.uri if self.single_file else storage.join(self.uri, name)
         with storage.translate_errors(target, writing=True):
-            raw = fs.open(target, "wb", block_size=UPLOAD_BLOCK)
+            raw = self._writer(fs, target)
             stream = _Checksummed(raw)
             try:
                 yield stream
+                raw.close()
             except BaseException:
                 # never commit a half-written file: abort the (multipart) upload instead of closing it
                 with contextlib.suppress(Exception):
                     raw.discard()
                 raw.closed = True  # discarded: closing (or garbage collection) must not upload anything
                 raise
-            raw.close()
         self.record(name, stream.size, stream.crc)
+
+    def _writer(self, fs: Any, target: str) -> Any:
+        """S3: a parallel multipart writer sharing this output's part slots; other fsspec backends: fs.open."""
+        if self.slots is None or not upload.supports(fs):
+            return fs.open(target, "wb", block_size=UPLOAD_BLOCK)
+        return upload.MultipartWriter(fs, target, self.slots)
 
     def record(self, name: str, size: int, crc: int | None = None) -> None:
         self.files[name or storage.basename(self.uri)] = {"bytes": size, **({"crc32": crc} if crc is not None else {})}

@@ -32,6 +32,7 @@ import unicodedata
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import lru_cache, wraps
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -42,6 +43,10 @@ from .names import MANIFEST, WRITING, tmp_prefix
 #: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
 #: cost few requests; larger reads go straight through.
 MIN_REQUEST = 256 * 1024
+#: Larger remote reads are split into about this many bytes per request, fetched `REMOTE_PARALLEL` at a time
+#: (one pool per reader, shared by its threads), straight into the caller's buffer.
+READ_CHUNK = 8 * 1024 * 1024
+REMOTE_PARALLEL = 4
 _CACHE_BLOCKS = 256  # 64 MiB at most
 _CRC_WINDOW = 64 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
@@ -356,6 +361,7 @@ class RangeReader:
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._maps: dict[str, mmap.mmap] = {}
         self._sizes: dict[str, int] = {}
+        self._pool: ThreadPoolExecutor | None = None  # remote range requests in flight (lazily started)
         self.requested = 0  # bytes asked for by the engine (remote files)
         self.fetched = 0  # bytes transferred from remote storage
         self.requests = 0
@@ -415,10 +421,12 @@ class RangeReader:
 
     def _remote(self, uri: str, offset: int, length: int) -> bytes:
         """Ranged read; small reads go through an LRU of aligned `MIN_REQUEST` blocks."""
+        if length >= MIN_REQUEST:
+            out = bytearray(length)
+            self._remote_into(uri, offset, memoryview(out))
+            return bytes(out)
         with self._lock:
             self.requested += length
-        if length >= MIN_REQUEST:
-            return self._fetch(uri, offset, offset + length)
         out = bytearray()
         block = offset // MIN_REQUEST
         while len(out) < length:
@@ -440,6 +448,68 @@ class RangeReader:
             out += piece
             block += 1
         return bytes(out)
+
+    def _remote_into(self, uri: str, offset: int, view: memoryview) -> None:
+        """Fill `view` with a large remote range: `READ_CHUNK`-sized requests, `REMOTE_PARALLEL` at a time,
+        each copied into its place as it arrives (memory: the buffer plus the requests in flight)."""
+        length = len(view)
+        with self._lock:
+            self.requested += length
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(REMOTE_PARALLEL, thread_name_prefix="ckpt-fetch")
+            pool = self._pool
+        start, end = self._from_cache(uri, offset, view)
+        if start == end:
+            return
+        count = -(-(end - start) // READ_CHUNK)
+        step = -(-(end - start) // count)
+
+        def fetch(lo: int) -> None:
+            hi = min(lo + step, end)
+            data = self._fetch(uri, offset + lo, offset + hi)
+            if len(data) != hi - lo:
+                raise SourceError(f"{uri}: file is shorter than the checkpoint metadata says (wanted bytes "
+                                  f"{offset}..{offset + length}); it is truncated: re-copy or re-upload it", uri=uri)
+            view[lo:hi] = data
+
+        if count == 1:
+            fetch(start)
+            return
+        futures = [pool.submit(fetch, lo) for lo in range(start, end, step)]
+        try:
+            for future in futures:
+                future.result()
+        finally:  # never leave a request writing into a buffer the caller has given up on
+            for future in futures:
+                future.cancel()
+            for future in futures:
+                if not future.cancelled():
+                    future.exception()
+
+    def _from_cache(self, uri: str, offset: int, view: memoryview) -> tuple[int, int]:
+        """Copy the ends of `view` that blocks already fetched for small reads hold (a record's header and
+        the zip directory after it share blocks with its data), so no byte is fetched twice; returns the
+        part of `view` still to fetch, as [start, end) offsets into it."""
+        start, end = 0, len(view)
+        with self._lock:
+            while start < end:
+                block = (offset + start) // MIN_REQUEST
+                data = self._blocks.get((uri, block))
+                lo = offset + start - block * MIN_REQUEST
+                piece = data[lo: lo + end - start] if data is not None else b""
+                if not piece:
+                    break
+                view[start: start + len(piece)] = piece
+                start += len(piece)
+            while start < end:
+                block = (offset + end - 1) // MIN_REQUEST
+                data = self._blocks.get((uri, block))
+                lo = max(offset + start, block * MIN_REQUEST)
+                if data is None or len(data) < offset + end - block * MIN_REQUEST:
+                    break
+                view[lo - offset: end] = data[lo - block * MIN_REQUEST: offset + end - block * MIN_REQUEST]
+                end = lo - offset
+        return start, end
 
     def fetch_note(self) -> list[str]:
         """A report line on remote traffic, when there was any."""
@@ -465,6 +535,8 @@ class RangeReader:
                     got += more
             except OSError as exc:
                 raise SourceError(f"{uri}: cannot read ({exc.strerror or exc})", uri=uri) from None
+        elif length >= MIN_REQUEST:
+            self._remote_into(uri, offset, view)
         else:
             view[:] = self.read(uri, offset, length)
 
@@ -510,6 +582,9 @@ class RangeReader:
                 mapping.close()
             self._maps.clear()
             self._sizes.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RangeReader:
         return self

@@ -1,0 +1,183 @@
+"""Parallel multipart uploads to S3 with bounded memory.
+
+`MultipartWriter` takes sequential writes, cuts them into parts of `UPLOAD_BLOCK` bytes and uploads up to
+K parts at once on fsspec's I/O loop (s3fs's own `_call_s3`, so retries, credentials and error mapping are
+s3fs's). K is a semaphore shared by every file of one output (`Slots`): a writer that would put a part
+over K blocks until one lands, so an output holds at most K parts in flight plus the part each open file
+is filling, (K + files) x part size. A file smaller than one part is a single PUT.
+
+Nothing is half-written: the object appears only when `complete_multipart_upload` succeeds. `discard`
+(on any failure, KeyboardInterrupt included) waits, bounded, for the requests already handed to the loop
+(a `create_multipart_upload` in flight lands after an interrupt) and then aborts the upload, so no
+multipart upload is left open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+UPLOAD_BLOCK = 16 * 1024 * 1024  # part size; S3 needs >= 5 MiB for every part but the last
+PARALLEL_ENV = "CKPT_UPLOAD_PARALLEL"
+DEFAULT_PARALLEL = 4  # the copier's default thread count
+GROW_EVERY = 1000  # parts: the part size grows by UPLOAD_BLOCK every 1000 parts (S3 allows 10,000)
+FIRST_BUFFER = 1024 * 1024
+SETTLE_S = 60.0  # bound on waiting for requests in flight before aborting
+
+
+def parallel() -> int:
+    """Parts in flight per output: CKPT_UPLOAD_PARALLEL, default 4."""
+    text = os.environ.get(PARALLEL_ENV, "").strip()
+    if not text:
+        return DEFAULT_PARALLEL
+    from .errors import OptionError
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OptionError(f"{PARALLEL_ENV}={text!r}: give a positive number of parts")
+    return value
+
+
+def supports(fs: Any) -> bool:
+    """Whether `fs` is an s3fs filesystem (others keep fsspec's own buffered writer)."""
+    return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
+
+
+class Slots:
+    """At most `count` parts in flight, shared by the writers of one output; counts the most seen at once."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = threading.Semaphore(count)
+        self._lock = threading.Lock()
+        self.busy = 0
+        self.peak = 0
+
+    def take(self) -> None:
+        self._free.acquire()
+        with self._lock:
+            self.busy += 1
+            self.peak = max(self.peak, self.busy)
+
+    def give(self, _: object = None) -> None:
+        with self._lock:
+            self.busy -= 1
+        self._free.release()
+
+
+def part_size(number: int, block: int = UPLOAD_BLOCK) -> int:
+    """Size of part `number` (1-based): `block`, growing by `block` every GROW_EVERY parts."""
+    return block * (1 + (number - 1) // GROW_EVERY)
+
+
+class MultipartWriter:
+    """A write-only stream that becomes one S3 object: one PUT, or a multipart upload K parts at a time."""
+
+    def __init__(self, fs: Any, path: str, slots: Slots, block: int | None = None) -> None:
+        self.fs = fs
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.slots = slots
+        self.block = block or UPLOAD_BLOCK
+        self.buf = bytearray(min(FIRST_BUFFER, self.block))  # grows to a part: small files stay small
+        self.fill = 0
+        self.create: Future[str] | None = None
+        self.parts: list[Future[dict[str, Any]]] = []
+        self.closed = False
+
+    def _submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            limit = part_size(len(self.parts) + 1, self.block)
+            if self.fill == len(self.buf):  # double the buffer, up to a part
+                grown = bytearray(min(limit, 2 * len(self.buf)))
+                grown[: self.fill] = self.buf[: self.fill]
+                self.buf = grown
+            n = min(len(view), len(self.buf) - self.fill)
+            self.buf[self.fill: self.fill + n] = view[:n]
+            self.fill += n
+            view = view[n:]
+            if self.fill == limit:
+                self._send()
+        return total
+
+    def _send(self) -> None:
+        """Hand the buffer to the loop as the next part (blocking while K parts are in flight)."""
+        self._raise_failed()
+        if self.create is None:
+            self.create = self._submit(self._create())
+        number = len(self.parts) + 1
+        body = self.buf if self.fill == len(self.buf) else bytes(memoryview(self.buf)[: self.fill])
+        self.slots.take()
+        try:
+            future = self._submit(self._part(number, body))
+        except BaseException:
+            self.slots.give()
+            raise
+        future.add_done_callback(self.slots.give)
+        self.parts.append(future)
+        self.fill = 0
+        if body is self.buf:
+            self.buf = bytearray(part_size(number + 1, self.block))
+
+    def _raise_failed(self) -> None:
+        for future in [self.create, *self.parts]:
+            if future is not None and future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+
+    async def _create(self) -> str:
+        reply = await self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+        return str(reply["UploadId"])
+
+    async def _part(self, number: int, body: bytes | bytearray) -> dict[str, Any]:
+        assert self.create is not None
+        upload_id = await asyncio.wrap_future(self.create)
+        reply = await self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
+                                       PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    def close(self) -> None:
+        """Finish the object: one PUT for a file smaller than a part, else the last part and the completion."""
+        if self.closed:
+            return
+        if self.create is None:
+            body = bytes(memoryview(self.buf)[: self.fill])
+            self._submit(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body)).result()
+        else:
+            if self.fill:
+                self._send()
+            parts = [future.result() for future in self.parts]
+            upload_id = self.create.result()
+            self._submit(self.fs._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                          UploadId=upload_id, MultipartUpload={"Parts": parts})).result()
+        self.closed = True
+        self.buf = bytearray()
+        self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
+
+    def discard(self, settle: float = SETTLE_S) -> None:
+        """Give up: wait (at most `settle` seconds) for the requests in flight, then abort the upload."""
+        self.closed = True
+        self.buf = bytearray()
+        pending = [f for f in [self.create, *self.parts] if f is not None]
+        if not pending:
+            return
+        wait_futures(pending, timeout=settle)
+        assert self.create is not None
+        if not self.create.done() or self.create.exception() is not None:
+            return  # never created (or still unanswered after `settle`): nothing to abort that we know of
+        upload_id = self.create.result()
+        with contextlib.suppress(Exception):
+            self._submit(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                          UploadId=upload_id)).result(timeout=settle)
