@@ -450,17 +450,19 @@ class RangeReader:
         return bytes(out)
 
     def _remote_into(self, uri: str, offset: int, view: memoryview) -> None:
-        """Fill `view` with a large remote range: `READ_CHUNK`-sized requests, `REMOTE_PARALLEL` at a time,
-        each copied into its place as it arrives (memory: the buffer plus the requests in flight)."""
+        """Fill `view` with a large remote range (see `_fetches`)."""
+        self._run(self._fetches(uri, offset, view))
+
+    def _fetches(self, uri: str, offset: int, view: memoryview) -> list[Callable[[], None]]:
+        """The requests that fill `view` with a large remote range, `READ_CHUNK` bytes or so each, every one
+        copying its bytes into place as they arrive; the ends that blocks cached for small reads hold are
+        copied at once."""
         length = len(view)
         with self._lock:
             self.requested += length
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(REMOTE_PARALLEL, thread_name_prefix="ckpt-fetch")
-            pool = self._pool
         start, end = self._from_cache(uri, offset, view)
         if start == end:
-            return
+            return []
         count = -(-(end - start) // READ_CHUNK)
         step = -(-(end - start) // count)
 
@@ -472,10 +474,20 @@ class RangeReader:
                                   f"{offset}..{offset + length}); it is truncated: re-copy or re-upload it", uri=uri)
             view[lo:hi] = data
 
-        if count == 1:
-            fetch(start)
+        return [lambda lo=lo: fetch(lo) for lo in range(start, end, step)]
+
+    def _run(self, fetches: list[Callable[[], None]]) -> None:
+        """Run requests `REMOTE_PARALLEL` at a time (one pool per reader, shared by its threads); one runs
+        in the calling thread. Returns when every request has finished, failed or not."""
+        if len(fetches) <= 1:
+            for fetch in fetches:
+                fetch()
             return
-        futures = [pool.submit(fetch, lo) for lo in range(start, end, step)]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(REMOTE_PARALLEL, thread_name_prefix="ckpt-fetch")
+            pool = self._pool
+        futures = [pool.submit(fetch) for fetch in fetches]
         try:
             for future in futures:
                 future.result()
@@ -485,6 +497,18 @@ class RangeReader:
             for future in futures:
                 if not future.cancelled():
                     future.exception()
+
+    def readinto_many(self, reads: list[tuple[str, int, memoryview]]) -> None:
+        """`readinto` for several (uri, offset, view) at once: the large remote ones are fetched side by side
+        (a tensor's chunks in several rank files), the others one after another."""
+        fetches: list[Callable[[], None]] = []
+        for uri, offset, view in reads:
+            if is_local(uri) or len(view) < MIN_REQUEST:
+                self.readinto(uri, offset, view)
+            else:
+                self.check_range(uri, offset, len(view))
+                fetches += self._fetches(uri, offset, view)
+        self._run(fetches)
 
     def _from_cache(self, uri: str, offset: int, view: memoryview) -> tuple[int, int]:
         """Copy the ends of `view` that blocks already fetched for small reads hold (a record's header and

@@ -49,6 +49,7 @@ def read_box(reader: RangeReader, entry: TensorEntry, box: Box, out: memoryview)
         reader.readinto(chunk.data.uri, chunk.data.offset, out)
         return
     box_full = _full_rows(offsets, sizes, entry.shape)
+    direct: list[tuple[str, int, memoryview]] = []  # read side by side (remote chunks: requests in parallel)
     for chunk in entry.chunks:
         inter = _overlap(box, (chunk.offsets, chunk.sizes))
         if inter is None:
@@ -57,9 +58,10 @@ def read_box(reader: RangeReader, entry: TensorEntry, box: Box, out: memoryview)
             row = _row_bytes(entry.shape, item)
             src = chunk.data.offset + (inter[0][0] - chunk.offsets[0]) * row
             dst = (inter[0][0] - offsets[0]) * row
-            reader.readinto(chunk.data.uri, src, out[dst: dst + inter[1][0] * row])
+            direct.append((chunk.data.uri, src, out[dst: dst + inter[1][0] * row]))
         else:
             _copy_general(reader, entry, chunk, inter, box, out, item)
+    reader.readinto_many(direct)
 
 
 def _copy_general(reader: RangeReader, entry: TensorEntry, chunk: Chunk, inter: Box, box: Box,

@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import Coroutine
-from concurrent.futures import Future
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -181,3 +181,79 @@ class MultipartWriter:
         with contextlib.suppress(Exception):
             self._submit(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
                                           UploadId=upload_id)).result(timeout=settle)
+
+
+_EMPTY = object()
+_END = object()
+
+
+class _Handoff:
+    """One block passed from a producer thread to the consumer; the producer waits until the consumer is done
+    with it (the block lives in the producer's reusable buffer)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.item: Any = _EMPTY
+
+    def put(self, item: Any, stop: threading.Event) -> bool:
+        """Hand over `item`; wait until it was taken and used. False when the consumer gave up."""
+        with self.cond:
+            self.item = item
+            self.cond.notify_all()
+            while self.item is not _EMPTY and not stop.is_set():
+                self.cond.wait()
+        return not stop.is_set()
+
+    def get(self) -> Any:
+        with self.cond:
+            while self.item is _EMPTY:
+                self.cond.wait()
+            return self.item
+
+    def done(self) -> None:
+        with self.cond:
+            self.item = _EMPTY
+            self.cond.notify_all()
+
+
+def read_ahead(pool: Executor, streams: list[Callable[[], Iterator[memoryview]]], depth: int
+               ) -> Iterator[memoryview]:
+    """The blocks of every stream in `streams`, in order, with up to `depth` streams reading ahead in `pool`'s
+    threads (a remote source is read while the blocks before are uploaded). A producer hands over one block
+    at a time and waits until the consumer has used it, so memory is `depth` blocks (the copier's budget for
+    `depth` threads). Producers stop when the consumer stops; an error in one is raised in order."""
+    stop = threading.Event()
+    handoffs = [_Handoff() for _ in streams]
+    running: dict[int, Future[None]] = {}
+
+    def produce(i: int) -> None:
+        try:
+            for block in streams[i]():
+                if not handoffs[i].put(block, stop):
+                    return
+            handoffs[i].put(_END, stop)
+        except BaseException as exc:  # handed to the consumer, which raises it in order
+            handoffs[i].put(exc, stop)
+
+    submitted = 0
+    try:
+        for i in range(len(streams)):
+            while submitted < len(streams) and submitted < i + max(1, depth):
+                running[submitted] = pool.submit(produce, submitted)
+                submitted += 1
+            while True:
+                item = handoffs[i].get()
+                if item is _END:
+                    handoffs[i].done()
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                handoffs[i].done()
+            running.pop(i).result()
+    finally:
+        stop.set()
+        for handoff in handoffs:
+            with handoff.cond:
+                handoff.cond.notify_all()
+        wait_futures(list(running.values()))  # no producer touches a buffer after this returns

@@ -36,21 +36,45 @@ REGION = "us-east-1"
 
 
 
-class MotoServer:
-    """`python -m moto.server -H 127.0.0.1 -p PORT` as a subprocess; `extra_env` goes into its environment."""
+# moto 5 reads (and copies) a whole object for every ranged GET (`FakeKey.value`), so a request costs the
+# object's size, not the range's, as it does on S3. With `ranged_reads`, the server keeps each object's bytes
+# once read (dropped when the object is rewritten) and a ranged GET costs its range: benchmarks that compare
+# ranged readers with whole-object ones need it; tests do not.
+_RANGED_READS = """
+from moto.s3.models import FakeKey
+plain = FakeKey.value
+def get(self):
+    if self.__dict__.get("_bytes") is None:
+        self.__dict__["_bytes"] = plain.fget(self)
+    return self.__dict__["_bytes"]
+def put(self, value):
+    self.__dict__["_bytes"] = None
+    plain.fset(self, value)
+FakeKey.value = property(get, put)
+"""
 
-    def __init__(self, extra_env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
+
+class MotoServer:
+    """`python -m moto.server -H 127.0.0.1 -p PORT` as a subprocess; `extra_env` goes into its environment;
+    `ranged_reads`: ranged GETs cost their range (see _RANGED_READS)."""
+
+    def __init__(self, extra_env: dict[str, str] | None = None, log_dir: str | None = None,
+                 ranged_reads: bool = False) -> None:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.extra_env = extra_env or {}
+        self.ranged_reads = ranged_reads
         self.log_path = Path(log_dir or tempfile.gettempdir()) / f"moto-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = START_TIMEOUT) -> MotoServer:
         env = {**os.environ, **self.extra_env}
+        serve = ["-H", "127.0.0.1", "-p", str(self.port)]
+        command = [sys.executable, "-m", "moto.server", *serve]
+        if self.ranged_reads:
+            command = [sys.executable, "-c", f"{_RANGED_READS}\nfrom moto.server import main\nmain({serve!r})"]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

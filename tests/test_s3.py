@@ -5,8 +5,6 @@ A real FSDP2 DCP checkpoint goes into a bucket; export, reshard and verify run S
 local -> S3 and must produce the bytes of the local conversion; bytes fetched are measured with the engine's
 RangeReader counters; an upload killed half way leaves a prefix that readers refuse, and a re-run repairs it;
 storage failures give one plain line and exit code 2; `memory://` works as source and target.
-
-Engine bugs found on the way are the tests marked xfail(strict=True), each with its reason.
 """
 
 from __future__ import annotations
@@ -440,10 +438,6 @@ def test_interrupt_during_a_shard_upload_leaves_nothing(s3: S3, dcp: Sample, mon
     assert left == [], f"left behind after the interrupt: {left}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="converters/output.py Output.open discards the "
-                   "file on an exception, but a create_multipart_upload already handed to fsspec's I/O thread lands "
-                   "after the discard: the multipart upload it opened stays open (stored and billed until a "
-                   "lifecycle rule aborts it); the interrupt itself is clean (KeyboardInterrupt, no keys left)")
 def test_interrupt_during_a_multipart_upload_leaves_no_open_upload(s3: S3, big: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     landed = interrupt_during(monkeypatch, "create_multipart_upload", ".safetensors")
@@ -451,10 +445,11 @@ def test_interrupt_during_a_multipart_upload_leaves_no_open_upload(s3: S3, big: 
     assert landed.wait(timeout=WAIT)
     time.sleep(0.2)
     left = s3.keys("exports/big")
-    if (raised, left) != ("KeyboardInterrupt", []):  # pytest.fail, not an AssertionError: a real failure, no xfail
-        pytest.fail(f"interrupt not clean: raised {raised}, left {left}")
+    assert (raised, left) == ("KeyboardInterrupt", [])
+    # the create_multipart_upload in flight when Ctrl-C came lands after it: the discard waits for it and
+    # aborts the upload it opened (converters/upload.py MultipartWriter.discard)
     uploads = [u["Key"] for u in s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])]
-    assert uploads == [], f"multipart uploads left open: {uploads}"  # the known defect (the xfail reason)
+    assert uploads == [], f"multipart uploads left open: {uploads}"
 
 
 # --- plain-word errors -----------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ are made with torch.distributed.checkpoint.save in this process; part sizes are 
 from __future__ import annotations
 
 import random
+import time
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,14 +71,14 @@ def test_large_file_uploads_k_parts_at_once(s3: S3, slots_seen: list[upload.Slot
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(upload.PARALLEL_ENV, "2")
     data = payload(4 * PART + 123)
-    with open_output(s3.uri("out/one.bin"), overwrite=False, kind="test", single_file=True) as out:
-        with out.open() as fh:
-            write_in_pieces(fh, data)
+    with open_output(s3.uri("out/one.bin"), overwrite=False, kind="test", single_file=True) as out, \
+            out.open() as fh:
+        write_in_pieces(fh, data)
     assert s3.get("out/one.bin") == data
     assert part_count(s3, "out/one.bin") == 5
     (slots,) = slots_seen
     assert (slots.count, slots.peak, slots.busy) == (2, 2, 0)  # two parts in flight, never more
-    assert out.files == {"one.bin": {"bytes": len(data), "crc32": __import__("zlib").crc32(data)}}
+    assert out.files == {"one.bin": {"bytes": len(data), "crc32": zlib.crc32(data)}}
     assert open_uploads(s3) == []
 
 
@@ -98,31 +100,28 @@ def test_producer_waits_while_k_parts_are_in_flight(s3: S3, slots_seen: list[upl
     """Memory stays at (K + 1) parts: with K = 1 every part waits for the one before it to land."""
     monkeypatch.setenv(upload.PARALLEL_ENV, "1")
     data = payload(3 * PART, 3)
-    with open_output(s3.uri("out/k1.bin"), overwrite=False, kind="test", single_file=True) as out:
-        with out.open() as fh:
-            write_in_pieces(fh, data)
-            writer = fh.raw
-            assert len(writer.parts) == 3 and all(f.done() for f in writer.parts[:2])
+    with open_output(s3.uri("out/k1.bin"), overwrite=False, kind="test", single_file=True) as out, out.open() as fh:
+        write_in_pieces(fh, data)
+        writer = fh.raw
+        assert len(writer.parts) == 3 and all(f.done() for f in writer.parts[:2])
     assert s3.get("out/k1.bin") == data
     assert slots_seen[0].peak == 1
 
 
 def test_failure_aborts_the_multipart_upload(s3: S3, slots_seen: list[upload.Slots]) -> None:
-    with pytest.raises(RuntimeError, match="producer failed"):
-        with open_output(s3.uri("out"), overwrite=False, kind="test") as out:
-            with out.open("big.bin") as fh:
-                write_in_pieces(fh, payload(3 * PART + 1))
-                raise RuntimeError("producer failed")
+    with (pytest.raises(RuntimeError, match="producer failed"),
+          open_output(s3.uri("out"), overwrite=False, kind="test") as out, out.open("big.bin") as fh):
+        write_in_pieces(fh, payload(3 * PART + 1))
+        raise RuntimeError("producer failed")
     assert s3.keys("out") == []
     assert open_uploads(s3) == []
 
 
 def test_missing_bucket_is_one_line_and_leaves_no_upload(s3: S3, slots_seen: list[upload.Slots]) -> None:
     target = f"s3://{s3.bucket}-missing/out/big.bin"
-    with pytest.raises(TargetError, match="no such bucket"):
-        with open_output(target, overwrite=False, kind="test", single_file=True) as out:
-            with out.open() as fh:
-                write_in_pieces(fh, payload(3 * PART))
+    with (pytest.raises(TargetError, match="no such bucket"),
+          open_output(target, overwrite=False, kind="test", single_file=True) as out, out.open() as fh):
+        write_in_pieces(fh, payload(3 * PART))
 
 
 def test_memory_target_keeps_fsspecs_writer() -> None:
@@ -130,10 +129,9 @@ def test_memory_target_keeps_fsspecs_writer() -> None:
 
     clear_fs_caches()
     try:
-        with open_output("memory://bucket/out", overwrite=False, kind="test") as out:
-            with out.open("a.bin") as fh:
-                assert not isinstance(fh.raw, upload.MultipartWriter)
-                fh.write(b"abc")
+        with open_output("memory://bucket/out", overwrite=False, kind="test") as out, out.open("a.bin") as fh:
+            assert not isinstance(fh.raw, upload.MultipartWriter)
+            fh.write(b"abc")
         fs, _ = storage.filesystem("memory://")
         assert fs.cat_file("memory://bucket/out/a.bin") == b"abc"
     finally:
@@ -199,3 +197,39 @@ def test_export_s3_to_s3_equals_local_and_fetches_what_it_needs(s3: S3, dcp_sour
     assert reader.fetched <= 1.05 * reader.requested
     assert slots_seen[0].peak >= 2
     assert open_uploads(s3) == []
+
+
+def test_read_ahead_keeps_order_reads_ahead_and_stops_its_producers() -> None:
+    """Blocks come in stream order while later streams already run; each producer's buffer is reused only
+    after the consumer is done with it; an error comes in order and stops every producer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    started: list[int] = []
+
+    def stream(i: int, fail: bool = False) -> Any:
+        def blocks() -> Iterator[memoryview]:
+            started.append(i)
+            buf = bytearray(1)
+            for j in range(3):
+                if fail and j == 1:
+                    raise ValueError(f"stream {i} failed")
+                buf[0] = 10 * i + j  # the same buffer, rewritten: a consumer that read late would see it
+                yield memoryview(buf)
+        return blocks
+
+    with ThreadPoolExecutor(3) as pool:
+        got = []
+        for block in upload.read_ahead(pool, [stream(i) for i in range(5)], depth=3):
+            if not got:
+                deadline = time.monotonic() + 10
+                while len(started) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the streams after the first start while its first block is in use
+                assert sorted(started) == [0, 1, 2]
+            got.append(block[0])
+        assert got == [10 * i + j for i in range(5) for j in range(3)]
+        seen = []
+        with pytest.raises(ValueError, match="stream 1 failed"):
+            for block in upload.read_ahead(pool, [stream(0), stream(1, fail=True), stream(2)], depth=3):
+                seen.append(block[0])
+        assert seen == [0, 1, 2, 10]
+        pool.submit(lambda: None).result(timeout=10)  # no producer left blocked in the pool

@@ -6,6 +6,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from .. import dtypes
 from ..copier import Copier, pwrite_all
@@ -13,6 +14,7 @@ from ..index import CheckpointIndex, TensorEntry
 from ..names import SAFETENSORS_INDEX as INDEX_NAME
 from ..output import Output
 from ..plan import Plan, greedy_groups
+from ..upload import read_ahead
 
 SINGLE_NAME = "model.safetensors"
 
@@ -48,16 +50,17 @@ def header_bytes(items: list[Planned], metadata: dict[str, str]) -> bytes:
 def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cast_to: str | None,
                metadata: dict[str, str], pool: ThreadPoolExecutor) -> None:
     """One safetensors file: the header, then each tensor. Locally the tensors are written at their
-    offsets by several threads at once; to object storage they stream in order."""
+    offsets by several threads at once; to object storage they stream in order, the next tensors read ahead
+    in the pool's threads while the ones before upload."""
     items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))  # as save_file does
     header = header_bytes(items, metadata)
     total = len(header) + sum(item.nbytes for item in items)
     if not out.local:
+        streams = [partial(copier.stream, item.entry, cast_to) for item in items]
         with out.open(name) as fh:
             fh.write(header)
-            for item in items:
-                for block in copier.stream(item.entry, cast_to):
-                    fh.write(block)
+            for block in read_ahead(pool, streams, copier.threads):
+                fh.write(block)
         return
     path = out.path(name)
     with open(path, "wb") as fh:
