@@ -15,14 +15,14 @@ interleaved:
 
 Each run is a worker subprocess that times only the engine call (`converters.api.convert` /
 `converters.reshard.reshard`; interpreter start-up and imports are not counted) and reports the engine's
-RangeReader counters (bytes fetched / bytes needed) and its memory: RSS before the call and peak RSS
-(`ru_maxrss`: resident anonymous and file-backed pages of the process, imports included), and the
-difference, which is what the run itself added. Throughput is source bytes (every object of the checkpoint)
-per second; each S3 row is also given as a ratio to the copy floor's median of the same run. Every output
-is compared file by file with the local -> local output (sha256 of every file but the manifest; DCP's random
-ids are pinned), the copy with the source. Targets (issue 17): export and reshard S3 -> S3 at >= 80% of the
-copy's throughput, fetched / needed <= 1.05. Prints a table and whether each target is met, and writes JSON
-with the machine, versions and load average. moto is a Python server, far slower than real S3: compare the
+RangeReader counters (bytes fetched / bytes needed), its CPU seconds and the server's, and its memory: RSS
+before the call and peak RSS (`ru_maxrss`: resident anonymous and file-backed pages of the process, imports
+included), and the difference, which is what the run itself added. Throughput is source bytes (every
+object of the checkpoint) per second; each S3 row is also given as a ratio to the copy floor's median of
+the same run. Every output is compared file by file with the local -> local output (sha256 of every file
+but the manifest; DCP's random ids are pinned), the copy with the source. Targets (issue 17): export and
+reshard S3 -> S3 at >= 80% of the copy's throughput, fetched / needed <= 1.05. Prints a table and whether
+each target is met, and writes JSON with the machine, versions and load average. moto is a Python server, far slower than real S3: compare the
 rows with each other, not with AWS.
 """
 
@@ -83,6 +83,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     converters.zipwriter.uuid = fixed  # type: ignore[attr-defined]
     reader = storage.RangeReader()
     before = rss_mb()
+    cpu = time.process_time()
     start = time.perf_counter()
     if job["op"] == "copy":
         copy_objects(job["source"], job["target"])
@@ -92,9 +93,11 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         reshard(job["source"], job["target"], ReshardOptions(world_size=3, keys=KeyOptions(only="all"),
                                                              overwrite=True), reader=reader)
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
-    return {"seconds": seconds, "rss_before_mb": before, "rss_peak_mb": peak, "rss_added_mb": peak - before,
-            "fetched": reader.fetched, "requested": reader.requested, "requests": reader.requests}
+    return {"seconds": seconds, "cpu_s": cpu, "rss_before_mb": before, "rss_peak_mb": peak,
+            "rss_added_mb": peak - before, "fetched": reader.fetched, "requested": reader.requested,
+            "requests": reader.requests}
 
 
 def copy_objects(source: str, target: str) -> None:
@@ -189,7 +192,14 @@ def s3_delete(client: Any, prefix: str) -> None:
             client.delete_object(Bucket=BUCKET, Key=obj["Key"])
 
 
-def run_case(case: str, sample: Path, scratch: Path) -> dict[str, Any]:
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_case(case: str, sample: Path, scratch: Path, server_pid: int) -> dict[str, Any]:
     op, _, route = case.partition(" ")
     run = uuid.uuid4().hex[:8]
     if op == "copy":
@@ -198,11 +208,13 @@ def run_case(case: str, sample: Path, scratch: Path) -> dict[str, Any]:
         source = f"s3://{BUCKET}/{SOURCE}" if route.startswith("s3") else str(sample)
         target = f"s3://{BUCKET}/out/{run}" if route.endswith("s3") else str(scratch / f"out-{run}")
     job = {"op": op, "source": source, "target": target}
+    server_cpu = process_cpu(server_pid)
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
                           timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{case} failed: {proc.stderr[-3000:]}")
-    return {"case": case, "target": target, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    return {"case": case, "target": target, "server_cpu_s": process_cpu(server_pid) - server_cpu,
+            **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def versions() -> dict[str, str]:
@@ -220,6 +232,8 @@ def summarise(runs: list[dict[str, Any]], data_bytes: int) -> dict[str, dict[str
         median = statistics.median(r["seconds"] for r in rows)
         entry: dict[str, Any] = {"median_s": median, "min_s": min(r["seconds"] for r in rows),
                                  "mb_per_s": data_bytes / median / 1e6,
+                                 "cpu_s": statistics.median(r["cpu_s"] for r in rows),
+                                 "server_cpu_s": statistics.median(r["server_cpu_s"] for r in rows),
                                  "rss_peak_mb": max(r["rss_peak_mb"] for r in rows),
                                  "rss_added_mb": max(r["rss_added_mb"] for r in rows),
                                  "identical": all(r["identical"] for r in rows)}
@@ -276,7 +290,8 @@ def main() -> int:
         runs: list[dict[str, Any]] = []
         for repeat in range(args.repeats):
             for case in CASES:
-                row = run_case(case, sample, scratch)
+                assert server.proc is not None
+                row = run_case(case, sample, scratch, server.proc.pid)
                 target = row.pop("target")
                 prefix = target.split("/", 3)[3] if target.startswith("s3://") else ""
                 got = s3_digests(client, prefix) if prefix else local_digests(Path(target))
@@ -299,18 +314,21 @@ def main() -> int:
           f"{len(source_digests)} objects), median of {args.repeats}, load {load_before[0]:.1f} -> "
           f"{load_after[0]:.1f} on {os.cpu_count()} CPUs")
     header = (f"{'case':<20} {'median s':>9} {'MB/s':>7} {'x copy':>7} {'fetched/needed':>15} {'requests':>9} "
-              f"{'peak RSS MB':>12} {'added MB':>9} same")
+              f"{'CPU s':>6} {'server CPU s':>13} {'peak RSS MB':>12} {'added MB':>9} same")
     print(header)
     print("-" * len(header))
     for case, e in summary.items():
         ratio = f"{e['fetched_over_needed']:.3f}" if "fetched_over_needed" in e else "-"
         print(f"{case:<20} {e['median_s']:>9.2f} {e['mb_per_s']:>7.0f} {e['vs_copy']:>7.2f} {ratio:>15} "
-              f"{e.get('requests', '-'):>9} {e['rss_peak_mb']:>12.0f} {e['rss_added_mb']:>9.0f} "
+              f"{e.get('requests', '-'):>9} {e['cpu_s']:>6.2f} {e['server_cpu_s']:>13.2f} {e['rss_peak_mb']:>12.0f} "
+              f"{e['rss_added_mb']:>9.0f} "
               f"{'yes' if e['identical'] else 'NO'}")
     for name, ok in met.items():
         print(f"{'MET ' if ok else 'MISSED'} {name}")
     doc = {"issue": 17, "size": args.size, "data_bytes": data_bytes, "objects": len(source_digests),
            "repeats": args.repeats, "summary": summary, "targets": met, "runs": runs,
+           "cpu": "cpu_s: the worker's CPU seconds in the timed call (all its threads); server_cpu_s: the moto "
+                  "server's CPU seconds during the run",
            "rss": "worker process: ru_maxrss (peak resident set, anonymous and file-backed pages, imports "
                   "included); rss_added: peak minus the RSS just before the timed call",
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),

@@ -4,7 +4,8 @@
 K parts at once on fsspec's I/O loop (s3fs's own `_call_s3`, so retries, credentials and error mapping are
 s3fs's). K is a semaphore shared by every file of one output (`Slots`): a writer that would put a part
 over K blocks until one lands, so an output holds at most K parts in flight plus the part each open file
-is filling, (K + files) x part size. A file smaller than one part is a single PUT.
+is filling, (K + files) x part size (and, while a part is sent, the copy botocore makes of it). A file
+smaller than one part is a single PUT.
 
 Nothing is half-written: the object appears only when `complete_multipart_upload` succeeds. `discard`
 (on any failure, KeyboardInterrupt included) waits, bounded, for the requests already handed to the loop
@@ -114,14 +115,15 @@ class MultipartWriter:
         return total
 
     def _send(self) -> None:
-        """Hand the buffer to the loop as the next part (blocking while K parts are in flight)."""
+        """Hand the buffer's bytes to the loop as the next part (blocking while K parts are in flight). The
+        part goes as `bytes` (botocore copies a bytearray body up to three times); the buffer is reused."""
         self._raise_failed()
         if self.create is None:
             self.create = self._submit(self._create())
         number = len(self.parts) + 1
-        body = self.buf if self.fill == len(self.buf) else bytes(memoryview(self.buf)[: self.fill])
         self.slots.take()
         try:
+            body = bytes(memoryview(self.buf)[: self.fill])
             future = self._submit(self._part(number, body))
         except BaseException:
             self.slots.give()
@@ -129,8 +131,9 @@ class MultipartWriter:
         future.add_done_callback(self.slots.give)
         self.parts.append(future)
         self.fill = 0
-        if body is self.buf:
-            self.buf = bytearray(part_size(number + 1, self.block))
+        limit = part_size(number + 1, self.block)
+        if len(self.buf) < limit:
+            self.buf = bytearray(limit)
 
     def _raise_failed(self) -> None:
         for future in [self.create, *self.parts]:
@@ -141,7 +144,7 @@ class MultipartWriter:
         reply = await self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
         return str(reply["UploadId"])
 
-    async def _part(self, number: int, body: bytes | bytearray) -> dict[str, Any]:
+    async def _part(self, number: int, body: bytes) -> dict[str, Any]:
         assert self.create is not None
         upload_id = await asyncio.wrap_future(self.create)
         reply = await self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
