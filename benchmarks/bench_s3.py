@@ -22,8 +22,8 @@ object of the checkpoint) per second; each S3 row is also given as a ratio to th
 the same run. Every output is compared file by file with the local -> local output (sha256 of every file
 but the manifest; DCP's random ids are pinned), the copy with the source. Targets (issue 17): export and
 reshard S3 -> S3 at >= 80% of the copy's throughput, fetched / needed <= 1.05. Prints a table and whether
-each target is met, and writes JSON with the machine, versions and load average. moto is a Python server, far slower than real S3: compare the
-rows with each other, not with AWS.
+each target is met, and writes JSON with the machine, versions and load average. moto is a Python server,
+far slower than real S3: compare the rows with each other, not with AWS.
 """
 
 from __future__ import annotations
