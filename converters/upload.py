@@ -91,6 +91,7 @@ class MultipartWriter:
         self.buf = bytearray(min(FIRST_BUFFER, self.block))  # grows to a part: small files stay small
         self.fill = 0
         self.create: Future[str] | None = None
+        self.put: Future[Any] | None = None  # the single PUT of a small file
         self.parts: list[Future[dict[str, Any]]] = []
         self.closed = False
 
@@ -157,7 +158,8 @@ class MultipartWriter:
             return
         if self.create is None:
             body = bytes(memoryview(self.buf)[: self.fill])
-            self._submit(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body)).result()
+            self.put = self._submit(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body))
+            self.put.result()
         else:
             if self.fill:
                 self._send()
@@ -170,15 +172,15 @@ class MultipartWriter:
         self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
 
     def discard(self, settle: float = SETTLE_S) -> None:
-        """Give up: wait (at most `settle` seconds) for the requests in flight, then abort the upload."""
+        """Give up: wait (at most `settle` seconds) for the requests in flight, then abort the upload. (A
+        single PUT that lands is an object like any other: the output removes what it uploaded.)"""
         self.closed = True
         self.buf = bytearray()
-        pending = [f for f in [self.create, *self.parts] if f is not None]
+        pending = [f for f in [self.put, self.create, *self.parts] if f is not None]
         if not pending:
             return
         wait_futures(pending, timeout=settle)
-        assert self.create is not None
-        if not self.create.done() or self.create.exception() is not None:
+        if self.create is None or not self.create.done() or self.create.exception() is not None:
             return  # never created (or still unanswered after `settle`): nothing to abort that we know of
         upload_id = self.create.result()
         with contextlib.suppress(Exception):
@@ -230,6 +232,8 @@ def read_ahead(pool: Executor, streams: list[Callable[[], Iterator[memoryview]]]
     running: dict[int, Future[None]] = {}
 
     def produce(i: int) -> None:
+        if stop.is_set():
+            return
         try:
             for block in streams[i]():
                 if not handoffs[i].put(block, stop):
@@ -256,6 +260,8 @@ def read_ahead(pool: Executor, streams: list[Callable[[], Iterator[memoryview]]]
             running.pop(i).result()
     finally:
         stop.set()
+        for future in running.values():
+            future.cancel()  # not started yet
         for handoff in handoffs:
             with handoff.cond:
                 handoff.cond.notify_all()
