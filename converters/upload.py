@@ -92,6 +92,8 @@ class MultipartWriter:
         self.fill = 0
         self.create: Future[str] | None = None
         self.put: Future[Any] | None = None  # the single PUT of a small file
+        self.upload_id: str | None = None  # set in the loop's thread once the multipart upload exists
+        self.discarded = False
         self.parts: list[Future[dict[str, Any]]] = []
         self.closed = False
 
@@ -142,8 +144,21 @@ class MultipartWriter:
                 raise future.exception()  # type: ignore[misc]
 
     async def _create(self) -> str:
+        """Start the multipart upload (in the loop's thread, which Ctrl-C never interrupts). An interrupt can
+        come while the main thread hands this over, losing the future: so the coroutine itself aborts an
+        upload it opens after `discard` ran."""
+        if self.discarded:
+            raise RuntimeError(f"{self.key}: upload discarded")
         reply = await self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
-        return str(reply["UploadId"])
+        self.upload_id = str(reply["UploadId"])
+        if self.discarded:
+            await self._abort()
+        return self.upload_id
+
+    async def _abort(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                   UploadId=self.upload_id)
 
     async def _part(self, number: int, body: bytes) -> dict[str, Any]:
         assert self.create is not None
@@ -174,18 +189,14 @@ class MultipartWriter:
     def discard(self, settle: float = SETTLE_S) -> None:
         """Give up: wait (at most `settle` seconds) for the requests in flight, then abort the upload. (A
         single PUT that lands is an object like any other: the output removes what it uploaded.)"""
+        self.discarded = True  # first: a create still in flight sees it and aborts what it opens (`_create`)
         self.closed = True
         self.buf = bytearray()
         pending = [f for f in [self.put, self.create, *self.parts] if f is not None]
-        if not pending:
-            return
         wait_futures(pending, timeout=settle)
-        if self.create is None or not self.create.done() or self.create.exception() is not None:
-            return  # never created (or still unanswered after `settle`): nothing to abort that we know of
-        upload_id = self.create.result()
-        with contextlib.suppress(Exception):
-            self._submit(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
-                                          UploadId=upload_id)).result(timeout=settle)
+        if self.upload_id is not None:
+            with contextlib.suppress(Exception):
+                self._submit(self._abort()).result(timeout=settle)
 
 
 _EMPTY = object()

@@ -233,3 +233,46 @@ def test_read_ahead_keeps_order_reads_ahead_and_stops_its_producers() -> None:
                 seen.append(block[0])
         assert seen == [0, 1, 2, 10]
         pool.submit(lambda: None).result(timeout=10)  # no producer left blocked in the pool
+
+
+def test_failed_part_upload_during_s3_to_s3_export_stops_and_leaves_nothing(
+        s3: S3, dcp_source: Path, slots_seen: list[upload.Slots], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The third part fails (after s3fs's retries): the export stops its read-ahead threads, aborts the upload
+    and removes the prefix; the error names the target."""
+    from s3fs import S3FileSystem
+
+    src = s3.upload(dcp_source, "run/step_1")
+    original = S3FileSystem._call_s3
+
+    async def failing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "upload_part" and kwargs["PartNumber"] == 3:
+            raise PermissionError("part 3 refused")
+        return await original(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3FileSystem, "_call_s3", failing)
+    with pytest.raises(TargetError, match="access denied"):
+        convert(src, s3.uri("export"), ConvertOptions())
+    assert s3.keys("export") == []
+    assert open_uploads(s3) == []
+
+
+def test_upload_whose_create_an_interrupt_lost_is_aborted_when_it_lands(
+        s3: S3, slots_seen: list[upload.Slots], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C right after the main thread handed `create_multipart_upload` to the loop loses its future: the
+    request still lands, and the coroutine aborts the upload it opened, since the writer was discarded."""
+    handed = upload.MultipartWriter._submit
+
+    def interrupted(self: upload.MultipartWriter, coro: Any) -> Any:
+        future = handed(self, coro)
+        if coro.cr_code.co_name == "_create":
+            raise KeyboardInterrupt  # after the hand-over, before the writer kept the future
+        return future
+
+    monkeypatch.setattr(upload.MultipartWriter, "_submit", interrupted)
+    with (pytest.raises(KeyboardInterrupt),
+          open_output(s3.uri("out/lost.bin"), overwrite=False, kind="test", single_file=True) as out,
+          out.open() as fh):
+        write_in_pieces(fh, payload(2 * PART))
+    time.sleep(1.0)  # the create's reply, and the abort after it
+    assert open_uploads(s3) == []
+    assert s3.keys("out") == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from functools import partial
 
@@ -14,6 +15,7 @@ from ..index import CheckpointIndex, TensorEntry
 from ..names import SAFETENSORS_INDEX as INDEX_NAME
 from ..output import Output
 from ..plan import Plan, greedy_groups
+from ..storage import is_local
 from ..upload import read_ahead
 
 SINGLE_NAME = "model.safetensors"
@@ -50,16 +52,18 @@ def header_bytes(items: list[Planned], metadata: dict[str, str]) -> bytes:
 def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cast_to: str | None,
                metadata: dict[str, str], pool: ThreadPoolExecutor) -> None:
     """One safetensors file: the header, then each tensor. Locally the tensors are written at their
-    offsets by several threads at once; to object storage they stream in order, the next tensors read ahead
-    in the pool's threads while the ones before upload."""
+    offsets by several threads at once; to object storage they stream in order (from a remote source, the
+    next tensors are read ahead in the pool's threads while the ones before upload)."""
     items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))  # as save_file does
     header = header_bytes(items, metadata)
     total = len(header) + sum(item.nbytes for item in items)
     if not out.local:
         streams = [partial(copier.stream, item.entry, cast_to) for item in items]
-        with out.open(name) as fh:
+        remote = any(not is_local(chunk.data.uri) for item in items for chunk in item.entry.chunks)
+        blocks = read_ahead(pool, streams, copier.threads) if remote else (b for s in streams for b in s())
+        with out.open(name) as fh, closing(blocks):  # a failed upload stops the readers first
             fh.write(header)
-            for block in read_ahead(pool, streams, copier.threads):
+            for block in blocks:
                 fh.write(block)
         return
     path = out.path(name)
