@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import lru_cache, wraps
+from functools import lru_cache, partial, wraps
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .errors import CkptError, FormatError, OptionError, SourceError, TargetError
@@ -474,7 +474,7 @@ class RangeReader:
                                   f"{offset}..{offset + length}); it is truncated: re-copy or re-upload it", uri=uri)
             view[lo:hi] = data
 
-        return [lambda lo=lo: fetch(lo) for lo in range(start, end, step)]
+        return [partial(fetch, lo) for lo in range(start, end, step)]
 
     def _run(self, fetches: list[Callable[[], None]]) -> None:
         """Run requests `REMOTE_PARALLEL` at a time (one pool per reader, shared by its threads); one runs

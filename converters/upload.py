@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -232,8 +232,8 @@ class _Handoff:
             self.cond.notify_all()
 
 
-def read_ahead(pool: Executor, streams: list[Callable[[], Iterator[memoryview]]], depth: int
-               ) -> Iterator[memoryview]:
+def read_ahead(pool: Executor, streams: Sequence[Callable[[], Iterable[memoryview]]], depth: int
+               ) -> Generator[memoryview, None, None]:
     """The blocks of every stream in `streams`, in order, with up to `depth` streams reading ahead in `pool`'s
     threads (a remote source is read while the blocks before are uploaded). A producer hands over one block
     at a time and waits until the consumer has used it, so memory is `depth` blocks (the copier's budget for

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cas
     if not out.local:
         streams = [partial(copier.stream, item.entry, cast_to) for item in items]
         remote = any(not is_local(chunk.data.uri) for item in items for chunk in item.entry.chunks)
-        blocks = read_ahead(pool, streams, copier.threads) if remote else (b for s in streams for b in s())
+        blocks: Generator[memoryview, None, None] = (read_ahead(pool, streams, copier.threads) if remote else
+                                                     (b for s in streams for b in s()))
         with out.open(name) as fh, closing(blocks):  # a failed upload stops the readers first
             fh.write(header)
             for block in blocks:
