@@ -41,7 +41,7 @@ from .errors import CkptError, FormatError, OptionError, SourceError, TargetErro
 from .names import MANIFEST, WRITING, tmp_prefix
 
 #: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
-#: cost few requests; larger reads go straight through.
+#: cost few requests; larger reads fetch their own range, taking the ends that cached blocks hold from them.
 MIN_REQUEST = 256 * 1024
 #: Larger remote reads are split into about this many bytes per request, fetched `REMOTE_PARALLEL` at a time
 #: (one pool per reader, shared by its threads), straight into the caller's buffer.
