@@ -43,7 +43,7 @@ from .names import MANIFEST, WRITING, tmp_prefix
 #: cost few requests; larger reads go straight through.
 MIN_REQUEST = 256 * 1024
 _CACHE_BLOCKS = 256  # 64 MiB at most
-_CRC_WINDOW = 64 * 1024 * 1024
+_CRC_WINDOW = 8 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
