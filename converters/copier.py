@@ -103,6 +103,7 @@ class Copier:
         self.slab_bytes = max(64 * 1024, memory_limit // (3 * self.threads))
         self._direct = hasattr(os, "copy_file_range")
         self._local = threading.local()
+        self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
@@ -164,15 +165,15 @@ class Copier:
         return crc or 0
 
     def _runs(self, fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
-        """Data runs and holes covering [start, end) of the file `fd`, remembering this thread's last data run
-        so that consecutive ranges of one dense file cost no system call."""
-        known = getattr(self._local, "run", None)
-        if known is not None and known[0] == fd and known[1] <= start and end <= known[2]:
+        """Data runs and holes covering [start, end) of the file `fd`. The data run last seen in each file is
+        remembered (threads share it), so that the many ranges of a dense file cost no system call."""
+        known = self._data_runs.get(fd)
+        if known is not None and known[0] <= start and end <= known[1]:
             yield start, end, True
             return
         for run in data_runs(fd, start, end):
             if run[2]:
-                self._local.run = (fd, run[0], run[3])
+                self._data_runs[fd] = (run[0], run[3])
             yield run[:3]
 
     def _kernel_copy(self, piece: SourceRange, fd: int, dst: int) -> None:
