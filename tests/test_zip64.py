@@ -193,8 +193,8 @@ def _zip64_members(path: Path) -> dict[str, zipfile.ZipInfo]:
 
 
 def test_one_tensor_over_4gib(sparse_dir: Path) -> None:
-    """A 4.5 GiB uint8 tensor: to torch.save (zip64 member), to DCP (a zip64 record), back to safetensors
-    through our own zip reader; torch reads each output, values past 4 GiB included."""
+    """A 4.5 GiB uint8 tensor: to torch.save (a zip64 member), to DCP (a zip64 record), and both back to
+    safetensors through our own zip reader; torch reads each output, values past 4 GiB included."""
     n = 4 * GiB + GiB // 2
     tensors: Tensors = {"big": (torch.uint8, (n,), {0: 1, 3 * GiB: 3, 4 * GiB + 5: 9, n - 1: 7})}
     src = sparse_dir / "big.safetensors"
@@ -210,6 +210,8 @@ def test_one_tensor_over_4gib(sparse_dir: Path) -> None:
     record = sparse_dir / "dcp" / "__0_0.distcp"  # one tensor, one rank: the record is the whole file
     assert_marked({"big": torch.load(record, weights_only=True, mmap=True)}, tensors)
     assert allocated(record) < 1 << 20
+    ckptctl("convert", sparse_dir / "dcp", sparse_dir / "from-dcp.safetensors")  # the record's zip64 local header
+    assert_marked_file(sparse_dir / "from-dcp.safetensors", tensors)
 
     ckptctl("convert", sparse_dir / "out.pt", sparse_dir / "back.safetensors")
     assert_marked_file(sparse_dir / "back.safetensors", tensors)
