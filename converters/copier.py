@@ -1,8 +1,9 @@
 """Moves tensor bytes from a source index to an output in bounded slabs, casting on the way.
 
 Uncast local-to-local copies of whole-row chunks go through `os.copy_file_range`, so the bytes
-never enter Python; everything else is read in slabs of at most `slab_bytes` and written with
-`pwrite` at known offsets, so independent tensors can be written by several threads at once.
+never enter Python, and skip the holes of a sparse source (the output stays sparse; a CRC is extended
+over a hole without reading it); everything else is read in slabs of at most `slab_bytes` and written
+with `pwrite` at known offsets, so independent tensors can be written by several threads at once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import dtypes
+from .checksum import crc32_zeros
+from .errors import SourceError
 from .index import TensorEntry
 from .storage import RangeReader, is_local, local_path
 from .tensorio import Box, cast, direct_ranges, read_box, slabs
@@ -51,6 +54,33 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _truncated(path: str, end: int) -> SourceError:
+    return SourceError(f"{path}: file is shorter than the checkpoint metadata says (wanted bytes up to {end}); it "
+                       "is truncated: re-copy or re-upload it", uri=path)
+
+
+def data_runs(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool, int]]:
+    """(start, stop, is_data, data_end) runs covering [start, end) of file `fd`, from lseek(SEEK_DATA/SEEK_HOLE):
+    data, or holes (which read as zeros); `data_end` is where a data run really ends, past `end` maybe. A
+    filesystem without hole support reports all data. Offsets past the end of the file count as a hole."""
+    pos = start
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # no SEEK_DATA here: treat everything as data
+                yield pos, end, True, end
+                return
+            data = end  # no data from pos to the end of the file
+        if data > pos:
+            yield pos, min(data, end), False, pos
+        if data >= end:
+            return
+        hole = os.lseek(fd, data, os.SEEK_HOLE)
+        yield data, min(hole, end), True, hole
+        pos = hole
+
+
 @dataclass(frozen=True)
 class SourceRange:
     """Bytes to copy file-to-file inside the kernel: `length` bytes of local `path` from `offset`."""
@@ -73,6 +103,7 @@ class Copier:
         self.slab_bytes = max(64 * 1024, memory_limit // (3 * self.threads))
         self._direct = hasattr(os, "copy_file_range")
         self._local = threading.local()
+        self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
@@ -109,10 +140,41 @@ class Copier:
 
     def copy_range(self, piece: SourceRange, fd: int, dst: int, crc: int = 0) -> int:
         """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (read from the page
-        cache through a mapping, not copied)."""
-        crc = self.reader.crc32(piece.path, piece.offset, piece.length, crc)
-        self._kernel_copy(piece, fd, dst)
-        return crc
+        cache through a mapping, not copied; over a hole, computed without reading)."""
+        return self._copy(piece, fd, dst, crc)
+
+    def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None) -> int:
+        """Copy the data runs of `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new
+        files), skipping holes; extend `crc` (unless None) over every byte. A range ending in a hole gets its
+        last byte written, so the file is as long as a dense copy would make it."""
+        src_fd = self.reader.fd(piece.path)
+        end = piece.offset + piece.length
+        if end > os.fstat(src_fd).st_size:
+            raise _truncated(piece.path, end)
+        last_is_hole = False
+        for start, stop, is_data in self._runs(src_fd, piece.offset, end):
+            last_is_hole = not is_data
+            if is_data:
+                if crc is not None:
+                    crc = self.reader.crc32(piece.path, start, stop - start, crc)
+                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
+            elif crc is not None:
+                crc = crc32_zeros(stop - start, crc)
+        if last_is_hole:
+            pwrite_all(fd, b"\0", dst + piece.length - 1)
+        return crc or 0
+
+    def _runs(self, fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
+        """Data runs and holes covering [start, end) of the file `fd`. The data run last seen in each file is
+        remembered (threads share it), so that the many ranges of a dense file cost no system call."""
+        known = self._data_runs.get(fd)
+        if known is not None and known[0] <= start and end <= known[1]:
+            yield start, end, True
+            return
+        for run in data_runs(fd, start, end):
+            if run[2]:
+                self._data_runs[fd] = (run[0], run[3])
+            yield run[:3]
 
     def _kernel_copy(self, piece: SourceRange, fd: int, dst: int) -> None:
         """`copy_file_range` loop; where the filesystems cannot do it, read and write through a buffer instead."""
@@ -134,10 +196,7 @@ class Copier:
                 pwrite_all(fd, view, dst)
                 n = len(view)
             elif n == 0:
-                from .errors import SourceError
-
-                raise SourceError(f"{piece.path}: file is shorter than the checkpoint metadata says (wanted bytes "
-                                  f"up to {end}); it is truncated: re-copy or re-upload it")
+                raise _truncated(piece.path, end)
             src, dst = src + n, dst + n
 
     def _buffer(self, nbytes: int) -> memoryview:
@@ -152,7 +211,7 @@ class Copier:
         """Write the bytes of `entry` (or `entry[box]`) into the local file `fd` at `offset`."""
         for piece in self.pieces(entry, cast_to, box, in_kernel=True):
             if isinstance(piece, SourceRange):
-                self._kernel_copy(piece, fd, offset)
+                self._copy(piece, fd, offset, None)
                 offset += piece.length
             else:
                 pwrite_all(fd, piece, offset)

@@ -29,13 +29,13 @@ import re
 import stat
 import threading
 import unicodedata
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache, wraps
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from .checksum import crc32 as checksum_crc32
 from .errors import CkptError, FormatError, OptionError, SourceError, TargetError
 from .names import MANIFEST, WRITING, tmp_prefix
 
@@ -490,7 +490,7 @@ class RangeReader:
         try:
             while offset < end:
                 stop = min(end, offset + _CRC_WINDOW)
-                crc = zlib.crc32(view[offset:stop], crc)
+                crc = checksum_crc32(view[offset:stop], crc)
                 page = offset - offset % mmap.PAGESIZE
                 mapping.madvise(mmap.MADV_DONTNEED, page, stop - page)
                 offset = stop

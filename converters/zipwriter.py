@@ -8,9 +8,10 @@ from __future__ import annotations
 import hashlib
 import struct
 import uuid
-import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
+
+from .checksum import crc32
 
 _ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -66,7 +67,7 @@ class ZipWriter:
                 self.fh.seek(self.base + self.pos)
                 continue
             view = memoryview(chunk).cast("B")
-            crc = zlib.crc32(view, crc)
+            crc = crc32(view, crc)
             written += len(view)
             self._write(view)
         if written != size:
