@@ -596,6 +596,23 @@ def _fail(row: Row, note: str) -> None:
         row.status, row.note = "FAILED", note
 
 
+def prepare_cache(src: Path, mode: str) -> None:
+    """Give every run the same page cache: `warm` reads the source files through once (they are then in
+    the page cache, as right after training wrote them), `cold` drops the page cache (root only), so every
+    run reads the source from disk."""
+    if mode == "cold":
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return
+    buf = memoryview(bytearray(8 << 20))
+    for path in [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.readv(fd, [buf]):
+                pass
+        finally:
+            os.close(fd)
+
+
 def run_case(case: Case, row: Row, samples: SampleSet, refs: dict[str, Reference], args: argparse.Namespace,
              rep: int) -> None:
     src = {"hf-dcp": samples.hf, "tiny": samples.tiny}.get(case.source) or samples.dcp
@@ -606,6 +623,7 @@ def run_case(case: Case, row: Row, samples: SampleSet, refs: dict[str, Reference
     out, log = run_dir / case.out_name, args.work_dir / "logs" / f"{samples.label}-{case.name}-{rep}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     os.sync()  # what earlier runs left dirty is not this run's to pay for
+    prepare_cache(src, args.cache)
     result = run_once(case.argv(src, out), out, log, args.sync, args.timeout)
     row.wall_s.append(round(result.wall_s, 4))
     row.rss_mb.append(round(result.peak_rss_mb, 1))
@@ -808,7 +826,7 @@ def write_json(path: Path, rows: list[Row], sizes: dict[str, Any], goals: list[d
         "machine": machine(),
         "git": git,
         "versions": {d: _version(d) for d in ("torch", "ckpt-service", "safetensors", "accelerate")},
-        "repeats": args.repeats, "sync": args.sync, "check_budget_bytes": args.check_budget,
+        "repeats": args.repeats, "sync": args.sync, "cache": args.cache, "check_budget_bytes": args.check_budget,
         "rss_method": "peak RSS: max over /proc polls every 20 ms of (summed VmRSS of the tree, largest VmHWM); "
                       "anon: peak summed RssAnon (the processes' own memory); file: peak summed RssFile (mapped "
                       "files: libraries and page-cache pages of mapped checkpoint files); MB = 1e6 B",
@@ -837,6 +855,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "else a deterministic sample of about this many bytes.")
     p.add_argument("--sync", choices=("all", "output"), default="all",
                    help="After each command: `sync` everything (default) or fsync the output's files only.")
+    p.add_argument("--cache", choices=("warm", "cold"), default="warm",
+                   help="Before each run: read the source through once (warm, default) or drop the page cache "
+                   "(cold: every run reads the source from disk; needs root).")
     p.add_argument("--timeout", type=float, default=1800.0, help="Seconds before a run is killed.")
     p.add_argument("--peer", nargs=3, metavar=("NAME", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -118,6 +118,7 @@ def _safetensors(written: CheckpointIndex, reader: RangeReader, budget: int, sla
                 shape = tuple(first.get_shape())
                 probe = first[_slices(((0,) * len(shape), (1,) * len(shape)))] if shape else None
                 dtype = probe.dtype if probe is not None else handle.get(entry.nbytes).get_tensor(entry.name).dtype
+                first = probe = None  # both hold the current mapping: let a reopen drop it
                 bad = _check_dtype(entry, dtype, shape)
 
                 def slab(box: Box, name: str = entry.name, size: int = item, opened: _Remapped = handle) -> Any:
@@ -249,7 +250,7 @@ def check(written: CheckpointIndex, root: str, fmt: str, reader: RangeReader, bu
         return res
     budget = max(64 * 1024, budget)
     slab = compare_slab(budget * 4)
-    remap = 4 * slab  # bytes read through a consumer's file mapping before it is made again
+    remap = 2 * slab  # bytes read through a consumer's file mapping before it is made again
     {"safetensors": lambda: _safetensors(written, reader, remap, slab, res),
      "torch": lambda: _torch(written, reader, remap, slab, res),
      "dcp": lambda: _dcp(written, root, reader, budget, slab, res)}[fmt]()
