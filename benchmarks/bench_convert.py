@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 4
 RESHARD_WORLD_SIZE = 3
 DCP_PEERS = ("dcp_to_torch", "accelerate", "dcp-save_file")  # peers that read the same DCP input as ours
-OURS_CONVERSIONS = ("export", "export-bf16", "convert-torch", "reshard")
+OURS_CONVERSIONS = ("export", "export-bf16", "convert-safetensors", "convert-torch", "reshard")
 
 
 # --- cases -----------------------------------------------------------------------------------------
@@ -79,6 +79,8 @@ CASES: tuple[Case, ...] = (
     Case("export", "ours", "dcp", "safetensors", "export", lambda s, o: _ckptctl("export", str(s), str(o), "-q")),
     Case("export-bf16", "ours", "dcp", "safetensors-bf16", "export",
          lambda s, o: _ckptctl("export", str(s), str(o), "-q", "--dtype", "bfloat16")),
+    Case("convert-safetensors", "ours", "dcp", "safetensors", "converted",
+         lambda s, o: _ckptctl("convert", str(s), str(o), "--to", "safetensors", "-q")),
     Case("convert-torch", "ours", "dcp", "torch", "model.pt",
          lambda s, o: _ckptctl("convert", str(s), str(o), "--to", "torch", "-q")),
     Case("reshard", "ours", "dcp", "dcp-ws3", "reshard",
@@ -710,7 +712,7 @@ def _target(name: str, size: str, value: float | None, op: str, limit: float) ->
     return {"target": name, "size": size, "value": value, "rule": op, "limit": limit, "met": met}
 
 
-MEMORY_CASES = ("export", "export-bf16", "convert-torch", "reshard", "verify", "service-job")
+MEMORY_CASES = ("export", "export-bf16", "convert-safetensors", "convert-torch", "reshard", "verify", "service-job")
 
 
 def copy_speed_limit() -> float:
@@ -728,7 +730,7 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
         get = {r.case: r for r in rows if r.size == size and r.status == "ok"}.get
         export, bf16, inspect, startup = get("export"), get("export-bf16"), get("inspect"), get("startup")
         speedup = 1 / export.ratio_best_peer if export and export.ratio_best_peer else None
-        for case in ("export", "convert-torch", "reshard"):
+        for case in ("export", "convert-safetensors", "convert-torch", "reshard"):
             row = get(case)
             found.append(_target(f"{case} median / cp median", size, row and row.ratio_cp, "<=", limit))
         found += [

@@ -44,6 +44,7 @@ from .names import MANIFEST, WRITING, tmp_prefix
 MIN_REQUEST = 256 * 1024
 _CACHE_BLOCKS = 256  # 64 MiB at most
 _CRC_WINDOW = 8 * 1024 * 1024
+_FAULT_SLACK = 2 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
@@ -491,8 +492,10 @@ class RangeReader:
             while offset < end:
                 stop = min(end, offset + _CRC_WINDOW)
                 crc = checksum_crc32(view[offset:stop], crc)
-                page = offset - offset % mmap.PAGESIZE
-                mapping.madvise(mmap.MADV_DONTNEED, page, stop - page)
+                # unmap the window and _FAULT_SLACK around it: a page fault maps the neighbouring pages too
+                # (fault-around, large folios), and pages mapped before `offset` would otherwise stay
+                low = max(0, offset - offset % mmap.PAGESIZE - _FAULT_SLACK)
+                mapping.madvise(mmap.MADV_DONTNEED, low, min(len(mapping), stop + _FAULT_SLACK) - low)
                 offset = stop
         finally:
             view.release()
