@@ -107,7 +107,8 @@ Weights = Annotated[choice(Literal["fp32", "module"], "weights") | None,
 class JobRequest(BaseModel):
     """Options of one job kind (the `options` object of a job of that kind)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # validators are built on first use: a command line builds only its own kind's
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     kind: ClassVar[str]
     #: what the positional arguments are (`target` is the output, or the second checkpoint for verify)
     takes_target: ClassVar[bool] = True
