@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from converters import CkptError
 
 from ..errors import exit_code
-from ..job_requests import JobRequest, build, flag_of, plain, problems
+from ..job_requests import JobRequest, build, default_of, flag_of, plain, problems
 from ..units import exact
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def option_parameters(model: type[JobRequest]) -> list[inspect.Parameter]:
     params = []
     for name, info in model.model_fields.items():
         kind = cli_type(info.annotation)
-        default = info.get_default(call_default_factory=True)
+        default = None if info.is_required() else default_of(info)
         if info.is_required():
             value, shown = inspect.Parameter.empty, False
         elif kind is bool:
