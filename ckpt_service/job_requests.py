@@ -240,8 +240,9 @@ def plain(annotation: Any) -> Any:
 
 
 def default_of(info: FieldInfo) -> Any:
-    """An optional field's default. A factory (here always a plain one, such as `list`) is called directly:
-    pydantic's `get_default` first inspects its signature, which costs the command line's start-up."""
+    """A field's default (PydanticUndefined when it is required). A factory (here always a plain one, such
+    as `list`) is called directly: pydantic's `get_default` first inspects its signature, which costs the
+    command line's start-up."""
     return info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
 
 

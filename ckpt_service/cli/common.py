@@ -120,7 +120,7 @@ def option_parameters(model: type[JobRequest]) -> list[inspect.Parameter]:
     params = []
     for name, info in model.model_fields.items():
         kind = cli_type(info.annotation)
-        default = None if info.is_required() else default_of(info)
+        default = default_of(info)
         if info.is_required():
             value, shown = inspect.Parameter.empty, False
         elif kind is bool:
