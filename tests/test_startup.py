@@ -31,6 +31,10 @@ SERVICE = {"ckpt_service.jobs", "ckpt_service.store", "ckpt_service.registry", "
 NOT_OFFLINE = {"ckpt_service.cli.client", "ckpt_service.cli.manage", "ckpt_service.cli.service", "rich.progress",
                "typer.rich_utils"}
 
+#: the torch and DCP writers (pickle and zip), which an export to safetensors never loads
+OTHER_WRITERS = {"converters.picklewriter", "converters.zipwriter", "converters.writers.dcp",
+                 "converters.writers.torchsave"}
+
 RUN = """
 import json, sys
 sys.argv = ["ckptctl", *json.loads(sys.argv[1])]
@@ -75,6 +79,7 @@ def test_export_loads_only_the_offline_commands_and_no_torch(tiny: tuple[Path, P
     assert heavy_in(got["modules"]) == []
     assert [m for m in got["modules"] if m in NOT_OFFLINE] == []
     assert set(got["commands"]) == OFFLINE_COMMANDS  # main registered offline's commands, and only those
+    assert [m for m in got["modules"] if m in OTHER_WRITERS] == []  # a safetensors output needs no pickle writer
     assert "ckpt_service.cli.offline" in got["modules"]
     out = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(out) == sorted(weights)
