@@ -162,6 +162,8 @@ def _summary(uri: str, source_format: str | None = None) -> dict[str, Any] | Non
 
 
 def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: Any) -> bool:
+    from .registry import Registry
+
     result: dict[str, Any]
     output = None
     if spec.kind == "inspect":
@@ -174,8 +176,6 @@ def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: A
         if value.verify is not None:
             result["verify_summary"] = value.verify.summary()
         output = _summary(spec.target or "")
-    from .registry import Registry
-
     registry = Registry(store)
     source_summary = None
     if output is not None and registry.find_uri(spec.source) is None:
