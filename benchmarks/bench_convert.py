@@ -895,6 +895,9 @@ def main(argv: list[str] | None = None) -> int:
         PEERS[name](src, out)
         return 0
     git, sources = git_state(), engine_sources()
+    # bytecode as an installed package has it (PYTHONDONTWRITEBYTECODE would have every run compile again)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "converters", "ckpt_service", "api"], cwd=ROOT,
+                   check=False, stdout=subprocess.DEVNULL)
     rows: list[Row] = []
     sizes: dict[str, Any] = {}
     for size_rows, info in iter_sizes(args):

@@ -173,7 +173,7 @@ def direct_ranges(entry: TensorEntry, box: Box | None = None) -> list[tuple[str,
 
 
 _COMPARE_BLOCK = 8 << 20
-COMPARE_SLAB = 8 << 20  # bytes per side and step: larger slabs compare no faster, they only cost memory
+COMPARE_SLAB = 4 << 20  # bytes per side and step: larger slabs compare no faster, they only cost memory
 
 
 def compare_slab(memory_limit: int) -> int:
