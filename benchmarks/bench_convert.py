@@ -656,7 +656,8 @@ def skipped(case: Case) -> str | None:
 
 
 def run_size(size: str, cases: list[Case], args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
-    samples = sample_set(args.work_dir, size, train=not args.no_train, hf=any(c.source == "hf-dcp" for c in cases))
+    wants_hf = not args.no_hf and any(c.source == "hf-dcp" for c in cases)
+    samples = sample_set(args.work_dir, size, train=not args.no_train, hf=wants_hf)
     if any(c.check == "verify" for c in cases):
         exported_copy(samples)
     print(f"loading the reference tensors of {samples.dcp} ...", flush=True)
@@ -669,6 +670,8 @@ def run_size(size: str, cases: list[Case], args: argparse.Namespace) -> tuple[li
     for case in cases:
         if note := skipped(case):
             rows[case.name].status, rows[case.name].note = "SKIPPED", note
+        elif case.source == "hf-dcp" and not samples.hf.exists():
+            rows[case.name].status, rows[case.name].note = "SKIPPED", "no HuggingFaceStorageWriter copy (--no-hf)"
     for rep in range(1, args.repeats + 1):
         for case in cases:
             if rows[case.name].status != "SKIPPED":
@@ -849,6 +852,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", help="Comma-separated sizes, e.g. 3GB,6GB (overrides --size).")
     p.add_argument("--no-train", action="store_true", help="Make the sample untrained, shards initialised in place "
                    "(no full model on any rank: for sizes whose training does not fit in memory).")
+    p.add_argument("--no-hf", action="store_true", help="Make no HuggingFaceStorageWriter copy of a sample that "
+                   "lacks one (it doubles the disk and the generator's memory); `consolidate` is skipped there.")
     p.add_argument("--repeats", type=int, default=3, help="Runs of each case (default 3).")
     p.add_argument("--cases", default=",".join(CASE_NAMES), help=f"Comma-separated subset of {','.join(CASE_NAMES)}.")
     p.add_argument("--work-dir", type=Path, default=ROOT / "bench-out", help="Samples cache, outputs, logs.")
