@@ -12,10 +12,11 @@ import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from . import dtypes
-from .checksum import crc32_zeros
+from .checksum import crc32, crc32_zeros
 from .errors import SourceError
 from .index import TensorEntry
 from .storage import RangeReader, is_local, local_path
@@ -207,12 +208,33 @@ class Copier:
         return memoryview(buf)[:nbytes]
 
     def write_at(self, fd: int, offset: int, entry: TensorEntry, cast_to: str | None = None,
-                 box: Box | None = None) -> None:
-        """Write the bytes of `entry` (or `entry[box]`) into the local file `fd` at `offset`."""
+                 box: Box | None = None, checksum: bool = False) -> int:
+        """Write the bytes of `entry` (or `entry[box]`) into the local file `fd` at `offset`; return their
+        CRC-32 with `checksum` (computed on the bytes in flight, or through the page cache when the kernel
+        copies), else 0."""
+        crc = 0
         for piece in self.pieces(entry, cast_to, box, in_kernel=True):
             if isinstance(piece, SourceRange):
-                self._copy(piece, fd, offset, None)
+                crc = self._copy(piece, fd, offset, crc if checksum else None)
                 offset += piece.length
             else:
+                if checksum:
+                    crc = crc32(piece, crc)
                 pwrite_all(fd, piece, offset)
                 offset += len(piece)
+        return crc
+
+    def write_many(self, fd: int, jobs: list[tuple[int, TensorEntry, str | None]], pool: ThreadPoolExecutor,
+                   checksum: bool = False) -> list[int]:
+        """`write_at` for every (offset, entry, cast_to) side by side in `pool`; their CRC-32s with `checksum`.
+
+        Every write has stopped when this returns or raises (the first error; writes not yet started are
+        dropped), so no thread writes to `fd` after its owner closed it."""
+        futures = [pool.submit(self.write_at, fd, offset, entry, cast_to, None, checksum)
+                   for offset, entry, cast_to in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            for future in futures:
+                future.cancel()
+            wait(futures)
+        return [future.result() for future in futures]
