@@ -25,6 +25,7 @@ from .tensorio import Box, cast, direct_ranges, read_box, slabs
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
 _COPY_STEP = 1 << 30
+_CHECKSUM_STEP = 256 * 1024  # fits in a core's L2 cache
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
@@ -140,8 +141,8 @@ class Copier:
         yield from self.stream(entry, cast_to, box)
 
     def copy_range(self, piece: SourceRange, fd: int, dst: int, crc: int = 0) -> int:
-        """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (read from the page
-        cache through a mapping, not copied; over a hole, computed without reading)."""
+        """Copy `piece` into `fd` at `dst`; return `crc` extended over it (on the bytes in flight; over a hole,
+        computed without reading)."""
         return self._copy(piece, fd, dst, crc)
 
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None) -> int:
@@ -156,9 +157,11 @@ class Copier:
         for start, stop, is_data in self._runs(src_fd, piece.offset, end):
             last_is_hole = not is_data
             if is_data:
-                if crc is not None:
-                    crc = self.reader.crc32(piece.path, start, stop - start, crc)
-                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
+                if crc is None:
+                    self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
+                else:
+                    crc = self._checksummed_copy(piece.path, start, stop - start, fd, dst + start - piece.offset,
+                                                 crc)
             elif crc is not None:
                 crc = crc32_zeros(stop - start, crc)
         if last_is_hole:
@@ -199,6 +202,21 @@ class Copier:
             elif n == 0:
                 raise _truncated(piece.path, end)
             src, dst = src + n, dst + n
+
+    def _checksummed_copy(self, path: str, src: int, length: int, fd: int, dst: int, crc: int) -> int:
+        """Copy through a small buffer, with the CRC-32 computed on the bytes in flight while they are in the CPU's
+        cache: each byte leaves memory once and arrives once, where a kernel copy plus a checksum pass over the
+        source would read it twice."""
+        buf = getattr(self._local, "step", None)
+        if buf is None:
+            buf = self._local.step = memoryview(bytearray(_CHECKSUM_STEP))
+        while length > 0:
+            step = buf[: min(length, len(buf))]
+            self.reader.readinto(path, src, step)
+            crc = crc32(step, crc)
+            pwrite_all(fd, step, dst)
+            src, dst, length = src + len(step), dst + len(step), length - len(step)
+        return crc
 
     def _buffer(self, nbytes: int) -> memoryview:
         """This thread's reusable slab buffer (valid until its next `stream` step): no page faults per slab."""

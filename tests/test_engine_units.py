@@ -306,41 +306,6 @@ def test_progress_callbacks_run_one_at_a_time() -> None:
     assert seen == list(range(1, 801))  # each call sees the count of its own step
 
 
-def _mapped_kb(path: Path) -> int:
-    """Resident KiB of this process's mappings of `path` (from /proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if fields and not fields[0].endswith(":"):  # a mapping's header line
-            inside = len(fields) > 5 and fields[5] == str(path)
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
-def test_crc_of_many_unaligned_ranges_keeps_no_pages_mapped(tmp_path: Path) -> None:
-    """RangeReader.crc32 reads through a mapping and unmaps what it read: the CRCs of thousands of ranges at
-    odd offsets (as DCP records lie) must leave almost nothing resident, or memory grows with the checkpoint."""
-    import os
-    import zlib
-
-    path = tmp_path / "data.bin"
-    data = os.urandom(64 << 20)
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
-    try:  # out of the page cache: read back cold, it comes in as readahead makes it (large folios, where used)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    step = 24_571  # odd: every range starts mid-page and mid fault-around block
-    with RangeReader() as reader:
-        for offset in range(0, len(data) - step, step):
-            assert reader.crc32(str(path), offset + 7, step - 7) == zlib.crc32(data[offset + 7: offset + step])
-        assert _mapped_kb(path) < 4096
-
-
 def test_torch_file_filled_in_parallel_equals_the_streamed_one(tmp_path: Path) -> None:
     """A local torch.save output is laid out first and its records filled side by side; the bytes must be
     exactly those the one-pass stream writes, every CRC-32 right (zipfile checks them), and torch must load it."""
