@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import ClientError
-from .jobs import TERMINAL
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
@@ -115,6 +114,8 @@ class ServiceClient:
     def wait(self, job_id: str, on_event: Callable[[str, dict[str, Any]], None] | None = None,
              timeout: float | None = None, reconnects: int = 20) -> dict[str, Any]:
         """Follow the job until it ends and return its final document; reconnects when the stream breaks."""
+        from .jobs import TERMINAL  # here: the job models load only when a command waits on a job
+
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in range(reconnects + 1):
             try:

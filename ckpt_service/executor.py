@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from converters import CkptError, VerifyError, storage
 from converters.names import tmp_prefix
@@ -27,9 +27,10 @@ from .job_requests import (
     ReshardRequest,
     VerifyRequest,
 )
-from .jobs import WRITING_KINDS, JobSpec, request_of
-from .registry import Registry
-from .store import JobStore
+
+if TYPE_CHECKING:  # the job-side modules (pydantic job models, the store) load only when a job runs
+    from .jobs import JobSpec
+    from .store import JobStore
 
 EngineCall = Callable[[Callable[[Any], None] | None], Any]
 
@@ -161,6 +162,8 @@ def _summary(uri: str, source_format: str | None = None) -> dict[str, Any] | Non
 
 
 def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: Any) -> bool:
+    from .registry import Registry
+
     result: dict[str, Any]
     output = None
     if spec.kind == "inspect":
@@ -192,6 +195,8 @@ def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: A
 
 def recheck_roots(spec: JobSpec, read: list[roots.Location], write: list[roots.Location]) -> None:
     """Check the roots again where the job runs: a symlink swapped in since the job was queued is caught."""
+    from .jobs import WRITING_KINDS
+
     roots.check(spec.source, read, field="source", purpose="read")
     if spec.target is not None:
         writing = spec.kind in WRITING_KINDS
@@ -204,6 +209,8 @@ def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float 
     """Run attempt `attempt` of `job_id` to the end and record it. Returns 0, or 3 when the job was not ours.
 
     `allowed` (read roots, write roots) makes the job check its paths again before it starts."""
+    from .jobs import JobSpec, request_of
+
     job = store.get(job_id)
     if job.state != "running" or job.attempt != attempt:
         logs.event("job.not_current", job_id=job_id, attempt=attempt, state=job.state)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 from converters.output import remove_tree
 
 __all__ = ["free_port", "remove_tree"]
@@ -11,6 +9,8 @@ __all__ = ["free_port", "remove_tree"]
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a test server or a gloo rendezvous)."""
+    import socket  # here: the offline commands never open one
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -25,6 +25,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
 )
+from pydantic.fields import FieldInfo
 
 from converters import READERS
 from converters.api import DEFAULT_SHARD_SIZE
@@ -107,7 +108,8 @@ Weights = Annotated[choice(Literal["fp32", "module"], "weights") | None,
 class JobRequest(BaseModel):
     """Options of one job kind (the `options` object of a job of that kind)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # validators are built on first use: a command line builds only its own kind's
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     kind: ClassVar[str]
     #: what the positional arguments are (`target` is the output, or the second checkpoint for verify)
     takes_target: ClassVar[bool] = True
@@ -237,10 +239,17 @@ def plain(annotation: Any) -> Any:
     return annotation
 
 
+def default_of(info: FieldInfo) -> Any:
+    """A field's default (PydanticUndefined when it is required). A factory (here always a plain one, such
+    as `list`) is called directly: pydantic's `get_default` first inspects its signature, which costs the
+    command line's start-up."""
+    return info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+
+
 def shared_default(name: str) -> Any:
     """Option `name`'s default where every kind that takes it agrees on one, else None (the kind decides)."""
     defaults = [model.model_fields[name] for model in REQUESTS.values() if name in model.model_fields]
-    values = [None if f.is_required() else f.get_default(call_default_factory=True) for f in defaults]
+    values = [None if f.is_required() else default_of(f) for f in defaults]
     return values[0] if all(v == values[0] for v in values) else None
 
 

@@ -13,14 +13,14 @@ gets a note instead (fetching it whole to a local disk would double the cost of 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes, storage
 from .index import CheckpointIndex, TensorEntry
 from .storage import RangeReader
-from .tensorio import Box, read_box, slabs
+from .tensorio import Box, compare_slab, read_box, same_bytes, slabs
 from .writers.objects import load_object
 
 CONSUMERS = {"safetensors": "safetensors.safe_open", "torch": "torch.load(weights_only=True, mmap=True)",
@@ -50,22 +50,42 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(*box))
 
 
-def _raw(tensor: Any) -> bytes:
-    """The row-major bytes of a torch tensor (any dtype, 0-dim included)."""
+def _bytes_of(tensor: Any) -> memoryview:
+    """The row-major bytes of a torch tensor (any dtype, 0-dim included), without a copy when contiguous."""
     import torch
 
-    return bytes(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return memoryview(tensor.reshape(-1).contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def _same(reader: RangeReader, entry: TensorEntry, source: Any, budget: int) -> bool:
-    """Whether the consumer's tensor (or safetensors slice) `source` has our bytes for every slab of `entry`."""
+def _same(reader: RangeReader, entry: TensorEntry, source: Callable[[Box], Any], budget: int) -> bool:
+    """Whether the consumer's slabs (`source(box)`: a torch tensor) hold our bytes for every slab of `entry`."""
     item = dtypes.itemsize(entry.dtype)
+    raw = memoryview(bytearray(min(entry.nbytes, max(budget, item))))  # one buffer for every slab
     for box in slabs(entry.shape, item, budget):
-        buf = memoryview(bytearray(dtypes.numel(box[1]) * item))
+        buf = raw[: dtypes.numel(box[1]) * item]
         read_box(reader, entry, box, buf)
-        if _raw(source[_slices(box)]) != bytes(buf):
+        if not same_bytes(_bytes_of(source(box)), buf):
             return False
     return True
+
+
+class _Remapped:
+    """A consumer's file handle (`opener()`), opened again after every `budget` bytes read through it.
+
+    safe_open and torch.load(mmap=True) map the whole file, and every page read stays in this process's
+    RSS until the mapping goes: dropping the handle now and then keeps memory flat at any file size."""
+
+    def __init__(self, opener: Callable[[], Any], budget: int) -> None:
+        self.opener, self.budget = opener, budget
+        self.handle: Any = None
+        self.read = 0
+
+    def get(self, nbytes: int) -> Any:
+        if self.handle is None or self.read >= self.budget:
+            self.handle = None  # unmapped before the next mapping is made
+            self.handle, self.read = self.opener(), 0
+        self.read += nbytes
+        return self.handle
 
 
 def _check_dtype(entry: TensorEntry, dtype: Any, shape: tuple[int, ...]) -> str | None:
@@ -84,29 +104,36 @@ def _by_file(written: CheckpointIndex) -> dict[str, list[TensorEntry]]:
     return dict(sorted(by_file.items()))
 
 
-def _safetensors(written: CheckpointIndex, reader: RangeReader, budget: int, res: ConsumerResult) -> None:
+def _safetensors(written: CheckpointIndex, reader: RangeReader, budget: int, slab_bytes: int,
+                 res: ConsumerResult) -> None:
     from safetensors import safe_open
 
     for uri, entries in _by_file(written).items():
         path = storage.local_path(uri)
+        handle = _Remapped(lambda: safe_open(path, framework="pt"), budget)  # noqa: B023 (used in this loop)
         try:
-            with safe_open(path, framework="pt") as fh:
-                for entry in entries:
-                    if entry.nbytes <= budget or not entry.shape:
-                        source = fh.get_tensor(entry.name)
-                        dtype, shape = source.dtype, tuple(source.shape)
-                    else:
-                        source = fh.get_slice(entry.name)
-                        shape = tuple(source.get_shape())
-                        dtype = source[_slices(((0,) * len(shape), (1,) * len(shape)))].dtype
-                    bad = _check_dtype(entry, dtype, shape)
-                    if bad is None and not _same(reader, entry, source, budget):
-                        bad = entry.name
-                    if bad is not None:
-                        res.different.append(bad)
-                    res.compared += 1
+            for entry in entries:
+                item = dtypes.itemsize(entry.dtype)
+                first = handle.get(0).get_slice(entry.name)
+                shape = tuple(first.get_shape())
+                probe = first[_slices(((0,) * len(shape), (1,) * len(shape)))] if shape else None
+                dtype = probe.dtype if probe is not None else handle.get(entry.nbytes).get_tensor(entry.name).dtype
+                first = probe = None  # both hold the current mapping: let a reopen drop it
+                bad = _check_dtype(entry, dtype, shape)
+
+                def slab(box: Box, name: str = entry.name, size: int = item, opened: _Remapped = handle) -> Any:
+                    view = opened.get(dtypes.numel(box[1]) * size)
+                    return view.get_slice(name)[_slices(box)] if box[0] else view.get_tensor(name)
+
+                if bad is None and not _same(reader, entry, slab, slab_bytes):
+                    bad = entry.name
+                if bad is not None:
+                    res.different.append(bad)
+                res.compared += 1
         except Exception as exc:  # safetensors raises its own error types
             res.unloadable.append(_fail_line(path, res.loader, exc))
+        finally:
+            handle.handle = None
 
 
 def _walk(root: Any, path: tuple[str, ...]) -> Any:
@@ -116,25 +143,33 @@ def _walk(root: Any, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _torch(written: CheckpointIndex, reader: RangeReader, budget: int, res: ConsumerResult) -> None:
+def _torch(written: CheckpointIndex, reader: RangeReader, budget: int, slab_bytes: int, res: ConsumerResult) -> None:
     import torch
 
     files = _by_file(written)
     for uri, entries in files.items():
         path = storage.local_path(uri)
+        handle = _Remapped(lambda: torch.load(path, map_location="cpu", weights_only=True,  # noqa: B023
+                                              mmap=True), budget)
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            handle.get(0)
         except Exception as exc:
             res.unloadable.append(_fail_line(path, res.loader, exc))
             continue
         for entry in entries:
             try:
-                tensor = _walk(obj, entry.path)
+                tensor = _walk(handle.get(0), entry.path)
             except (KeyError, IndexError, ValueError, TypeError):
                 tensor = None
             bad = (f"{entry.name} (not a tensor where torch.load puts it)" if not isinstance(tensor, torch.Tensor)
                    else _check_dtype(entry, tensor.dtype, tuple(tensor.shape)))
-            if bad is None and not _same(reader, entry, tensor, budget):
+            tensor = None
+
+            def slab(box: Box, where: tuple[str, ...] = entry.path, item: int = dtypes.itemsize(entry.dtype),
+                     opened: _Remapped = handle) -> Any:
+                return _walk(opened.get(dtypes.numel(box[1]) * item), where)[_slices(box)]
+
+            if bad is None and not _same(reader, entry, slab, slab_bytes):
                 bad = entry.name
             if bad is not None:
                 res.different.append(bad)
@@ -142,12 +177,13 @@ def _torch(written: CheckpointIndex, reader: RangeReader, budget: int, res: Cons
         if len(files) == 1:  # non-tensor values (optimizer hyper-parameters) sit beside the tensors
             for obj_entry in written.objects.values():
                 try:
-                    value = _walk(obj, obj_entry.path)
+                    value = _walk(handle.get(0), obj_entry.path)
                 except (KeyError, IndexError, ValueError, TypeError):
                     value = KeyError
                 if value != load_object(obj_entry, reader):
                     res.different.append(obj_entry.name)
                 res.compared += 1
+        handle.handle = None
 
 
 def _sample(entries: list[TensorEntry], budget: int) -> Iterator[TensorEntry]:
@@ -163,7 +199,8 @@ def _sample(entries: list[TensorEntry], budget: int) -> Iterator[TensorEntry]:
             yield entry
 
 
-def _dcp(written: CheckpointIndex, root: str, reader: RangeReader, budget: int, res: ConsumerResult) -> None:
+def _dcp(written: CheckpointIndex, root: str, reader: RangeReader, budget: int, slab_bytes: int,
+         res: ConsumerResult) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -197,7 +234,8 @@ def _dcp(written: CheckpointIndex, root: str, reader: RangeReader, budget: int, 
         res.unloadable.append(_fail_line(path, "dcp.load", exc))
         return
     for entry in chosen:
-        if not _same(reader, entry, state[entry.name], budget):
+        tensor = state[entry.name]
+        if not _same(reader, entry, lambda box: tensor[_slices(box)], slab_bytes):  # noqa: B023 (called right here)
             res.different.append(entry.name)
         res.compared += 1
 
@@ -211,7 +249,9 @@ def check(written: CheckpointIndex, root: str, fmt: str, reader: RangeReader, bu
         res.note = f"{res.loader} not run: the output is remote (only local outputs are loaded by the consumer)"
         return res
     budget = max(64 * 1024, budget)
-    {"safetensors": lambda: _safetensors(written, reader, budget, res),
-     "torch": lambda: _torch(written, reader, budget, res),
-     "dcp": lambda: _dcp(written, root, reader, budget, res)}[fmt]()
+    slab = compare_slab(budget * 4)
+    remap = 2 * slab  # bytes read through a consumer's file mapping before it is made again
+    {"safetensors": lambda: _safetensors(written, reader, remap, slab, res),
+     "torch": lambda: _torch(written, reader, remap, slab, res),
+     "dcp": lambda: _dcp(written, root, reader, budget, slab, res)}[fmt]()
     return res

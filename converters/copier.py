@@ -1,8 +1,9 @@
 """Moves tensor bytes from a source index to an output in bounded slabs, casting on the way.
 
 Uncast local-to-local copies of whole-row chunks go through `os.copy_file_range`, so the bytes
-never enter Python; everything else is read in slabs of at most `slab_bytes` and written with
-`pwrite` at known offsets, so independent tensors can be written by several threads at once.
+never enter Python, and skip the holes of a sparse source (the output stays sparse; a CRC is extended
+over a hole without reading it); everything else is read in slabs of at most `slab_bytes` and written
+with `pwrite` at known offsets, so independent tensors can be written by several threads at once.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from . import dtypes
+from .checksum import crc32, crc32_zeros
+from .errors import SourceError
 from .index import TensorEntry
 from .storage import RangeReader, is_local, local_path
 from .tensorio import Box, cast, direct_ranges, read_box, slabs
@@ -21,6 +25,7 @@ from .tensorio import Box, cast, direct_ranges, read_box, slabs
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
 _COPY_STEP = 1 << 30
+_CHECKSUM_STEP = 256 * 1024  # fits in a core's L2 cache
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
@@ -51,6 +56,33 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _truncated(path: str, end: int) -> SourceError:
+    return SourceError(f"{path}: file is shorter than the checkpoint metadata says (wanted bytes up to {end}); it "
+                       "is truncated: re-copy or re-upload it", uri=path)
+
+
+def data_runs(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool, int]]:
+    """(start, stop, is_data, data_end) runs covering [start, end) of file `fd`, from lseek(SEEK_DATA/SEEK_HOLE):
+    data, or holes (which read as zeros); `data_end` is where a data run really ends, past `end` maybe. A
+    filesystem without hole support reports all data. Offsets past the end of the file count as a hole."""
+    pos = start
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # no SEEK_DATA here: treat everything as data
+                yield pos, end, True, end
+                return
+            data = end  # no data from pos to the end of the file
+        if data > pos:
+            yield pos, min(data, end), False, pos
+        if data >= end:
+            return
+        hole = os.lseek(fd, data, os.SEEK_HOLE)
+        yield data, min(hole, end), True, hole
+        pos = hole
+
+
 @dataclass(frozen=True)
 class SourceRange:
     """Bytes to copy file-to-file inside the kernel: `length` bytes of local `path` from `offset`."""
@@ -73,6 +105,7 @@ class Copier:
         self.slab_bytes = max(64 * 1024, memory_limit // (3 * self.threads))
         self._direct = hasattr(os, "copy_file_range")
         self._local = threading.local()
+        self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
@@ -108,11 +141,44 @@ class Copier:
         yield from self.stream(entry, cast_to, box)
 
     def copy_range(self, piece: SourceRange, fd: int, dst: int, crc: int = 0) -> int:
-        """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (read from the page
-        cache through a mapping, not copied)."""
-        crc = self.reader.crc32(piece.path, piece.offset, piece.length, crc)
-        self._kernel_copy(piece, fd, dst)
-        return crc
+        """Copy `piece` into `fd` at `dst`; return `crc` extended over it (on the bytes in flight; over a hole,
+        computed without reading)."""
+        return self._copy(piece, fd, dst, crc)
+
+    def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None) -> int:
+        """Copy the data runs of `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new
+        files), skipping holes; extend `crc` (unless None) over every byte. A range ending in a hole gets its
+        last byte written, so the file is as long as a dense copy would make it."""
+        src_fd = self.reader.fd(piece.path)
+        end = piece.offset + piece.length
+        if end > os.fstat(src_fd).st_size:
+            raise _truncated(piece.path, end)
+        last_is_hole = False
+        for start, stop, is_data in self._runs(src_fd, piece.offset, end):
+            last_is_hole = not is_data
+            if is_data:
+                if crc is None:
+                    self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
+                else:
+                    crc = self._checksummed_copy(piece.path, start, stop - start, fd, dst + start - piece.offset,
+                                                 crc)
+            elif crc is not None:
+                crc = crc32_zeros(stop - start, crc)
+        if last_is_hole:
+            pwrite_all(fd, b"\0", dst + piece.length - 1)
+        return crc or 0
+
+    def _runs(self, fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
+        """Data runs and holes covering [start, end) of the file `fd`. The data run last seen in each file is
+        remembered (threads share it), so that the many ranges of a dense file cost no system call."""
+        known = self._data_runs.get(fd)
+        if known is not None and known[0] <= start and end <= known[1]:
+            yield start, end, True
+            return
+        for run in data_runs(fd, start, end):
+            if run[2]:
+                self._data_runs[fd] = (run[0], run[3])
+            yield run[:3]
 
     def _kernel_copy(self, piece: SourceRange, fd: int, dst: int) -> None:
         """`copy_file_range` loop; where the filesystems cannot do it, read and write through a buffer instead."""
@@ -134,11 +200,23 @@ class Copier:
                 pwrite_all(fd, view, dst)
                 n = len(view)
             elif n == 0:
-                from .errors import SourceError
-
-                raise SourceError(f"{piece.path}: file is shorter than the checkpoint metadata says (wanted bytes "
-                                  f"up to {end}); it is truncated: re-copy or re-upload it")
+                raise _truncated(piece.path, end)
             src, dst = src + n, dst + n
+
+    def _checksummed_copy(self, path: str, src: int, length: int, fd: int, dst: int, crc: int) -> int:
+        """Copy through a small buffer, with the CRC-32 computed on the bytes in flight while they are in the CPU's
+        cache: each byte leaves memory once and arrives once, where a kernel copy plus a checksum pass over the
+        source would read it twice."""
+        buf = getattr(self._local, "step", None)
+        if buf is None:
+            buf = self._local.step = memoryview(bytearray(_CHECKSUM_STEP))
+        while length > 0:
+            step = buf[: min(length, len(buf))]
+            self.reader.readinto(path, src, step)
+            crc = crc32(step, crc)
+            pwrite_all(fd, step, dst)
+            src, dst, length = src + len(step), dst + len(step), length - len(step)
+        return crc
 
     def _buffer(self, nbytes: int) -> memoryview:
         """This thread's reusable slab buffer (valid until its next `stream` step): no page faults per slab."""
@@ -148,12 +226,33 @@ class Copier:
         return memoryview(buf)[:nbytes]
 
     def write_at(self, fd: int, offset: int, entry: TensorEntry, cast_to: str | None = None,
-                 box: Box | None = None) -> None:
-        """Write the bytes of `entry` (or `entry[box]`) into the local file `fd` at `offset`."""
+                 box: Box | None = None, checksum: bool = False) -> int:
+        """Write the bytes of `entry` (or `entry[box]`) into the local file `fd` at `offset`; return their
+        CRC-32 with `checksum` (computed on the bytes in flight, or through the page cache when the kernel
+        copies), else 0."""
+        crc = 0
         for piece in self.pieces(entry, cast_to, box, in_kernel=True):
             if isinstance(piece, SourceRange):
-                self._kernel_copy(piece, fd, offset)
+                crc = self._copy(piece, fd, offset, crc if checksum else None)
                 offset += piece.length
             else:
+                if checksum:
+                    crc = crc32(piece, crc)
                 pwrite_all(fd, piece, offset)
                 offset += len(piece)
+        return crc
+
+    def write_many(self, fd: int, jobs: list[tuple[int, TensorEntry, str | None]], pool: ThreadPoolExecutor,
+                   checksum: bool = False) -> list[int]:
+        """`write_at` for every (offset, entry, cast_to) side by side in `pool`; their CRC-32s with `checksum`.
+
+        Every write has stopped when this returns or raises (the first error; writes not yet started are
+        dropped), so no thread writes to `fd` after its owner closed it."""
+        futures = [pool.submit(self.write_at, fd, offset, entry, cast_to, None, checksum)
+                   for offset, entry, cast_to in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            for future in futures:
+                future.cancel()
+            wait(futures)
+        return [future.result() for future in futures]

@@ -17,12 +17,12 @@ import os
 import shutil
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from . import storage, upload
+from .checksum import crc32
 from .errors import TargetError
 from .names import MANIFEST, WRITING, tmp_prefix
 from .upload import UPLOAD_BLOCK
@@ -39,7 +39,7 @@ class _Checksummed:
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)
         self.size += len(view)
         return len(view)
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import storage
+from .checksum import crc32
 from .copier import Copier
 from .errors import OptionError
 from .output import Output
@@ -107,7 +107,7 @@ def file_crc(out: Output, name: str, size: int, block: int = 8 << 20) -> int:
             n = fh.readinto(view)
             if not n:
                 return crc
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
 
 
 def run_part(part: Any, out: Output, copier: Copier, pool: ThreadPoolExecutor | None,

@@ -23,13 +23,11 @@ Every byte the engine reads from a checkpoint goes through this module, which co
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import stat
 import threading
 import unicodedata
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +46,6 @@ MIN_REQUEST = 256 * 1024
 READ_CHUNK = 8 * 1024 * 1024
 REMOTE_PARALLEL = 4
 _CACHE_BLOCKS = 256  # 64 MiB at most
-_CRC_WINDOW = 64 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
@@ -359,7 +356,6 @@ class RangeReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-        self._maps: dict[str, mmap.mmap] = {}
         self._sizes: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None  # remote range requests in flight (lazily started)
         self.requested = 0  # bytes asked for by the engine (remote files)
@@ -564,36 +560,6 @@ class RangeReader:
         else:
             view[:] = self.read(uri, offset, length)
 
-    def crc32(self, path: str, offset: int, length: int, crc: int = 0) -> int:
-        """CRC-32 of a local file range, read through a mapping of the page cache (no copy into Python).
-
-        Pages are dropped from this process after each window, so its memory stays flat; local files only
-        (remote files are never mapped)."""
-        if length == 0:
-            return crc
-        mapping = self._maps.get(path)
-        if mapping is None:
-            fd = self.fd(path)
-            with self._lock:
-                mapping = self._maps.get(path)
-                if mapping is None:
-                    mapping = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        end = offset + length
-        if end > len(mapping):
-            raise SourceError(f"{path}: file is shorter than the checkpoint metadata says (wanted bytes up to "
-                              f"{end}); it is truncated: re-copy or re-upload it", uri=path)
-        view = memoryview(mapping)
-        try:
-            while offset < end:
-                stop = min(end, offset + _CRC_WINDOW)
-                crc = zlib.crc32(view[offset:stop], crc)
-                page = offset - offset % mmap.PAGESIZE
-                mapping.madvise(mmap.MADV_DONTNEED, page, stop - page)
-                offset = stop
-        finally:
-            view.release()
-        return crc
-
     def _open(self, path: str) -> int:
         return open_file(path, "data file is missing; the checkpoint is incomplete (re-copy or re-upload it)")
 
@@ -602,9 +568,6 @@ class RangeReader:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-            for mapping in self._maps.values():
-                mapping.close()
-            self._maps.clear()
             self._sizes.clear()
             pool, self._pool = self._pool, None
         if pool is not None:

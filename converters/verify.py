@@ -12,7 +12,7 @@ from .consumer import ConsumerResult, check
 from .copier import DEFAULT_MEMORY_LIMIT
 from .index import CheckpointIndex, TensorEntry
 from .storage import RangeReader
-from .tensorio import cast, read_box, slabs
+from .tensorio import cast, compare_slab, read_box, same_bytes, slabs
 from .writers.objects import load_object
 
 
@@ -64,20 +64,24 @@ def _compare(reader: RangeReader, a: TensorEntry, b: TensorEntry, budget: int, a
     exact = a.dtype == b.dtype and atol == 0 and rtol == 0
     worst = 0.0
     equal = True
-    for box in slabs(a.shape, item, budget):
+    boxes = list(slabs(a.shape, item, budget))
+    most = max((dtypes.numel(box[1]) for box in boxes), default=0)
+    # one pair of buffers for every slab of the tensor: no page faults per slab
+    raw_a = memoryview(bytearray(most * dtypes.itemsize(a.dtype)))
+    raw_b = memoryview(bytearray(most * dtypes.itemsize(b.dtype)))
+    for box in boxes:
         n = dtypes.numel(box[1])
-        buf_a = memoryview(bytearray(n * dtypes.itemsize(a.dtype)))
-        buf_b = memoryview(bytearray(n * dtypes.itemsize(b.dtype)))
+        buf_a, buf_b = raw_a[: n * dtypes.itemsize(a.dtype)], raw_b[: n * dtypes.itemsize(b.dtype)]
         read_box(reader, a, box, buf_a)
         read_box(reader, b, box, buf_b)
         if exact:
-            if buf_a != buf_b:
+            if not same_bytes(buf_a, buf_b):
                 equal = False
                 worst = max(worst, _max_diff(buf_a, buf_b, a.dtype, b.dtype))
             continue
         if cast_ok and a.dtype != b.dtype and atol == 0 and rtol == 0:
             # a cast output: the first side cast to the second's dtype must match bit for bit
-            if bytes(cast(buf_a, a.dtype, b.dtype)) != bytes(buf_b):
+            if not same_bytes(cast(buf_a, a.dtype, b.dtype), buf_b):
                 equal = False
                 worst = max(worst, _max_diff(buf_a, buf_b, a.dtype, b.dtype))
             continue
@@ -113,7 +117,7 @@ def verify_indexes(a: CheckpointIndex, b: CheckpointIndex, reader: RangeReader, 
                    rtol: float = 0.0, cast_ok: bool = False,
                    memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
     report = VerifyReport()
-    budget = max(64 * 1024, memory_limit // 4)
+    budget = compare_slab(memory_limit)
     report.missing = sorted(set(a.tensors) - set(b.tensors))
     report.extra = sorted(set(b.tensors) - set(a.tensors))
     for name, ta in a.tensors.items():

@@ -8,9 +8,12 @@ from __future__ import annotations
 import hashlib
 import struct
 import uuid
-import zlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, BinaryIO
+
+from .checksum import crc32
+from .copier import pwrite_all
 
 _ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -23,6 +26,20 @@ def serial_id(base: str | None = None, *names: object) -> str:
     if base is None:
         return uuid.uuid4().hex
     return hashlib.sha256(":".join(map(str, (base, *names))).encode()).hexdigest()[:32]
+
+
+def _descriptor(crc: int, size: int) -> bytes:
+    """The data descriptor after a member's bytes (zip64 sizes for a member of 4 GiB or more)."""
+    return struct.pack("<IIQQ" if size >= _U32 else "<IIII", 0x08074B50, crc, size, size)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A reserved member: its index in the directory, where its bytes go in the file, and how many."""
+
+    entry: int
+    data_at: int
+    size: int
 
 
 class ZipWriter:
@@ -66,14 +83,32 @@ class ZipWriter:
                 self.fh.seek(self.base + self.pos)
                 continue
             view = memoryview(chunk).cast("B")
-            crc = zlib.crc32(view, crc)
+            crc = crc32(view, crc)
             written += len(view)
             self._write(view)
         if written != size:
             raise ValueError(f"member {name}: wrote {written} bytes, expected {size}")
-        zip64 = size >= _U32
-        self._write(struct.pack("<IIQQ" if zip64 else "<IIII", 0x08074B50, crc, size, size))
-        self.entries.append((bname, at, size, crc, zip64 or at >= _U32))
+        self._write(_descriptor(crc, size))
+        self.entries.append((bname, at, size, crc, size >= _U32 or at >= _U32))
+
+    def reserve(self, name: str, size: int) -> Slot:
+        """Lay out a member of known `size` now and leave its bytes to be filled later, by any thread, with
+        `pwrite` at `slot.data_at` (a local file only); `settle(slot, crc)` then writes its descriptor. The
+        archive's bytes are the same as `write_member` writes."""
+        bname = f"{self.archive}/{name}".encode()
+        at = self.pos
+        self._write(self._header(bname, size, at))
+        slot = Slot(len(self.entries), self.base + self.pos, size)
+        self.entries.append((bname, at, size, 0, size >= _U32 or at >= _U32))
+        self.pos += size + len(_descriptor(0, size))
+        self.fh.seek(self.base + self.pos)
+        return slot
+
+    def settle(self, slot: Slot, crc: int) -> None:
+        """The CRC-32 of a reserved member's bytes, once they are written: into its descriptor and directory entry."""
+        bname, at, size, _, zip64 = self.entries[slot.entry]
+        self.entries[slot.entry] = (bname, at, size, crc, zip64)
+        pwrite_all(self.fh.fileno(), _descriptor(crc, size), slot.data_at + size)
 
     def add(self, name: str, data: bytes) -> None:
         self.write_member(name, [data], len(data))

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,13 @@ from converters import (
     tensorio,
     torchzip,
 )
-from converters.copier import SourceRange
+from converters.copier import Copier, SourceRange
 from converters.formats import DETECT_ORDER, FORMATS, reader_class
 from converters.formats.base import check_index
 from converters.index import ByteRange, Chunk, TensorEntry
+from converters.output import open_output
 from converters.storage import RangeReader
+from converters.writers.torchsave import TorchPart
 from converters.zipwriter import ZipWriter
 
 # ----------------------------------------------------------------------------- registry
@@ -301,3 +304,32 @@ def test_progress_callbacks_run_one_at_a_time() -> None:
         t.join()
     assert overlaps[0] == 0
     assert seen == list(range(1, 801))  # each call sees the count of its own step
+
+
+def test_torch_file_filled_in_parallel_equals_the_streamed_one(tmp_path: Path) -> None:
+    """A local torch.save output is laid out first and its records filled side by side; the bytes must be
+    exactly those the one-pass stream writes, every CRC-32 right (zipfile checks them), and torch must load it."""
+    gen = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(257, 33, generator=gen), "b": torch.randn(5, generator=gen).to(torch.bfloat16),
+             "c": torch.arange(12, dtype=torch.int64).reshape(3, 4), "d": torch.tensor(2.5),
+             "e": torch.randn(1000, 7, generator=gen).to(torch.float16)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "src"))
+    index = load_index(str(tmp_path / "src"))
+    written = {}
+    for name, threads in (("parallel.pt", 3), ("streamed.pt", 0)):
+        target = tmp_path / name
+        with RangeReader() as reader, open_output(str(target), False, "torch", single_file=True) as out:
+            part = TorchPart(list(index.tensors.values()), [], None, serial="0" * 32)
+            if threads:
+                with ThreadPoolExecutor(threads) as pool:
+                    part.run(out, Copier(reader), pool)
+            else:
+                part.run(out, Copier(reader), None)
+        written[name] = target.read_bytes()
+    assert written["parallel.pt"] == written["streamed.pt"]
+    with zipfile.ZipFile(tmp_path / "parallel.pt") as archive:
+        assert archive.testzip() is None
+    loaded = torch.load(tmp_path / "parallel.pt", weights_only=True)
+    assert loaded.keys() == state.keys()
+    for key, value in state.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value)

@@ -15,14 +15,12 @@ from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ..client import DEFAULT_SERVER, ServiceClient
 from ..errors import DIFFERENT, ClientError, exit_code
 from ..job_requests import REQUESTS, JobRequest
-from ..jobs import TERMINAL
 from ..units import human
-from .common import AsJson, From, Quiet, app, err, fail, job_command, keyword, out
+from .common import AsJson, From, Quiet, app, err, fail, job_command, keyword, make_table, out
 
 Server = Annotated[str, typer.Option("--server", envvar="CKPT_SERVER", help="Service URL.")]
 Token = Annotated[str | None, typer.Option("--token", envvar="CKPT_TOKEN", show_default=False,
@@ -88,7 +86,7 @@ def follow(client: ServiceClient, job_id: str, quiet: bool) -> dict[str, Any]:
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    with Progress(*columns, console=err.real(), transient=True) as bar:
         task = bar.add_task(job_id, total=None)
 
         def draw(event: str, data: dict[str, Any]) -> None:
@@ -157,7 +155,7 @@ def jobs(state: Annotated[str | None, typer.Option("--state", help="queued, runn
     if as_json:
         out.print_json(json.dumps(page))
         return
-    table = Table("id", "kind", "state", "attempt", "progress", "source", "target")
+    table = make_table("id", "kind", "state", "attempt", "progress", "source", "target")
     for job in page["items"]:
         progress = job.get("progress") or {}
         fraction = progress.get("fraction")
@@ -172,6 +170,8 @@ def status(job_id: str, follow_events: Annotated[bool, typer.Option("--follow", 
                                                                     "ends (live progress bar).")] = False,
            quiet: Quiet = False, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Show a job; with --follow, wait for it to end (exit 1 unless it succeeds)."""
+    from ..jobs import TERMINAL
+
     with connect(server, token) as client:
         job = client.job(job_id)
         if follow_events and job["state"] not in TERMINAL:
@@ -222,7 +222,7 @@ def checkpoints_list(name: Annotated[str | None, typer.Option("--name")] = None,
     if as_json:
         out.print_json(json.dumps(page))
         return
-    table = Table("id", "name", "format", "world size", "size", "tags", "uri")
+    table = make_table("id", "name", "format", "world size", "size", "tags", "uri")
     for c in page["items"]:
         table.add_row(c["id"], c["name"], str(c["format"]), str(c["world_size"]), human(c["total_bytes"] or 0),
                       ",".join(c["tags"]), c["uri"])
@@ -244,7 +244,7 @@ def checkpoints_show(checkpoint_id: Annotated[str, typer.Argument(help="Checkpoi
         print_checkpoint(c)
         print_managed(client, c["id"])
     if tensors:
-        table = Table("name", "dtype", "shape", "chunks")
+        table = make_table("name", "dtype", "shape", "chunks")
         for row in c["summary"].get("tensor_table", []):
             table.add_row(row["name"], row["dtype"], str(row["shape"]), str(row["chunks"]))
         out.print(table)

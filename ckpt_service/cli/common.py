@@ -8,22 +8,54 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, NoReturn, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Union, get_args, get_origin
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 
 from converters import CkptError
 
 from ..errors import exit_code
-from ..job_requests import JobRequest, build, flag_of, plain, problems
+from ..job_requests import JobRequest, build, default_of, flag_of, plain, problems
 from ..units import exact
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Convert, reshard, export and verify sharded PyTorch checkpoints, offline and streaming.")
-out = Console()
-err = Console(stderr=True)
+
+
+class LazyConsole:
+    """A rich Console made on first use, so that rich loads only when a command prints."""
+
+    def __init__(self, stderr: bool = False) -> None:
+        self.stderr = stderr
+        self.made: Console | None = None
+
+    def real(self) -> Console:
+        """The Console itself (for rich objects that take one, such as a Progress)."""
+        if self.made is None:
+            from rich.console import Console
+
+            self.made = Console(stderr=self.stderr)
+        return self.made
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real(), name)
+
+
+out = LazyConsole()
+err = LazyConsole(stderr=True)
+
+
+def make_table(*headers: str) -> Table:
+    """A rich table with these column headers (rich.table loads only when a command prints one)."""
+    from rich.table import Table
+
+    return Table(*headers)
+
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON document.")]
@@ -55,7 +87,7 @@ def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    with Progress(*columns, console=err.real(), transient=True) as bar:
         task = bar.add_task("converting", total=None)
 
         def update(p: Any) -> None:
@@ -88,7 +120,7 @@ def option_parameters(model: type[JobRequest]) -> list[inspect.Parameter]:
     params = []
     for name, info in model.model_fields.items():
         kind = cli_type(info.annotation)
-        default = info.get_default(call_default_factory=True)
+        default = default_of(info)
         if info.is_required():
             value, shown = inspect.Parameter.empty, False
         elif kind is bool:

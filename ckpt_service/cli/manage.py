@@ -7,12 +7,11 @@ import json
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ..client import DEFAULT_SERVER, ServiceClient
 from ..units import human
 from .client import Server, Token, as_uri, checkpoints_app, connect
-from .common import AsJson, app, fail, out
+from .common import AsJson, app, fail, make_table, out
 
 
 def get(client: ServiceClient, path: str, **params: Any) -> Any:
@@ -101,7 +100,7 @@ def runs_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: T
     with connect(server, token) as client:
         rows = get(client, "/v1/runs")
     if not _emit(rows, as_json):
-        table = Table("run", "checkpoints", "latest step", "latest id")
+        table = make_table("run", "checkpoints", "latest step", "latest id")
         for r in rows:
             table.add_row(r["run"], str(r["checkpoints"]), str(r["latest_step"]), str(r["latest_id"]))
         out.print(table)
@@ -114,7 +113,7 @@ def runs_show(run: str, latest: Annotated[bool, typer.Option("--latest", help="O
     with connect(server, token) as client:
         rows = [get(client, f"/v1/runs/{run}/latest")] if latest else get(client, f"/v1/runs/{run}")
     if not _emit(rows[0] if latest else rows, as_json):
-        table = Table("step", "id", "aliases", "rule", "uri")
+        table = make_table("step", "id", "aliases", "rule", "uri")
         for m in rows:
             table.add_row(str(m["step"]), m["checkpoint"]["id"], ",".join(m["aliases"]), str(m["rule_id"] or ""),
                           m["checkpoint"]["uri"])
@@ -206,7 +205,7 @@ def deletions(state: Annotated[str | None, typer.Option("--state", help="pending
     with connect(server, token) as client:
         rows = get(client, "/v1/deletions", state=state, limit=limit)
     if not _emit(rows, as_json):
-        table = Table("when", "state", "uri", "bytes", "policy", "by")
+        table = make_table("when", "state", "uri", "bytes", "policy", "by")
         for d in rows:
             table.add_row(d["planned_at"], d["state"], d["uri"], human(d["bytes"]), d["policy"], d["requested_by"])
         out.print(table)
@@ -249,7 +248,7 @@ def rules_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: 
     with connect(server, token) as client:
         rows = get(client, "/v1/rules")
     if not _emit(rows, as_json):
-        table = Table("id", "name", "paused", "pattern", "job", "triggers")
+        table = make_table("id", "name", "paused", "pattern", "job", "triggers")
         for r in rows:
             job = r["spec"]["job"]
             table.add_row(r["id"], r["spec"]["name"], str(r["paused"]), r["spec"]["pattern"],

@@ -12,7 +12,6 @@ import os
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from converters import VerifyError
 
@@ -20,7 +19,7 @@ from ..errors import DIFFERENT
 from ..executor import engine_call
 from ..job_requests import REQUESTS, InspectRequest, JobRequest
 from ..units import human
-from .common import AsJson, Quiet, app, err, errors, fail, job_command, keyword, out, progress_bar
+from .common import AsJson, Quiet, app, err, errors, fail, job_command, keyword, make_table, out, progress_bar
 
 
 def print_result(result: Any, as_json: bool) -> None:
@@ -58,7 +57,7 @@ def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> 
     for note in info.get("notes", []):
         out.print(f"{'note':>14}: {note}", highlight=False)
     if request.tensors:
-        table = Table("name", "dtype", "shape", "chunks")
+        table = make_table("name", "dtype", "shape", "chunks")
         for row in info["tensor_table"]:
             table.add_row(row["name"], row["dtype"], str(row["shape"]), str(row["chunks"]))
         out.print(table)

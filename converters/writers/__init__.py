@@ -10,9 +10,7 @@ from ..copier import Copier
 from ..index import CheckpointIndex
 from ..output import Output
 from ..plan import Plan
-from .dcp import Piece, plan_dcp
 from .safetensors import plan_safetensors
-from .torchsave import plan_torch
 
 
 class Writer(Protocol):
@@ -27,12 +25,16 @@ def _safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to
 
 def _torch(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
            max_shard_size: int, metadata: dict[str, str]) -> Plan:
+    from .torchsave import plan_torch  # here and in _dcp: the pickle and zip writers load only when used
+
     return plan_torch(index, cast_to=cast_to)
 
 
 def _dcp(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
          max_shard_size: int, metadata: dict[str, str]) -> Plan:
     """One rank holding every tensor whole (`reshard` plans N ranks)."""
+    from .dcp import Piece, plan_dcp
+
     plan = [[Piece(name, entry, ((0,) * len(entry.shape), entry.shape), copier.out_dtype(entry, cast_to))
              for name, entry in index.tensors.items()]]
     return plan_dcp(index, copier, plan, lambda entry: cast_to)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import picklewriter
 from ..errors import FormatError
 from ..index import ObjectEntry
 from ..storage import RangeReader
@@ -24,6 +23,8 @@ def load_object(entry: ObjectEntry, reader: RangeReader) -> Any:
 
 def writable_object(entry: ObjectEntry, reader: RangeReader) -> Any:
     """The value of `entry`, refused by name if it is anything a writer must not pickle."""
+    from .. import picklewriter  # here: reading objects (every command) needs no pickle writer
+
     value = load_object(entry, reader)
     picklewriter.dumps(value, label=f"entry {entry.name!r}")
     return value

@@ -76,9 +76,7 @@ def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cas
         for item in items:
             offsets.append(at)
             at += item.nbytes
-        futures = [pool.submit(copier.write_at, fd, off, item.entry, cast_to) for off, item in zip(offsets, items)]
-        for future in futures:
-            future.result()
+        copier.write_many(fd, [(off, item.entry, cast_to) for off, item in zip(offsets, items)], pool)
         os.ftruncate(fd, total)
     out.record(name, total)
 

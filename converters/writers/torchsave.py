@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ class TorchPart:
     def nbytes(self) -> int:
         return sum(entry.nbytes for entry in self.tensors)
 
-    def run(self, out: Output, copier: Copier, pool: object = None) -> None:
+    def run(self, out: Output, copier: Copier, pool: ThreadPoolExecutor | None = None) -> None:
         pairs: list[tuple[tuple[str, ...], Any]] = []
         storages = []
         for i, entry in enumerate(self.tensors):
@@ -64,9 +65,20 @@ class TorchPart:
         with out.open(self.name) as fh:
             zw = ZipWriter(fh, archive="archive", start=0)
             zw.add("data.pkl", picklewriter.dumps(root))
-            for key, entry, dtype in storages:
-                zw.write_member(f"data/{key}", copier.pieces(entry, self.cast_to, in_kernel=out.local),
-                                dtypes.numel(entry.shape) * dtypes.itemsize(dtype), copier.copy_range)
+            sizes = [dtypes.numel(entry.shape) * dtypes.itemsize(dtype) for _, entry, dtype in storages]
+            if out.local and pool is not None:
+                # a local file: lay every record out first, then fill them side by side (as safetensors does)
+                slots = [zw.reserve(f"data/{key}", size) for (key, _, _), size in zip(storages, sizes)]
+                fh.flush()
+                crcs = copier.write_many(fh.fileno(), [(slot.data_at, entry, self.cast_to)
+                                                       for slot, (_, entry, _) in zip(slots, storages)],
+                                         pool, checksum=True)
+                for slot, crc in zip(slots, crcs):
+                    zw.settle(slot, crc)
+            else:  # a stream (object storage): records in order
+                for (key, entry, _), size in zip(storages, sizes):
+                    zw.write_member(f"data/{key}", copier.pieces(entry, self.cast_to, in_kernel=out.local), size,
+                                    copier.copy_range)
             zw.add_torch_records(self.serial)
             zw.close()
 

@@ -1,0 +1,133 @@
+"""Start-up: each `ckptctl` command imports only what it runs (structural, not timed).
+
+The real CLI entry runs in a fresh interpreter on a tiny checkpoint made here with torch's own savers, then
+reports what it imported: no torch on the offline paths of DCP and safetensors input (the closed unpickler
+reads them), nothing of the service (HTTP app, job store, job models), and for an offline command none of
+the other command modules. A heavy top-level import added anywhere on these paths fails here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+import typer.main
+
+from ckpt_service.cli import OFFLINE_COMMANDS, app
+
+#: never imported by an offline command on DCP or safetensors input, nor by `--help` (top-level packages)
+HEAVY = {"torch", "numpy", "ml_dtypes", "safetensors", "fastapi", "starlette", "uvicorn", "httpx", "psycopg",
+         "ray", "api", "sqlite3", "pydantic_settings", "prometheus_client"}
+#: the service side of ckpt_service: job models, store, registry, server and workers
+SERVICE = {"ckpt_service.jobs", "ckpt_service.store", "ckpt_service.registry", "ckpt_service.service",
+           "ckpt_service.worker", "ckpt_service.settings", "ckpt_service.auth", "ckpt_service.webhooks",
+           "ckpt_service.catalog"}
+#: what an offline command with -q leaves alone on top: the other command modules, progress bars, rich help
+NOT_OFFLINE = {"ckpt_service.cli.client", "ckpt_service.cli.manage", "ckpt_service.cli.service", "rich.progress",
+               "typer.rich_utils"}
+
+#: the torch and DCP writers (pickle and zip), which an export to safetensors never loads
+OTHER_WRITERS = {"converters.picklewriter", "converters.zipwriter", "converters.writers.dcp",
+                 "converters.writers.torchsave"}
+
+RUN = """
+import json, sys
+sys.argv = ["ckptctl", *json.loads(sys.argv[1])]
+from ckpt_service.cli import common, main
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+import typer.main
+print(json.dumps({"code": code, "modules": sorted(sys.modules),
+                  "commands": sorted(typer.main.get_command(common.app).commands)}))
+"""
+
+
+def run_cli(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(args)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def heavy_in(modules: list[str]) -> list[str]:
+    return [m for m in modules if m.split(".")[0] in HEAVY or m in SERVICE]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """A DCP checkpoint (model and optimizer state) and a safetensors file of the same weights."""
+    root = tmp_path_factory.mktemp("startup")
+    weights = {"layer.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+               "layer.bias": torch.tensor([0.5, -1.5, 2.25])}
+    state = {"model": dict(weights), "optim": {"state": {"layer.weight": {"step": torch.tensor(1.0),
+                                                                          "exp_avg": torch.ones(3, 4)}}}}
+    dcp.save(state, checkpoint_id=str(root / "dcp"))
+    safetensors.torch.save_file(weights, str(root / "model.safetensors"))
+    return root / "dcp", root / "model.safetensors", weights
+
+
+def test_export_loads_only_the_offline_commands_and_no_torch(tiny: tuple[Path, Path, dict], tmp_path: Path) -> None:
+    src, _, weights = tiny
+    got = run_cli("export", str(src), str(tmp_path / "out"), "-q")
+    assert got["code"] == 0
+    assert heavy_in(got["modules"]) == []
+    assert [m for m in got["modules"] if m in NOT_OFFLINE] == []
+    assert set(got["commands"]) == OFFLINE_COMMANDS  # main registered offline's commands, and only those
+    assert [m for m in got["modules"] if m in OTHER_WRITERS] == []  # a safetensors output needs no pickle writer
+    assert "ckpt_service.cli.offline" in got["modules"]
+    out = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(out) == sorted(weights)
+    assert all(torch.equal(out[name], tensor) for name, tensor in weights.items())
+
+
+@pytest.mark.parametrize("command", [
+    ("inspect", "{dcp}"),
+    ("convert", "{dcp}", "{out}/model.safetensors", "-q"),
+    ("convert", "{dcp}", "{out}/model.pt", "--to", "torch", "-q"),
+    ("reshard", "{dcp}", "{out}/dcp3", "--world-size", "3", "-q"),
+    ("export", "{st}", "{out}/export", "-q"),
+    ("inspect", "{st}", "--json"),
+])
+def test_offline_commands_import_no_torch_nor_service(command: tuple[str, ...], tiny: tuple[Path, Path, dict],
+                                                      tmp_path: Path) -> None:
+    src, st, _ = tiny
+    args = [arg.format(dcp=src, st=st, out=tmp_path) for arg in command]
+    got = run_cli(*args)
+    assert got["code"] == 0, args
+    assert heavy_in(got["modules"]) == []
+    assert [m for m in got["modules"] if m in NOT_OFFLINE] == []
+    assert "ckpt_service.cli.offline" in got["modules"]
+
+
+def test_help_lists_every_command_without_the_service_stack() -> None:
+    got = run_cli("--help")
+    assert got["code"] == 0
+    assert heavy_in(got["modules"]) == []
+    assert got["commands"] == sorted(typer.main.get_command(app).commands)  # every command, as the package has them
+    assert {"submit", "jobs", "serve", "worker", "checkpoints"} | OFFLINE_COMMANDS <= set(got["commands"])
+    assert {"ckpt_service.cli.client", "ckpt_service.cli.manage", "ckpt_service.cli.service"} <= set(got["modules"])
+
+
+def test_importing_converters_loads_only_its_errors() -> None:
+    code = "import sys, converters; print(sorted(m for m in sys.modules if m.startswith('converters')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.strip() == "['converters', 'converters.errors']"
+
+
+def test_converters_public_names_resolve_and_functions_win_over_submodules() -> None:
+    import converters.reshard  # binds the submodules on the package, the way any importer would
+    import converters.verify
+    from converters import api, formats
+
+    assert converters.reshard is sys.modules["converters.reshard"].reshard and converters.verify is api.verify
+    assert converters.inspect is api.inspect and converters.READERS is formats.READERS
+    assert all(getattr(converters, name) is not None for name in converters.__all__)
+    assert set(converters.__all__) <= set(dir(converters))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        converters.nothing  # noqa: B018
