@@ -163,6 +163,8 @@ class MultipartWriter:
     async def _part(self, number: int, body: bytes) -> dict[str, Any]:
         assert self.create is not None
         upload_id = await asyncio.wrap_future(self.create)
+        if self.discarded:  # the upload is being aborted: sending the part would only fail (and be retried)
+            raise RuntimeError(f"{self.key}: upload discarded")
         reply = await self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
                                        PartNumber=number, Body=body)
         return {"PartNumber": number, "ETag": reply["ETag"]}
