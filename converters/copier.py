@@ -9,6 +9,7 @@ with `pwrite` at known offsets, so independent tensors can be written by several
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from .tensorio import Box, cast, direct_ranges, read_box, slabs
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
 _COPY_STEP = 1 << 30
-_CHECKSUM_STEP = 256 * 1024  # fits in a core's L2 cache
+_CRC_WINDOW = 8 << 20  # bytes mapped at a time to checksum a range
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
@@ -105,6 +106,8 @@ class Copier:
         self.slab_bytes = max(64 * 1024, memory_limit // (3 * self.threads))
         self._direct = hasattr(os, "copy_file_range")
         self._local = threading.local()
+        self._file_locks: dict[int, threading.Lock] = {}  # output fd -> its writers' turn
+        self._locks_lock = threading.Lock()
         self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
@@ -141,8 +144,8 @@ class Copier:
         yield from self.stream(entry, cast_to, box)
 
     def copy_range(self, piece: SourceRange, fd: int, dst: int, crc: int = 0) -> int:
-        """Copy `piece` into `fd` at `dst`; return `crc` extended over it (on the bytes in flight; over a hole,
-        computed without reading)."""
+        """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (read from the page cache
+        through a short mapping, not copied; over a hole, computed without reading)."""
         return self._copy(piece, fd, dst, crc)
 
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None) -> int:
@@ -157,15 +160,13 @@ class Copier:
         for start, stop, is_data in self._runs(src_fd, piece.offset, end):
             last_is_hole = not is_data
             if is_data:
-                if crc is None:
-                    self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
-                else:
-                    crc = self._checksummed_copy(piece.path, start, stop - start, fd, dst + start - piece.offset,
-                                                 crc)
+                if crc is not None:
+                    crc = self._mapped_crc(piece.path, start, stop - start, crc)
+                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
             elif crc is not None:
                 crc = crc32_zeros(stop - start, crc)
         if last_is_hole:
-            pwrite_all(fd, b"\0", dst + piece.length - 1)
+            self._pwrite(fd, b"\0", dst + piece.length - 1)
         return crc or 0
 
     def _runs(self, fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
@@ -180,6 +181,20 @@ class Copier:
                 self._data_runs[fd] = (run[0], run[3])
             yield run[:3]
 
+    def _turn(self, fd: int) -> threading.Lock:
+        """The lock that writers of output `fd` take in turn. The kernel writes to one file one writer at a time
+        anyway (ext4, xfs: the inode lock), and writers that wait for it there spin on CPU; waiting here sleeps.
+        Reads, casts and checksums still run side by side."""
+        lock = self._file_locks.get(fd)
+        if lock is None:
+            with self._locks_lock:
+                lock = self._file_locks.setdefault(fd, threading.Lock())
+        return lock
+
+    def _pwrite(self, fd: int, data: memoryview | bytes, offset: int) -> None:
+        with self._turn(fd):
+            pwrite_all(fd, data, offset)
+
     def _kernel_copy(self, piece: SourceRange, fd: int, dst: int) -> None:
         """`copy_file_range` loop; where the filesystems cannot do it, read and write through a buffer instead."""
         src_fd = self.reader.fd(piece.path)
@@ -189,7 +204,8 @@ class Copier:
             n = -1
             if self._direct:
                 try:
-                    n = os.copy_file_range(src_fd, fd, step, src, dst)
+                    with self._turn(fd):
+                        n = os.copy_file_range(src_fd, fd, step, src, dst)
                 except OSError as exc:
                     if exc.errno not in _NO_COPY_RANGE:
                         raise
@@ -197,25 +213,25 @@ class Copier:
             if n < 0:
                 view = self._buffer(min(step, self.slab_bytes))
                 self.reader.readinto(piece.path, src, view)
-                pwrite_all(fd, view, dst)
+                self._pwrite(fd, view, dst)
                 n = len(view)
             elif n == 0:
                 raise _truncated(piece.path, end)
             src, dst = src + n, dst + n
 
-    def _checksummed_copy(self, path: str, src: int, length: int, fd: int, dst: int, crc: int) -> int:
-        """Copy through a small buffer, with the CRC-32 computed on the bytes in flight while they are in the CPU's
-        cache: each byte leaves memory once and arrives once, where a kernel copy plus a checksum pass over the
-        source would read it twice."""
-        buf = getattr(self._local, "step", None)
-        if buf is None:
-            buf = self._local.step = memoryview(bytearray(_CHECKSUM_STEP))
-        while length > 0:
-            step = buf[: min(length, len(buf))]
-            self.reader.readinto(path, src, step)
-            crc = crc32(step, crc)
-            pwrite_all(fd, step, dst)
-            src, dst, length = src + len(step), dst + len(step), length - len(step)
+    def _mapped_crc(self, path: str, offset: int, length: int, crc: int) -> int:
+        """CRC-32 of a local file range, read through the page cache without a copy: each window is its own
+        short mapping, unmapped at once, so no page stays in this process's RSS and threads never unmap each
+        other's pages. (Reading into a buffer instead costs a second memory copy of every byte.)"""
+        fd = self.reader.fd(path)
+        end = offset + length
+        while offset < end:
+            low = offset - offset % mmap.ALLOCATIONGRANULARITY
+            high = min(end, low + _CRC_WINDOW)
+            with mmap.mmap(fd, high - low, access=mmap.ACCESS_READ, offset=low) as mapping, \
+                    memoryview(mapping) as view:
+                crc = crc32(view[offset - low:], crc)
+            offset = high
         return crc
 
     def _buffer(self, nbytes: int) -> memoryview:
@@ -238,7 +254,7 @@ class Copier:
             else:
                 if checksum:
                     crc = crc32(piece, crc)
-                pwrite_all(fd, piece, offset)
+                self._pwrite(fd, piece, offset)
                 offset += len(piece)
         return crc
 
