@@ -26,7 +26,7 @@ from .tensorio import Box, cast, direct_ranges, read_box, slabs
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
 _COPY_STEP = 1 << 30
-_CRC_WINDOW = 8 << 20  # bytes mapped at a time to checksum a range
+_CRC_WINDOW = 2 << 20  # bytes mapped at a time to checksum a range
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
