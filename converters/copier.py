@@ -2,8 +2,10 @@
 
 Uncast local-to-local copies of whole-row chunks go through `os.copy_file_range`, so the bytes
 never enter Python, and skip the holes of a sparse source (the output stays sparse; a CRC is extended
-over a hole without reading it); everything else is read in slabs of at most `slab_bytes` and written
-with `pwrite` at known offsets, so independent tensors can be written by several threads at once.
+over a hole without reading it); where a CRC is needed (zip records), it is read through short
+per-window mappings of the source. Everything else is read in slabs of at most `slab_bytes` and written
+with `pwrite` at known offsets, so independent tensors can be written by several threads at once; the
+writes into one output file take turns (the kernel serialises them anyway).
 """
 
 from __future__ import annotations
