@@ -21,6 +21,7 @@ from typing import Any
 
 from . import storage
 from .copier import Copier, Progress
+from .env import positive_int
 from .errors import CkptError, TargetError
 from .output import Output
 from .plan import PartResult, Plan, greedy_groups, run_part
@@ -178,7 +179,7 @@ def run_ray(plan: Plan, out: Output, copier: Copier, address: str) -> list[PartR
     from ray.exceptions import RayError, RayTaskError
 
     memory_limit = copier.memory_limit
-    part_bytes = int(os.environ.get(PART_BYTES_ENV, "") or DEFAULT_PART_BYTES)
+    part_bytes = positive_int(PART_BYTES_ENV, DEFAULT_PART_BYTES, "bytes")
     task = ray.remote(run_batch).options(num_cpus=1, memory=memory_limit, scheduling_strategy="SPREAD",
                                          max_retries=MAX_RETRIES, retry_exceptions=[OSError])
     sink, run = _progress_sink(ray), uuid.uuid4().hex  # if the sink is lost, progress stops, not the job

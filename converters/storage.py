@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from functools import lru_cache, partial, wraps
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from .env import positive_int
 from .errors import CkptError, FormatError, OptionError, SourceError, TargetError
 from .names import MANIFEST, WRITING, tmp_prefix
 
@@ -60,16 +61,7 @@ _roots: list[str] | None = None
 
 def max_metadata_bytes() -> int:
     """The cap on every whole-file read (metadata, index JSON, zip directory, pickles): CKPT_MAX_METADATA_BYTES."""
-    text = os.environ.get(MAX_METADATA_ENV, "").strip()
-    if not text:
-        return DEFAULT_MAX_METADATA
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise OptionError(f"{MAX_METADATA_ENV}={text!r}: give a positive number of bytes")
-    return value
+    return positive_int(MAX_METADATA_ENV, DEFAULT_MAX_METADATA, "bytes")
 
 
 def confine_reads(roots: list[str] | None) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from concurrent.futures import Executor, Future
@@ -34,18 +33,9 @@ SETTLE_S = 60.0  # bound on waiting for requests in flight before aborting
 
 def parallel() -> int:
     """Parts in flight per output: CKPT_UPLOAD_PARALLEL, default 4."""
-    text = os.environ.get(PARALLEL_ENV, "").strip()
-    if not text:
-        return DEFAULT_PARALLEL
-    from .errors import OptionError
+    from .env import positive_int
 
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise OptionError(f"{PARALLEL_ENV}={text!r}: give a positive number of parts")
-    return value
+    return positive_int(PARALLEL_ENV, DEFAULT_PARALLEL, "parts")
 
 
 def supports(fs: Any) -> bool:
