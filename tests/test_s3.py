@@ -377,12 +377,18 @@ def test_listing_is_fresh_after_another_process_finishes(s3: S3, dcp: Sample) ->
     assert load_index(s3.uri("run/step_1")).tensors
 
 
-def test_cancelled_upload_removes_what_it_uploaded(s3: S3, big: Path) -> None:
+def test_cancelled_upload_removes_what_it_uploaded(s3: S3, big: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the (single, multipart) output is being uploaded: exit 130 and an empty prefix."""
     target = s3.uri("exports/cancelled")
+    # one part in flight, and the process stopped the moment the marker is seen: the whole 50 MB upload
+    # takes well under a second, which a busy machine could spend before the listing answers
+    monkeypatch.setenv("CKPT_UPLOAD_PARALLEL", "1")
     with running_ckptctl("export", str(big), target, "--quiet") as proc:
         wait_until(lambda: MARKER in s3.keys("exports/cancelled"), proc, "the marker")
+        proc.send_signal(signal.SIGSTOP)
+        assert MANIFEST not in s3.keys("exports/cancelled"), "the export finished before it could be interrupted"
         proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
         assert proc.wait(timeout=WAIT) == 130
         assert "nothing was left behind" in (proc.stderr.read() if proc.stderr else "")
     assert s3.keys("exports/cancelled") == []
