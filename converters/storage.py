@@ -29,8 +29,8 @@ import stat
 import threading
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import lru_cache, partial, wraps
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -46,10 +46,17 @@ MIN_REQUEST = 256 * 1024
 #: (one pool per reader, shared by its threads), straight into the caller's buffer.
 READ_CHUNK = 8 * 1024 * 1024
 REMOTE_PARALLEL = 4
+#: Index reads of many small remote pieces (a DCP record's header each) run this many at a time: each waits
+#: on a round trip, not on the CPU.
+INDEX_PARALLEL = 16
 _CACHE_BLOCKS = 256  # 64 MiB at most
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_T = TypeVar("_T")
 
 READ_ROOTS_ENV = "CKPT_CONFINE_READS"
 MAX_METADATA_ENV = "CKPT_MAX_METADATA_BYTES"
@@ -307,6 +314,20 @@ def _too_big(uri: str, cap: int) -> FormatError:
                        f"what its name says (if it is genuine, raise {MAX_METADATA_ENV})")
 
 
+def map_reads(fn: Callable[[_T], _R], items: Sequence[_T], remote: bool) -> list[_R]:
+    """`[fn(item) for item in items]`, with up to `INDEX_PARALLEL` calls side by side when their reads are
+    `remote` (each is mostly a round trip); results in order, and the first failure in order is raised."""
+    if not remote or len(items) < 2:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(INDEX_PARALLEL, len(items)), thread_name_prefix="ckpt-index") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()
+
+
 def read_all(uri: str, cap: int | None = None) -> bytes:
     """Read a whole metadata file, refusing one larger than `cap` (default `max_metadata_bytes()`).
 
@@ -348,6 +369,7 @@ class RangeReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._pending: dict[tuple[str, int], Future[bytes]] = {}  # blocks being fetched
         self._sizes: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None  # remote range requests in flight (lazily started)
         self.requested = 0  # bytes asked for by the engine (remote files)
@@ -418,17 +440,7 @@ class RangeReader:
         out = bytearray()
         block = offset // MIN_REQUEST
         while len(out) < length:
-            key = (uri, block)
-            with self._lock:
-                data = self._blocks.get(key)
-                if data is not None:
-                    self._blocks.move_to_end(key)
-            if data is None:
-                data = self._fetch(uri, block * MIN_REQUEST, (block + 1) * MIN_REQUEST)
-                with self._lock:
-                    self._blocks[key] = data
-                    while len(self._blocks) > _CACHE_BLOCKS:
-                        self._blocks.popitem(last=False)
+            data = self._block(uri, block)
             lo = offset + len(out) - block * MIN_REQUEST
             piece = data[lo: lo + length - len(out)]
             if not piece:
@@ -436,6 +448,36 @@ class RangeReader:
             out += piece
             block += 1
         return bytes(out)
+
+    def _block(self, uri: str, block: int) -> bytes:
+        """One aligned `MIN_REQUEST` block, from the cache or fetched; threads that want a block being fetched
+        wait for that request instead of sending their own (index reads run side by side, `map_reads`)."""
+        key = (uri, block)
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is not None:
+                self._blocks.move_to_end(key)
+                return data
+            pending = self._pending.get(key)
+            mine = pending is None
+            if pending is None:
+                pending = self._pending[key] = Future()
+        if not mine:
+            return pending.result()
+        try:
+            data = self._fetch(uri, block * MIN_REQUEST, (block + 1) * MIN_REQUEST)
+        except BaseException as exc:
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:
+            del self._pending[key]
+            self._blocks[key] = data
+            while len(self._blocks) > _CACHE_BLOCKS:
+                self._blocks.popitem(last=False)
+        pending.set_result(data)
+        return data
 
     def _remote_into(self, uri: str, offset: int, view: memoryview) -> None:
         """Fill `view` with a large remote range (see `_fetches`)."""
@@ -601,8 +643,6 @@ def io_errors(source: str, target: str) -> Iterator[None]:
         raise TargetError(f"{target}: {exc.strerror or exc}", uri=target) from None
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 def with_io_errors(fn: Callable[Concatenate[str, str, _P], _R]) -> Callable[Concatenate[str, str, _P], _R]:

@@ -11,6 +11,7 @@ are made with torch.distributed.checkpoint.save in this process; part sizes are 
 from __future__ import annotations
 
 import random
+import threading
 import time
 import warnings
 import zlib
@@ -24,6 +25,7 @@ import torch
 from converters import storage, upload
 from converters.api import ConvertOptions, convert
 from converters.errors import TargetError
+from converters.formats import load_index
 from converters.output import open_output
 
 from .s3server import S3, s3_fixture, s3_server_fixture  # noqa: F401  (fixtures s3 and s3_server)
@@ -166,6 +168,71 @@ def test_large_read_reuses_blocks_fetched_for_small_reads(s3: S3) -> None:
         assert bytes(view) == data[1030: 1030 + 5 * block]
         assert (reader.requests, reader.fetched) == (3, 2 * block + 4 * block)
         assert reader.requested == 60 + 5 * block
+
+
+class CountingReader(storage.RangeReader):
+    """A RangeReader that records the most remote requests it had in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.peak = 0
+        self._count = threading.Lock()
+
+    def _fetch(self, uri: str, start: int, end: int) -> bytes:
+        with self._count:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            time.sleep(0.02)  # a round trip's worth, so that overlapping requests do overlap
+            return super()._fetch(uri, start, end)
+        finally:
+            with self._count:
+                self.in_flight -= 1
+
+
+def test_threads_that_want_one_block_send_one_request(s3: S3) -> None:
+    """Index reads run side by side: threads that miss the same block wait for one request."""
+    data = payload(2 * storage.MIN_REQUEST, 6)
+    s3.client.put_object(Bucket=s3.bucket, Key="src/blob", Body=data)
+    uri = s3.uri("src/blob")
+    start = threading.Barrier(8)
+    got: dict[int, bytes] = {}
+
+    def read(i: int) -> None:
+        start.wait()
+        got[i] = reader.read(uri, 100 * i, 50)
+
+    with CountingReader() as reader:
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert got == {i: data[100 * i: 100 * i + 50] for i in range(8)}
+        assert (reader.requests, reader.fetched) == (1, storage.MIN_REQUEST)
+
+
+def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path) -> None:
+    """Each DCP record's header is one small read: from object storage they are sent several at a time, and
+    the index is the local one's, chunk for chunk."""
+    import torch.distributed.checkpoint as dist_cp
+
+    path = tmp_path / "dcp"
+    generator = torch.Generator().manual_seed(1)
+    state = {f"layers.{i}.weight": torch.randn(64, 1024, generator=generator) for i in range(12)}  # 256 KiB each
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist_cp.save(state, checkpoint_id=str(path))
+    src = s3.upload(path, "many")
+    local = load_index(str(path))
+    with CountingReader() as reader:
+        remote = load_index(src, reader=reader)
+    assert reader.peak > 1
+    assert list(remote.tensors) == list(local.tensors)
+    for name, entry in local.tensors.items():
+        assert [(c.offsets, c.sizes, c.data.offset, c.data.length) for c in remote.tensors[name].chunks] == \
+            [(c.offsets, c.sizes, c.data.offset, c.data.length) for c in entry.chunks]
 
 
 @pytest.fixture(scope="module")

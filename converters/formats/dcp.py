@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from .. import dtypes, storage
@@ -119,10 +120,10 @@ class DcpReader(BaseReader):
                 if info is None:
                     raise FormatError(f"{self.where}: no storage entry for chunk {offsets} of "
                                       f"{name!r}; metadata is damaged", uri=self.where)
-                record = self._record(info, sizes, name)
-                data = self._locate(record, entry, sizes_) if locate else record
-                entry.chunks.append(Chunk(offsets, sizes_, data))
+                entry.chunks.append(Chunk(offsets, sizes_, self._record(info, sizes, name)))
             index.tensors[name] = entry
+        if locate:
+            self._locate_all(list(index.tensors.values()))
         planner_data = md.get("planner_data")
         if isinstance(planner_data, dict):
             items: list[TensorEntry | ObjectEntry] = [*index.tensors.values(), *index.objects.values()]
@@ -175,6 +176,16 @@ class DcpReader(BaseReader):
                               f"{name!r} at bytes {offset}..{offset + length}; the file is truncated "
                               "(re-copy or re-upload it)")
         return ByteRange(storage.join(self.uri, rel), offset, length)
+
+    def _locate_all(self, entries: list[TensorEntry]) -> None:
+        """Point every chunk at its tensor's bytes inside its record (a torch.save archive each); the
+        records' headers are read side by side from remote storage."""
+        jobs = [(entry, chunk) for entry in entries for chunk in entry.chunks]
+        found = storage.map_reads(lambda job: self._locate(job[1].data, job[0], job[1].sizes), jobs,
+                                  remote=not storage.is_local(self.uri))
+        located = iter(found)
+        for entry in entries:
+            entry.chunks = [replace(chunk, data=next(located)) for chunk in entry.chunks]
 
     def _locate(self, record: ByteRange, entry: TensorEntry, sizes: tuple[int, ...]) -> ByteRange:
         label = f"{record.uri}@{record.offset}"
