@@ -235,6 +235,26 @@ def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path) -> 
             [(c.offsets, c.sizes, c.data.offset, c.data.length) for c in entry.chunks]
 
 
+def test_safetensors_shard_headers_are_read_side_by_side(s3: S3, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    want = {f"w{i}": torch.full((8, 8), float(i)) for i in range(6)}
+    for i in range(6):
+        save_file({f"w{i}": want[f"w{i}"]}, str(folder / f"model-{i + 1:05d}-of-00006.safetensors"))
+    src = s3.upload(folder, "shards")
+    with CountingReader() as reader:
+        index = load_index(src, reader=reader)
+    assert reader.peak > 1
+    assert sorted(index.tensors) == sorted(want)
+    convert(src, str(tmp_path / "out.safetensors"))
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "out.safetensors"))
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items()) and got.keys() == want.keys()
+
+
 @pytest.fixture(scope="module")
 def dcp_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DCP checkpoint of ~24 MiB (torch.distributed.checkpoint.save in one process)."""

@@ -125,8 +125,9 @@ class SafetensorsReader(BaseReader):
         index = CheckpointIndex(uri=self.uri, format=self.format, producer="safetensors",
                                 files=[storage.basename(f) for f in files])
         sharded = False
-        for path in files:
-            header, data_start = read_header(self.reader, path)
+        headers = storage.map_reads(lambda path: read_header(self.reader, path), files,
+                                    remote=not storage.is_local(self.uri))
+        for path, (header, data_start) in zip(files, headers):
             saved = _metadata(path, header)
             sharded = sharded or bool(saved)
             spans = []
