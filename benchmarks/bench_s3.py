@@ -11,7 +11,11 @@ interleaved:
   library the engine uses): ranged GETs of one part each, multipart uploads of `UPLOAD_BLOCK` parts, the
   engine's concurrency (REMOTE_PARALLEL reads and upload.parallel() parts in flight), no server-side copy;
 - `export` (safetensors, uncast) and `reshard` (world size 4 -> 3): local -> local (the reference),
-  S3 -> S3, S3 -> local and local -> S3.
+  S3 -> S3, S3 -> local and local -> S3;
+- `index +20ms serial` / `index +20ms parallel`: the DCP index read from S3 with 20 ms added before every
+  request (loopback has no round trip; S3's time to first byte is 20-50 ms), one read at a time and the
+  engine's `storage.INDEX_PARALLEL` at a time; both must give the same located chunks (their MB/s and
+  "x copy" columns mean nothing).
 
 Each run is a worker subprocess that times only the engine call (`converters.api.convert` /
 `converters.reshard.reshard`; interpreter start-up and imports are not counted) and reports the engine's
@@ -54,7 +58,9 @@ sys.path.insert(0, str(ROOT))
 
 MANIFEST = "ckpt-manifest.json"
 ROUTES = ("local-local", "s3-s3", "s3-local", "local-s3")
-CASES = ("copy", *(f"export {r}" for r in ROUTES), *(f"reshard {r}" for r in ROUTES))
+LATENCY_S = 0.02  # the index cases' time to first byte, as on S3 (loopback has none)
+INDEX_CASES = {"index +20ms serial": 1, "index +20ms parallel": None}  # index reads at a time (None: the engine's)
+CASES = ("copy", *(f"export {r}" for r in ROUTES), *(f"reshard {r}" for r in ROUTES), *INDEX_CASES)
 TARGET_RATIO = 0.8
 TARGET_FETCH = 1.05
 BUCKET = "bench"
@@ -81,12 +87,29 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     fixed = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=0x5EED))  # DCP's random ids, pinned
     converters.writers.dcp.uuid = fixed  # type: ignore[attr-defined]
     converters.zipwriter.uuid = fixed  # type: ignore[attr-defined]
-    reader = storage.RangeReader()
+    class Delayed(storage.RangeReader):
+        """Every remote request waits `LATENCY_S` first, as S3's time to first byte."""
+
+        def _fetch(self, uri: str, start: int, end: int) -> bytes:
+            time.sleep(LATENCY_S)
+            return super()._fetch(uri, start, end)
+
+    reader = Delayed() if job["op"] == "index" else storage.RangeReader()
+    if job.get("parallel"):
+        storage.INDEX_PARALLEL = job["parallel"]
+    digest = ""
     before = rss_mb()
     cpu = time.process_time()
     start = time.perf_counter()
     if job["op"] == "copy":
         copy_objects(job["source"], job["target"])
+    elif job["op"] == "index":
+        from converters.formats import load_index
+
+        index = load_index(job["source"], reader=reader)
+        located = sorted((name, c.offsets, c.data.uri, c.data.offset, c.data.length)
+                         for name, entry in index.tensors.items() for c in entry.chunks)
+        digest = hashlib.sha256(repr(located).encode()).hexdigest()
     elif job["op"] == "export":
         convert(job["source"], job["target"], ConvertOptions(overwrite=True), reader=reader)
     else:
@@ -97,7 +120,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
     return {"seconds": seconds, "cpu_s": cpu, "rss_before_mb": before, "rss_peak_mb": peak,
             "rss_added_mb": peak - before, "fetched": reader.fetched, "requested": reader.requested,
-            "requests": reader.requests}
+            "requests": reader.requests, "digest": digest}
 
 
 def copy_objects(source: str, target: str) -> None:
@@ -204,10 +227,12 @@ def run_case(case: str, sample: Path, scratch: Path, server_pid: int) -> dict[st
     run = uuid.uuid4().hex[:8]
     if op == "copy":
         source, target = f"s3://{BUCKET}/{SOURCE}", f"s3://{BUCKET}/copies/{run}"
+    elif op == "index":
+        source, target = f"s3://{BUCKET}/{SOURCE}", ""
     else:
         source = f"s3://{BUCKET}/{SOURCE}" if route.startswith("s3") else str(sample)
         target = f"s3://{BUCKET}/out/{run}" if route.endswith("s3") else str(scratch / f"out-{run}")
-    job = {"op": op, "source": source, "target": target}
+    job = {"op": op, "source": source, "target": target, "parallel": INDEX_CASES.get(case)}
     server_cpu = process_cpu(server_pid)
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
                           timeout=3600)
@@ -298,17 +323,19 @@ def main() -> int:
         source_digests = local_digests(sample)
 
         scratch = Path(tmp)
-        reference: dict[str, dict[str, tuple[int, str]]] = {}
+        reference: dict[str, Any] = {}
         runs: list[dict[str, Any]] = []
         for repeat in range(args.repeats):
             for case in cases:
                 assert server.proc is not None
                 row = run_case(case, sample, scratch, server.proc.pid)
                 target = row.pop("target")
+                digest = row.pop("digest")
                 prefix = target.split("/", 3)[3] if target.startswith("s3://") else ""
-                got = s3_digests(client, prefix) if prefix else local_digests(Path(target))
                 op = case.split()[0]
-                want = source_digests if op == "copy" else reference.setdefault(op, got)  # local-local first
+                got: Any = digest if op == "index" else s3_digests(client, prefix) if prefix else local_digests(
+                    Path(target))
+                want = source_digests if op == "copy" else reference.setdefault(op, got)  # the first run of op
                 row["identical"] = got == want
                 row["repeat"] = repeat + 1
                 runs.append(row)
@@ -316,7 +343,7 @@ def main() -> int:
                       f"{'' if row['identical'] else '  OUTPUT DIFFERS'}", flush=True)
                 if prefix:
                     s3_delete(client, prefix)
-                else:
+                elif target:
                     shutil.rmtree(target)
     load_after = os.getloadavg()
 
