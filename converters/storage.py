@@ -643,8 +643,6 @@ def io_errors(source: str, target: str) -> Iterator[None]:
         raise TargetError(f"{target}: {exc.strerror or exc}", uri=target) from None
 
 
-
-
 def with_io_errors(fn: Callable[Concatenate[str, str, _P], _R]) -> Callable[Concatenate[str, str, _P], _R]:
     """`io_errors` around a command `fn(source, target, ...)` (convert, reshard)."""
     @wraps(fn)

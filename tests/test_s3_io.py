@@ -24,7 +24,7 @@ import torch
 
 from converters import storage, upload
 from converters.api import ConvertOptions, convert
-from converters.errors import TargetError
+from converters.errors import FormatError, TargetError
 from converters.formats import load_index
 from converters.output import open_output
 
@@ -216,14 +216,8 @@ def test_threads_that_want_one_block_send_one_request(s3: S3) -> None:
 def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path) -> None:
     """Each DCP record's header is one small read: from object storage they are sent several at a time, and
     the index is the local one's, chunk for chunk."""
-    import torch.distributed.checkpoint as dist_cp
-
     path = tmp_path / "dcp"
-    generator = torch.Generator().manual_seed(1)
-    state = {f"layers.{i}.weight": torch.randn(64, 1024, generator=generator) for i in range(12)}  # 256 KiB each
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dist_cp.save(state, checkpoint_id=str(path))
+    _dcp_of_many_records(path)
     src = s3.upload(path, "many")
     local = load_index(str(path))
     with CountingReader() as reader:
@@ -233,6 +227,50 @@ def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path) -> 
     for name, entry in local.tensors.items():
         assert [(c.offsets, c.sizes, c.data.offset, c.data.length) for c in remote.tensors[name].chunks] == \
             [(c.offsets, c.sizes, c.data.offset, c.data.length) for c in entry.chunks]
+
+
+def _dcp_of_many_records(path: Path) -> None:
+    import torch.distributed.checkpoint as dist_cp
+
+    generator = torch.Generator().manual_seed(1)
+    state = {f"layers.{i}.weight": torch.randn(64, 1024, generator=generator) for i in range(12)}  # 256 KiB each
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist_cp.save(state, checkpoint_id=str(path))
+
+
+def test_damaged_records_read_side_by_side_fail_as_when_read_in_a_row(s3: S3, tmp_path: Path) -> None:
+    """Two records zeroed (a crafted or damaged file): the remote index, read side by side, refuses the
+    checkpoint with the local one's error, naming the first damaged record in index order."""
+    path = tmp_path / "dcp"
+    _dcp_of_many_records(path)
+    records = [c.data for e in load_index(str(path), locate=False).tensors.values() for c in e.chunks]
+    with open(path / "__0_0.distcp", "r+b") as fh:
+        for record in (records[7], records[3]):
+            fh.seek(record.offset)
+            fh.write(bytes(record.length))
+    with pytest.raises(FormatError) as local:
+        load_index(str(path))
+    src = s3.upload(path, "damaged")
+    with pytest.raises(FormatError) as remote:
+        load_index(src, reader=CountingReader())
+    assert f"@{records[3].offset}:" in str(local.value)
+    assert str(remote.value) == str(local.value).replace(str(path), src)
+
+
+def test_crafted_shard_header_read_side_by_side_is_refused_by_name(s3: S3, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for i in range(4):
+        save_file({f"w{i}": torch.zeros(4)}, str(folder / f"model-{i + 1:05d}-of-00004.safetensors"))
+    bad = folder / "model-00003-of-00004.safetensors"
+    bad.write_bytes((1 << 40).to_bytes(8, "little") + bad.read_bytes()[8:])  # a header "1 TiB" long
+    src = s3.upload(folder, "crafted")
+    with pytest.raises(FormatError, match="model-00003-of-00004.safetensors: not a safetensors file "
+                                          r"\(header length 1099511627776 is implausible\)"):
+        load_index(src, reader=CountingReader())
 
 
 def test_safetensors_shard_headers_are_read_side_by_side(s3: S3, tmp_path: Path) -> None:
