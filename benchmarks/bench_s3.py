@@ -12,10 +12,12 @@ interleaved:
   engine's concurrency (REMOTE_PARALLEL reads and upload.parallel() parts in flight), no server-side copy;
 - `export` (safetensors, uncast) and `reshard` (world size 4 -> 3): local -> local (the reference),
   S3 -> S3, S3 -> local and local -> S3;
-- `index +20ms serial` / `index +20ms parallel`: the DCP index read from S3 with 20 ms added before every
-  request (loopback has no round trip; S3's time to first byte is 20-50 ms), one read at a time and the
-  engine's `storage.INDEX_PARALLEL` at a time; both must give the same located chunks (their MB/s and
-  "x copy" columns mean nothing).
+- `index +20ms serial` / `index +20ms parallel`: the DCP index read from S3 with every record located (each
+  record's header read, as for Megatron's layer views; export and reshard locate a record when they read
+  it instead, its header in the same request as its data), with 20 ms added before every request
+  (loopback has no round trip; S3's time to first byte is 20-50 ms), one read at a time and the engine's
+  `storage.INDEX_PARALLEL` at a time; both must give the same located chunks (their MB/s and "x copy"
+  columns mean nothing).
 
 Each run is a worker subprocess that times only the engine call (`converters.api.convert` /
 `converters.reshard.reshard`; interpreter start-up and imports are not counted) and reports the engine's
@@ -105,7 +107,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         copy_objects(job["source"], job["target"])
     elif job["op"] == "index":
         from converters.formats import load_index
+        from converters.formats.dcp import DcpReader
 
+        DcpReader.locate_remote = True  # every record's header read with the index, as for Megatron's views
         index = load_index(job["source"], reader=reader)
         located = sorted((name, c.offsets, c.data.uri, c.data.offset, c.data.length)
                          for name, entry in index.tensors.items() for c in entry.chunks)

@@ -24,12 +24,17 @@ class ByteRange:
 
     With `stride` set, the bytes are a strided view (element strides, starting at `offset`),
     as torch.save keeps non-contiguous tensors; otherwise they are row-major contiguous.
+
+    With `record` set, the range is a whole DCP record (a torch.save archive of one tensor) and the tensor's
+    own bytes inside it are found when it is first read (`tensorio.located`): from object storage, the
+    record's header then comes in the same request as its data.
     """
 
     uri: str
     offset: int
     length: int
     stride: tuple[int, ...] | None = None
+    record: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ def _sub_chunk(chunk: Chunk, box: Box, item: int, drop: int) -> Chunk | None:
     if any(h <= low for low, h in zip(lo, hi)):
         return None
     sizes = tuple(h - low for low, h in zip(lo, hi))
+    if chunk.data.record:
+        raise ValueError(f"{chunk.data.uri}@{chunk.data.offset}: a view needs located chunks (DcpReader.locate_remote)")
     stride = chunk.data.stride or dtypes.row_major(chunk.sizes)
     start = chunk.data.offset + item * sum((low - co) * st for low, co, st in zip(lo, chunk.offsets, stride))
     sizes, stride = sizes[drop:], stride[drop:]

@@ -29,7 +29,7 @@ import stat
 import threading
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import lru_cache, partial, wraps
@@ -50,6 +50,8 @@ REMOTE_PARALLEL = 4
 #: on a round trip, not on the CPU.
 INDEX_PARALLEL = 16
 _CACHE_BLOCKS = 256  # 64 MiB at most
+#: Bytes fetched ahead with a record's header (`RangeReader.prefetch`) and not yet read, at most.
+_SPAN_BYTES = 128 * 1024 * 1024
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs (pip install gcsfs)", "gcs": "gcs (pip install gcsfs)",
            "az": "azure (pip install adlfs)", "abfs": "azure (pip install adlfs)"}
 
@@ -314,20 +316,6 @@ def _too_big(uri: str, cap: int) -> FormatError:
                        f"what its name says (if it is genuine, raise {MAX_METADATA_ENV})")
 
 
-def map_reads(fn: Callable[[_T], _R], items: Sequence[_T], remote: bool) -> list[_R]:
-    """`[fn(item) for item in items]`, with up to `INDEX_PARALLEL` calls side by side when their reads are
-    `remote` (each is mostly a round trip); results in order, and the first failure in order is raised."""
-    if not remote or len(items) < 2:
-        return [fn(item) for item in items]
-    with ThreadPoolExecutor(min(INDEX_PARALLEL, len(items)), thread_name_prefix="ckpt-index") as pool:
-        futures = [pool.submit(fn, item) for item in items]
-        try:
-            return [future.result() for future in futures]
-        finally:
-            for future in futures:
-                future.cancel()
-
-
 def read_all(uri: str, cap: int | None = None) -> bytes:
     """Read a whole metadata file, refusing one larger than `cap` (default `max_metadata_bytes()`).
 
@@ -369,9 +357,13 @@ class RangeReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-        self._pending: dict[tuple[str, int], Future[bytes]] = {}  # blocks being fetched
+        self._done: dict[Hashable, Any] = {}  # `once` results
+        self._pending: dict[Hashable, Future[Any]] = {}  # blocks being fetched, `once` values being computed
+        self._spans: OrderedDict[tuple[str, int], bytes] = OrderedDict()  # prefetched, not yet read
+        self._span_bytes = 0
         self._sizes: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None  # remote range requests in flight (lazily started)
+        self._side_pool: ThreadPoolExecutor | None = None  # `map` calls (lazily started)
         self.requested = 0  # bytes asked for by the engine (remote files)
         self.fetched = 0  # bytes transferred from remote storage
         self.requests = 0
@@ -430,7 +422,7 @@ class RangeReader:
         return data
 
     def _remote(self, uri: str, offset: int, length: int) -> bytes:
-        """Ranged read; small reads go through an LRU of aligned `MIN_REQUEST` blocks."""
+        """Ranged read; small reads come from prefetched spans or an LRU of aligned `MIN_REQUEST` blocks."""
         if length >= MIN_REQUEST:
             out = bytearray(length)
             self._remote_into(uri, offset, memoryview(out))
@@ -438,26 +430,29 @@ class RangeReader:
         with self._lock:
             self.requested += length
         out = bytearray()
-        block = offset // MIN_REQUEST
         while len(out) < length:
-            data = self._block(uri, block)
-            lo = offset + len(out) - block * MIN_REQUEST
-            piece = data[lo: lo + length - len(out)]
+            at = offset + len(out)
+            piece = self._span_piece(uri, at, length - len(out))
             if not piece:
-                break
+                block = at // MIN_REQUEST
+                lo = at - block * MIN_REQUEST
+                piece = self._block(uri, block)[lo: lo + length - len(out)]
+                if not piece:
+                    break
             out += piece
-            block += 1
         return bytes(out)
 
-    def _block(self, uri: str, block: int) -> bytes:
-        """One aligned `MIN_REQUEST` block, from the cache or fetched; threads that want a block being fetched
-        wait for that request instead of sending their own (index reads run side by side, `map_reads`)."""
-        key = (uri, block)
+    def once(self, key: Hashable, compute: Callable[[], _T]) -> _T:
+        """`compute()` once per `key` for this reader, kept; threads that want a key being computed wait for
+        that computation instead of starting their own. A failure is raised to every waiter and not kept."""
+        return self._once(self._done, key, compute)
+
+    def _once(self, store: dict[Any, Any], key: Hashable, compute: Callable[[], _T]) -> _T:
         with self._lock:
-            data = self._blocks.get(key)
-            if data is not None:
-                self._blocks.move_to_end(key)
-                return data
+            if key in store:
+                if isinstance(store, OrderedDict):
+                    store.move_to_end(key)
+                return store[key]
             pending = self._pending.get(key)
             mine = pending is None
             if pending is None:
@@ -465,7 +460,7 @@ class RangeReader:
         if not mine:
             return pending.result()
         try:
-            data = self._fetch(uri, block * MIN_REQUEST, (block + 1) * MIN_REQUEST)
+            value = compute()
         except BaseException as exc:
             with self._lock:
                 del self._pending[key]
@@ -473,11 +468,46 @@ class RangeReader:
             raise
         with self._lock:
             del self._pending[key]
-            self._blocks[key] = data
-            while len(self._blocks) > _CACHE_BLOCKS:
+            store[key] = value
+            while store is self._blocks and len(self._blocks) > _CACHE_BLOCKS:
                 self._blocks.popitem(last=False)
-        pending.set_result(data)
-        return data
+        pending.set_result(value)
+        return value
+
+    def _block(self, uri: str, block: int) -> bytes:
+        """One aligned `MIN_REQUEST` block, from the cache or fetched; threads that want a block being fetched
+        wait for that request instead of sending their own (index reads run side by side, `map`)."""
+        return self._once(self._blocks, (uri, block),
+                          lambda: self._fetch(uri, block * MIN_REQUEST, (block + 1) * MIN_REQUEST))
+
+    def prefetch(self, uri: str, ranges: list[tuple[int, int]]) -> None:
+        """Fetch remote (offset, length) ranges side by side, each in one request, and keep them for the reads
+        that follow (a DCP record's header with the first bytes of its tensor: locating the tensor and reading
+        it then cost one request, not two) until `release` or, oldest first, beyond `_SPAN_BYTES`."""
+        def fetch(offset: int, length: int) -> None:
+            self.check_range(uri, offset, length)
+            data = self._fetch(uri, offset, offset + length)
+            with self._lock:
+                self._spans[(uri, offset)] = data
+                self._span_bytes += len(data)
+                while self._span_bytes > _SPAN_BYTES:
+                    self._span_bytes -= len(self._spans.popitem(last=False)[1])
+
+        self._run([partial(fetch, offset, length) for offset, length in ranges])
+
+    def release(self, uri: str, start: int, end: int) -> None:
+        """Drop the prefetched spans of `uri` that start in [start, end) (their reads are done)."""
+        with self._lock:
+            for key in [k for k in self._spans if k[0] == uri and start <= k[1] < end]:
+                self._span_bytes -= len(self._spans.pop(key))
+
+    def _span_piece(self, uri: str, at: int, length: int) -> bytes:
+        """Up to `length` bytes from `at` that a prefetched span holds (b"" when none does)."""
+        with self._lock:
+            for (span_uri, start), data in self._spans.items():
+                if span_uri == uri and start <= at < start + len(data):
+                    return data[at - start: at - start + length]
+        return b""
 
     def _remote_into(self, uri: str, offset: int, view: memoryview) -> None:
         """Fill `view` with a large remote range (see `_fetches`)."""
@@ -528,6 +558,26 @@ class RangeReader:
                 if not future.cancelled():
                     future.exception()
 
+    def map(self, fn: Callable[[_T], _R], items: Sequence[_T], remote: bool = True) -> list[_R]:
+        """`[fn(item) for item in items]`, with up to `INDEX_PARALLEL` calls side by side when their reads are
+        `remote` (each is mostly a round trip), in this reader's own pool (apart from the range requests' pool,
+        which `fn` may use); results in order, and the first failure in order is raised."""
+        if not remote or len(items) < 2:
+            return [fn(item) for item in items]
+        with self._lock:
+            if self._side_pool is None:
+                self._side_pool = ThreadPoolExecutor(INDEX_PARALLEL, thread_name_prefix="ckpt-index")
+            pool = self._side_pool
+        futures = [pool.submit(fn, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()
+            for future in futures:  # none still runs once this returns or raises
+                if not future.cancelled():
+                    future.exception()
+
     def readinto_many(self, reads: list[tuple[str, int, memoryview]]) -> None:
         """`readinto` for several (uri, offset, view) at once: the large remote ones are fetched side by side
         (a tensor's chunks in several rank files), the others one after another."""
@@ -541,10 +591,14 @@ class RangeReader:
         self._run(fetches)
 
     def _from_cache(self, uri: str, offset: int, view: memoryview) -> tuple[int, int]:
-        """Copy the ends of `view` that blocks already fetched for small reads hold (a record's header and
-        the zip directory after it share blocks with its data), so no byte is fetched twice; returns the
+        """Copy the ends of `view` that prefetched spans and blocks already fetched for small reads hold (a
+        record's header and the zip directory after it share blocks with its data), so no byte is fetched
+        twice; returns the
         part of `view` still to fetch, as [start, end) offsets into it."""
         start, end = 0, len(view)
+        while start < end and (piece := self._span_piece(uri, offset + start, end - start)):
+            view[start: start + len(piece)] = piece
+            start += len(piece)
         with self._lock:
             while start < end:
                 block = (offset + start) // MIN_REQUEST
@@ -603,9 +657,13 @@ class RangeReader:
                 os.close(fd)
             self._fds.clear()
             self._sizes.clear()
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pools = [self._pool, self._side_pool]
+            self._pool = self._side_pool = None
+            self._spans.clear()
+            self._span_bytes = 0
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RangeReader:
         return self

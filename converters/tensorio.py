@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import dtypes
-from .index import Chunk, TensorEntry
-from .storage import RangeReader
+from .index import ByteRange, Chunk, TensorEntry
+from .storage import MIN_REQUEST, READ_CHUNK, RangeReader, is_local
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 _UINT = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}
@@ -45,32 +45,75 @@ def read_box(reader: RangeReader, entry: TensorEntry, box: Box, out: memoryview)
     if len(out) != dtypes.numel(sizes) * item:
         raise ValueError("output buffer does not match the box")
     if not entry.shape:  # 0-d tensor
-        chunk = entry.chunks[0]
-        reader.readinto(chunk.data.uri, chunk.data.offset, out)
+        data = located(reader, entry, entry.chunks[0], len(out))
+        reader.readinto(data.uri, data.offset, out)
         return
     box_full = _full_rows(offsets, sizes, entry.shape)
+    overlapping = [(chunk, inter) for chunk in entry.chunks
+                   if (inter := _overlap(box, (chunk.offsets, chunk.sizes))) is not None]
     direct: list[tuple[str, int, memoryview]] = []  # read side by side (remote chunks: requests in parallel)
-    for chunk in entry.chunks:
-        inter = _overlap(box, (chunk.offsets, chunk.sizes))
-        if inter is None:
-            continue
-        if box_full and chunk.data.stride is None and _full_rows(chunk.offsets, chunk.sizes, entry.shape):
+    for (chunk, inter), data in zip(overlapping, _located_all(reader, entry, overlapping, item)):
+        if box_full and data.stride is None and _full_rows(chunk.offsets, chunk.sizes, entry.shape):
             row = _row_bytes(entry.shape, item)
-            src = chunk.data.offset + (inter[0][0] - chunk.offsets[0]) * row
+            src = data.offset + (inter[0][0] - chunk.offsets[0]) * row
             dst = (inter[0][0] - offsets[0]) * row
-            direct.append((chunk.data.uri, src, out[dst: dst + inter[1][0] * row]))
+            direct.append((data.uri, src, out[dst: dst + inter[1][0] * row]))
         else:
-            _copy_general(reader, entry, chunk, inter, box, out, item)
+            _copy_general(reader, entry, chunk, data, inter, box, out, item)
     reader.readinto_many(direct)
+    for chunk, _ in overlapping:
+        if chunk.data.record:  # what was fetched with the record's header has been read
+            reader.release(chunk.data.uri, chunk.data.offset, chunk.data.offset + chunk.data.length)
 
 
-def _copy_general(reader: RangeReader, entry: TensorEntry, chunk: Chunk, inter: Box, box: Box,
+def located(reader: RangeReader, entry: TensorEntry, chunk: Chunk, want: int = 0) -> ByteRange:
+    """Where the bytes of `chunk` are: `chunk.data`, or for a DCP record (`ByteRange.record`) the tensor's
+    bytes inside it, found once per reader and checked against the index. From object storage, the first
+    `want` bytes of the tensor (what the caller reads next) come in the same request as the record's header."""
+    data = chunk.data
+    if not data.record:
+        return data
+
+    def find() -> ByteRange:
+        from .torchzip import HEAD_READ, TAIL_READ, record_tensor
+
+        if data.length >= MIN_REQUEST and not is_local(data.uri):  # (smaller ones share cached blocks)
+            reader.prefetch(data.uri, _record_spans(data, HEAD_READ + min(want, READ_CHUNK), TAIL_READ))
+        return record_tensor(reader, data, entry.name, entry.dtype, chunk.sizes)
+
+    return reader.once(("record", data.uri, data.offset), find)
+
+
+def _record_spans(record: ByteRange, head: int, tail: int) -> list[tuple[int, int]]:
+    """The ranges to fetch to locate a tensor in a remote record and read its first bytes: the record's `head`
+    bytes (headers and the tensor's start) and its last `tail` bytes (the zip directory, which torch's
+    records need: their local headers leave sizes to data descriptors), or the whole record when little
+    lies between."""
+    if record.length - head <= MIN_REQUEST:
+        return [(record.offset, record.length)]
+    return [(record.offset, head), (record.offset + record.length - tail, tail)]
+
+
+def _located_all(reader: RangeReader, entry: TensorEntry, overlapping: list[tuple[Chunk, Box]],
+                 item: int) -> list[ByteRange]:
+    """`located` for each (chunk, the part of it being read), records side by side; a record is fetched with
+    its header when the part starts near the tensor's start (else only its header is, and the part after)."""
+    def find(pair: tuple[Chunk, Box]) -> ByteRange:
+        chunk, inter = pair
+        row = _row_bytes(chunk.sizes, item)
+        first = (inter[0][0] - chunk.offsets[0]) * row
+        return located(reader, entry, chunk, first + inter[1][0] * row if first < MIN_REQUEST else 0)
+
+    records = [chunk.data.uri for chunk, _ in overlapping if chunk.data.record]
+    return reader.map(find, overlapping, remote=len(records) > 1 and not all(is_local(uri) for uri in records))
+
+
+def _copy_general(reader: RangeReader, entry: TensorEntry, chunk: Chunk, data: ByteRange, inter: Box, box: Box,
                   out: memoryview, item: int) -> None:
-    """Copy `entry[inter]` from `chunk` into the box buffer through numpy views."""
+    """Copy `entry[inter]` from `chunk` (its bytes at `data`) into the box buffer through numpy views."""
     import numpy as np
 
     utype = _UINT[item]
-    data = chunk.data
     first = inter[0][0] - chunk.offsets[0]
     rows = inter[1][0]
     stride = data.stride or dtypes.row_major(chunk.sizes)
@@ -151,8 +194,11 @@ def _numpy_types() -> dict[str, Any]:
 def direct_ranges(entry: TensorEntry, box: Box | None = None) -> list[tuple[str, int, int]] | None:
     """The byte ranges whose concatenation is `entry[box]`, when no reshaping is needed; else None.
 
-    That holds when every chunk is contiguous storage tiling whole rows and the box spans whole rows.
+    That holds when every chunk is located (not a DCP record still to locate), contiguous storage tiling whole
+    rows, and the box spans whole rows.
     """
+    if any(chunk.data.record for chunk in entry.chunks):
+        return None
     if box is None:
         box = ((0,) * len(entry.shape), entry.shape)
     offsets, sizes = box

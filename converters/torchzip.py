@@ -23,7 +23,8 @@ _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _CENTRAL_SIG = 0x02014B50
 _EOCD_SIG = b"PK\x05\x06"
 _EOCD64_LOC_SIG = b"PK\x06\x07"
-_HEAD_READ = 4096
+HEAD_READ = 4096  # bytes read from an archive's start to find its first members
+TAIL_READ = 65536 + 22  # bytes read from an archive's end to find its zip directory (a comment fits in it)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _damaged(label: str, what: str) -> FormatError:
 def _central_members(reader: RangeReader, uri: str, base: int, length: int, label: str) -> list[Member]:
     """Members from the zip's central directory; every size and offset is checked against `length` (the
     archive's real extent) before anything is read or allocated."""
-    tail_len = min(length, 65536 + 22)
+    tail_len = min(length, TAIL_READ)
     tail = reader.read(uri, base + length - tail_len, tail_len)
     at = tail.rfind(_EOCD_SIG)
     if at < 0 or at + 22 > len(tail):
@@ -218,7 +219,7 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
     label = label or uri
     if length is None:
         length = reader.file_size(uri) - offset
-    head = reader.read(uri, offset, min(length, _HEAD_READ))
+    head = reader.read(uri, offset, min(length, HEAD_READ))
     members, complete = _walk_local_headers(head, offset, length) if single_storage else ([], False)
     if not complete:
         members = _central_members(reader, uri, offset, length, label)
@@ -238,3 +239,17 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
         uri, pkl.data_offset, pkl.size)
     obj = unpickle.loads(pkl_bytes, label, allowed, unpickle.torch_storage_loader(label))
     return Archive(uri, by_name, obj)
+
+
+def record_tensor(reader: RangeReader, record: ByteRange, name: str, dtype: str, sizes: tuple[int, ...]) -> ByteRange:
+    """The bytes of the one tensor a DCP record (a torch.save archive at `record`) holds, checked against what
+    `.metadata` says of it (`dtype`, `sizes`)."""
+    label = f"{record.uri}@{record.offset}"
+    archive = read_archive(reader, record.uri, record.offset, record.length, label=label, single_storage=True)
+    ref = archive.obj
+    if not isinstance(ref, unpickle.TensorRef):
+        raise FormatError(f"{label}: record for {name!r} holds no tensor")
+    if ref.shape != sizes or ref.dtype != dtype:
+        raise FormatError(f"{label}: record for {name!r} is {ref.dtype}{list(ref.shape)}, metadata says "
+                          f"{dtype}{list(sizes)}; the checkpoint is damaged")
+    return storage_range(label, name, ref, archive.storage(ref.storage.key), record.uri)

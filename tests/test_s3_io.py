@@ -26,7 +26,10 @@ from converters import storage, upload
 from converters.api import ConvertOptions, convert
 from converters.errors import FormatError, TargetError
 from converters.formats import load_index
+from converters.formats.dcp import DcpReader
+from converters.index import ByteRange
 from converters.output import open_output
+from converters.tensorio import located
 
 from .s3server import S3, s3_fixture, s3_server_fixture  # noqa: F401  (fixtures s3 and s3_server)
 
@@ -213,13 +216,16 @@ def test_threads_that_want_one_block_send_one_request(s3: S3) -> None:
         assert (reader.requests, reader.fetched) == (1, storage.MIN_REQUEST)
 
 
-def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path) -> None:
-    """Each DCP record's header is one small read: from object storage they are sent several at a time, and
-    the index is the local one's, chunk for chunk."""
+def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the index locates every record (Megatron's layer views need it), each record's header is one small
+    read: from object storage they are sent several at a time, and the index is the local one's, chunk for
+    chunk."""
     path = tmp_path / "dcp"
     _dcp_of_many_records(path)
     src = s3.upload(path, "many")
     local = load_index(str(path))
+    monkeypatch.setattr(DcpReader, "locate_remote", True)
     with CountingReader() as reader:
         remote = load_index(src, reader=reader)
     assert reader.peak > 1
@@ -227,6 +233,33 @@ def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path) -> 
     for name, entry in local.tensors.items():
         assert [(c.offsets, c.sizes, c.data.offset, c.data.length) for c in remote.tensors[name].chunks] == \
             [(c.offsets, c.sizes, c.data.offset, c.data.length) for c in entry.chunks]
+
+
+def test_dcp_records_are_located_when_read_with_their_header_in_the_same_request(s3: S3, tmp_path: Path) -> None:
+    """From object storage the DCP index reads no record; an export then fetches each record once, its header
+    and its tensor in one request (12 records: 12 requests), and writes what the local export writes."""
+    path = tmp_path / "dcp"
+    _dcp_of_many_records(path)
+    src = s3.upload(path, "many")
+    local = load_index(str(path))
+    with CountingReader() as reader:
+        remote = load_index(src, reader=reader)
+        assert reader.requests == 0
+        assert all(c.data.record for e in remote.tensors.values() for c in e.chunks)
+        convert(src, str(tmp_path / "remote.safetensors"), reader=reader)
+        assert reader.requests == sum(len(e.chunks) for e in local.tensors.values()) == 12
+        assert reader.fetched <= 1.05 * reader.requested
+        for name, entry in local.tensors.items():  # located as the local index locates them
+            assert [located(reader, remote.tensors[name], c).offset for c in remote.tensors[name].chunks] == \
+                [c.data.offset for c in entry.chunks]
+        assert reader.requests == 12
+    convert(str(path), str(tmp_path / "local.safetensors"))
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "remote.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    assert all(torch.equal(got[f"layers.{i}.weight"], torch.randn(64, 1024, generator=generator)) for i in range(12))
 
 
 def _dcp_of_many_records(path: Path) -> None:
@@ -239,23 +272,51 @@ def _dcp_of_many_records(path: Path) -> None:
         dist_cp.save(state, checkpoint_id=str(path))
 
 
-def test_damaged_records_read_side_by_side_fail_as_when_read_in_a_row(s3: S3, tmp_path: Path) -> None:
-    """Two records zeroed (a crafted or damaged file): the remote index, read side by side, refuses the
-    checkpoint with the local one's error, naming the first damaged record in index order."""
-    path = tmp_path / "dcp"
-    _dcp_of_many_records(path)
+def _damage_records(path: Path, *which: int) -> list[ByteRange]:
+    """Zero records `which` of rank file 0 (a crafted or damaged file); returns every record, in index order."""
     records = [c.data for e in load_index(str(path), locate=False).tensors.values() for c in e.chunks]
     with open(path / "__0_0.distcp", "r+b") as fh:
-        for record in (records[7], records[3]):
-            fh.seek(record.offset)
-            fh.write(bytes(record.length))
+        for i in which:
+            fh.seek(records[i].offset)
+            fh.write(bytes(records[i].length))
+    return records
+
+
+def test_damaged_records_read_side_by_side_fail_as_when_read_in_a_row(s3: S3, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two records zeroed: the remote index, locating records side by side, refuses the checkpoint with the
+    local one's error, naming the first damaged record in index order."""
+    path = tmp_path / "dcp"
+    _dcp_of_many_records(path)
+    records = _damage_records(path, 7, 3)
     with pytest.raises(FormatError) as local:
         load_index(str(path))
     src = s3.upload(path, "damaged")
+    monkeypatch.setattr(DcpReader, "locate_remote", True)
     with pytest.raises(FormatError) as remote:
         load_index(src, reader=CountingReader())
     assert f"@{records[3].offset}:" in str(local.value)
     assert str(remote.value) == str(local.value).replace(str(path), src)
+
+
+def test_damaged_record_located_when_read_fails_the_export_by_name_and_leaves_nothing(s3: S3,
+                                                                                      tmp_path: Path) -> None:
+    """A zeroed record found only when the export reads it: the same one-line error as the local index gives,
+    naming that record, and no output (local or on S3)."""
+    path = tmp_path / "dcp"
+    _dcp_of_many_records(path)
+    records = _damage_records(path, 5)
+    with pytest.raises(FormatError) as local:
+        load_index(str(path))
+    src = s3.upload(path, "damaged")
+    for target in (str(tmp_path / "out.safetensors"), s3.uri("out")):
+        with pytest.raises(FormatError) as remote:
+            convert(src, target)
+        assert f"@{records[5].offset}:" in str(remote.value)
+        assert str(remote.value) == str(local.value).replace(str(path), src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+    assert s3.client.list_objects_v2(Bucket=s3.bucket, Prefix="out").get("KeyCount", 0) == 0
+    assert open_uploads(s3) == []
 
 
 def test_crafted_shard_header_read_side_by_side_is_refused_by_name(s3: S3, tmp_path: Path) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from .. import dtypes, storage
 from ..errors import CkptError, FormatError
 from ..index import ByteRange, CheckpointIndex, Chunk, ObjectEntry, TensorEntry, count, counts, short
-from ..torchzip import read_archive, storage_range
-from ..unpickle import Stub, TensorRef, loads
+from ..torchzip import record_tensor
+from ..unpickle import Stub, loads
 from .base import BaseReader
 
 METADATA = ".metadata"
@@ -49,7 +49,12 @@ def dcp_subfolders(uri: str, names: list[str]) -> list[str]:
 
 
 class DcpReader(BaseReader):
+    """Reads `.metadata`; each chunk's data is its record (`ByteRange.record`), located in the index for local
+    folders and, from object storage, when it is first read (header and data in one request), unless
+    `locate_remote` (readers whose tensors are cut into views before reading)."""
+
     format = "dcp"
+    locate_remote: ClassVar[bool] = False
 
     def __init__(self, uri: str, reader: storage.RangeReader) -> None:
         super().__init__(uri, reader)
@@ -122,7 +127,7 @@ class DcpReader(BaseReader):
                                       f"{name!r}; metadata is damaged", uri=self.where)
                 entry.chunks.append(Chunk(offsets, sizes_, self._record(info, sizes, name)))
             index.tensors[name] = entry
-        if locate:
+        if locate and (self.locate_remote or storage.is_local(self.uri)):
             self._locate_all(list(index.tensors.values()))
         planner_data = md.get("planner_data")
         if isinstance(planner_data, dict):
@@ -175,27 +180,14 @@ class DcpReader(BaseReader):
             raise FormatError(f"{storage.join(self.uri, rel)}: file is {sizes[rel]} bytes but {METADATA} places "
                               f"{name!r} at bytes {offset}..{offset + length}; the file is truncated "
                               "(re-copy or re-upload it)")
-        return ByteRange(storage.join(self.uri, rel), offset, length)
+        return ByteRange(storage.join(self.uri, rel), offset, length, record=True)
 
     def _locate_all(self, entries: list[TensorEntry]) -> None:
         """Point every chunk at its tensor's bytes inside its record (a torch.save archive each); the
         records' headers are read side by side from remote storage."""
         jobs = [(entry, chunk) for entry in entries for chunk in entry.chunks]
-        found = storage.map_reads(lambda job: self._locate(job[1].data, job[0], job[1].sizes), jobs,
-                                  remote=not storage.is_local(self.uri))
+        found = self.reader.map(lambda job: record_tensor(self.reader, job[1].data, job[0].name, job[0].dtype,
+                                                          job[1].sizes), jobs, remote=not storage.is_local(self.uri))
         located = iter(found)
         for entry in entries:
             entry.chunks = [replace(chunk, data=next(located)) for chunk in entry.chunks]
-
-    def _locate(self, record: ByteRange, entry: TensorEntry, sizes: tuple[int, ...]) -> ByteRange:
-        label = f"{record.uri}@{record.offset}"
-        archive = read_archive(self.reader, record.uri, record.offset, record.length, label=label,
-                               single_storage=True)
-        ref = archive.obj
-        if not isinstance(ref, TensorRef):
-            raise FormatError(f"{label}: record for {entry.name!r} holds no tensor")
-        if ref.shape != sizes or ref.dtype != entry.dtype:
-            raise FormatError(f"{label}: record for {entry.name!r} is {ref.dtype}{list(ref.shape)}, metadata says "
-                              f"{entry.dtype}{list(sizes)}; the checkpoint is damaged")
-        member = archive.storage(ref.storage.key)
-        return storage_range(label, entry.name, ref, member, record.uri)

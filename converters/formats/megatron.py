@@ -69,6 +69,7 @@ def _plain(value: Any) -> Any:
 
 class MegatronReader(DcpReader):
     format = "megatron"
+    locate_remote = True  # layer-stacked tensors are cut into per-layer views, which need located bytes
 
     def __init__(self, uri: str, reader: storage.RangeReader) -> None:
         self.root = uri

@@ -125,8 +125,8 @@ class SafetensorsReader(BaseReader):
         index = CheckpointIndex(uri=self.uri, format=self.format, producer="safetensors",
                                 files=[storage.basename(f) for f in files])
         sharded = False
-        headers = storage.map_reads(lambda path: read_header(self.reader, path), files,
-                                    remote=not storage.is_local(self.uri))
+        headers = self.reader.map(lambda path: read_header(self.reader, path), files,
+                                  remote=not storage.is_local(self.uri))
         for path, (header, data_start) in zip(files, headers):
             saved = _metadata(path, header)
             sharded = sharded or bool(saved)
