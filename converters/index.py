@@ -27,14 +27,15 @@ class ByteRange:
 
     With `record` set, the range is a whole DCP record (a torch.save archive of one tensor) and the tensor's
     own bytes inside it are found when it is first read (`tensorio.located`): from object storage, the
-    record's header then comes in the same request as its data.
+    record's header then comes in the same request as its data. `record` is (offset, length, count) of the
+    group of records read together that it belongs to (`tensorio.group_records`; alone: its own range, 1).
     """
 
     uri: str
     offset: int
     length: int
     stride: tuple[int, ...] | None = None
-    record: bool = False
+    record: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache, partial, wraps
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -350,6 +351,22 @@ def read_all(uri: str, cap: int | None = None) -> bytes:
         os.close(fd)
 
 
+@dataclass
+class _Group:
+    """The records of a prefetched group (`RangeReader.prefetch`): how many, and which were read."""
+
+    count: int
+    read: dict[int, int] = field(default_factory=dict)  # record -> bytes of its tensor read
+    done: set[int] = field(default_factory=set)  # records read whole
+
+
+@dataclass
+class _Span:
+    data: bytes
+    group: int
+    state: _Group
+
+
 class RangeReader:
     """Reads byte ranges of files, keeping one descriptor per local file; safe across threads."""
 
@@ -359,7 +376,7 @@ class RangeReader:
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._done: dict[Hashable, Any] = {}  # `once` results
         self._pending: dict[Hashable, Future[Any]] = {}  # blocks being fetched, `once` values being computed
-        self._spans: OrderedDict[tuple[str, int], bytes] = OrderedDict()  # prefetched, not yet read
+        self._spans: OrderedDict[tuple[str, int], _Span] = OrderedDict()  # prefetched, not yet read
         self._span_bytes = 0
         self._sizes: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None  # remote range requests in flight (lazily started)
@@ -480,33 +497,43 @@ class RangeReader:
         return self._once(self._blocks, (uri, block),
                           lambda: self._fetch(uri, block * MIN_REQUEST, (block + 1) * MIN_REQUEST))
 
-    def prefetch(self, uri: str, ranges: list[tuple[int, int]]) -> None:
+    def prefetch(self, uri: str, ranges: list[tuple[int, int]], group: int, count: int) -> None:
         """Fetch remote (offset, length) ranges side by side, each in one request, and keep them for the reads
-        that follow (a DCP record's header with the first bytes of its tensor: locating the tensor and reading
-        it then cost one request, not two) until `release` or, oldest first, beyond `_SPAN_BYTES`."""
+        that follow: the `count` DCP records of a group (those lying back to back at `group`), each record's
+        header with its tensor's first bytes, so that locating a tensor and reading it cost one request, not
+        two, and neighbouring small records none of their own. The spans are dropped once every record of
+        the group was `release`d or, oldest first, beyond `_SPAN_BYTES`."""
+        state = _Group(count)
+
         def fetch(offset: int, length: int) -> None:
             self.check_range(uri, offset, length)
             data = self._fetch(uri, offset, offset + length)
             with self._lock:
-                self._spans[(uri, offset)] = data
+                self._spans[(uri, offset)] = _Span(data, group, state)
                 self._span_bytes += len(data)
                 while self._span_bytes > _SPAN_BYTES:
-                    self._span_bytes -= len(self._spans.popitem(last=False)[1])
+                    self._span_bytes -= len(self._spans.popitem(last=False)[1].data)
 
         self._run([partial(fetch, offset, length) for offset, length in ranges])
 
-    def release(self, uri: str, start: int, end: int) -> None:
-        """Drop the prefetched spans of `uri` that start in [start, end) (their reads are done)."""
+    def release(self, uri: str, group: int, record: int, nbytes: int, total: int) -> None:
+        """`nbytes` of the `total` bytes of record `record` of the group at `group` have been read: once all of
+        every record of the group are, the group's spans go (and a span fetched for that record alone)."""
         with self._lock:
-            for key in [k for k in self._spans if k[0] == uri and start <= k[1] < end]:
-                self._span_bytes -= len(self._spans.pop(key))
+            for key in [k for k, span in self._spans.items() if k[0] == uri and span.group in (group, record)]:
+                span = self._spans[key]
+                read = span.state.read[record] = span.state.read.get(record, 0) + nbytes
+                if read >= total:
+                    span.state.done.add(record)
+                if len(span.state.done) >= span.state.count:
+                    self._span_bytes -= len(self._spans.pop(key).data)
 
     def _span_piece(self, uri: str, at: int, length: int) -> bytes:
         """Up to `length` bytes from `at` that a prefetched span holds (b"" when none does)."""
         with self._lock:
-            for (span_uri, start), data in self._spans.items():
-                if span_uri == uri and start <= at < start + len(data):
-                    return data[at - start: at - start + length]
+            for (span_uri, start), span in self._spans.items():
+                if span_uri == uri and start <= at < start + len(span.data):
+                    return span.data[at - start: at - start + length]
         return b""
 
     def _remote_into(self, uri: str, offset: int, view: memoryview) -> None:

@@ -9,6 +9,7 @@ to Python objects element by element.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from . import dtypes
@@ -45,8 +46,11 @@ def read_box(reader: RangeReader, entry: TensorEntry, box: Box, out: memoryview)
     if len(out) != dtypes.numel(sizes) * item:
         raise ValueError("output buffer does not match the box")
     if not entry.shape:  # 0-d tensor
-        data = located(reader, entry, entry.chunks[0], len(out))
+        chunk = entry.chunks[0]
+        data = located(reader, entry, chunk, len(out))
         reader.readinto(data.uri, data.offset, out)
+        if chunk.data.record:
+            reader.release(chunk.data.uri, chunk.data.record[0], chunk.data.offset, len(out), len(out))
         return
     box_full = _full_rows(offsets, sizes, entry.shape)
     overlapping = [(chunk, inter) for chunk in entry.chunks
@@ -61,37 +65,84 @@ def read_box(reader: RangeReader, entry: TensorEntry, box: Box, out: memoryview)
         else:
             _copy_general(reader, entry, chunk, data, inter, box, out, item)
     reader.readinto_many(direct)
-    for chunk, _ in overlapping:
-        if chunk.data.record:  # what was fetched with the record's header has been read
-            reader.release(chunk.data.uri, chunk.data.offset, chunk.data.offset + chunk.data.length)
+    for chunk, inter in overlapping:
+        if chunk.data.record:
+            reader.release(chunk.data.uri, chunk.data.record[0], chunk.data.offset, dtypes.numel(inter[1]) * item,
+                           chunk.numel * item)
 
 
 def located(reader: RangeReader, entry: TensorEntry, chunk: Chunk, want: int = 0) -> ByteRange:
     """Where the bytes of `chunk` are: `chunk.data`, or for a DCP record (`ByteRange.record`) the tensor's
     bytes inside it, found once per reader and checked against the index. From object storage, the first
-    `want` bytes of the tensor (what the caller reads next) come in the same request as the record's header."""
+    `want` bytes of the tensor (what the caller reads next) come in the same request as the record's header,
+    with the records grouped with it (`group_records`)."""
     data = chunk.data
-    if not data.record:
+    if data.record is None:
         return data
 
     def find() -> ByteRange:
         from .torchzip import HEAD_READ, TAIL_READ, record_tensor
 
-        if data.length >= MIN_REQUEST and not is_local(data.uri):  # (smaller ones share cached blocks)
-            reader.prefetch(data.uri, _record_spans(data, HEAD_READ + min(want, READ_CHUNK), TAIL_READ))
+        if not is_local(data.uri):
+            spans = _record_spans(data, HEAD_READ + min(want, READ_CHUNK), TAIL_READ)
+            group, _, count = data.record or (0, 0, 1)
+            if spans[0][0] == group:  # the group's fetch, once (a lone small record of a group fetches itself)
+                reader.once(("group", data.uri, group), lambda: reader.prefetch(data.uri, spans, group, count))
+            else:
+                reader.prefetch(data.uri, spans, data.offset, 1)
         return record_tensor(reader, data, entry.name, entry.dtype, chunk.sizes)
 
     return reader.once(("record", data.uri, data.offset), find)
 
 
 def _record_spans(record: ByteRange, head: int, tail: int) -> list[tuple[int, int]]:
-    """The ranges to fetch to locate a tensor in a remote record and read its first bytes: the record's `head`
-    bytes (headers and the tensor's start) and its last `tail` bytes (the zip directory, which torch's
-    records need: their local headers leave sizes to data descriptors), or the whole record when little
-    lies between."""
-    if record.length - head <= MIN_REQUEST:
+    """The ranges to fetch to locate a tensor in a remote record and read its first `head` bytes (headers
+    included): its whole group when that is about one `READ_CHUNK` at most or little more lies in it; else,
+    for a large record, the group up to the record's `head` bytes and from its last `tail` bytes (the zip
+    directory, which torch's records need: their local headers leave sizes to data descriptors) to the
+    group's end; for a small record (of a group with a large one, which comes first), the record itself."""
+    group, length, _ = record.record or (record.offset, record.length, 1)
+    head_end, tail_start, end = record.offset + head, record.offset + record.length - tail, group + length
+    if length <= READ_CHUNK + MIN_REQUEST or end - head_end <= MIN_REQUEST or tail_start <= head_end:
+        return [(group, length)]
+    if record.length < MIN_REQUEST:
         return [(record.offset, record.length)]
-    return [(record.offset, head), (record.offset + record.length - tail, tail)]
+    return [(group, head_end - group), (tail_start, end - tail_start)]
+
+
+def group_records(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """`tensors` with the DCP records they are read from grouped: a record of at least `MIN_REQUEST` bytes with
+    the smaller ones right after it (up to the next large one or `READ_CHUNK` bytes of small ones; small ones
+    before any large one form groups of their own), within one file, back to back (a few bytes of other
+    records between at most), so that reading them from object storage costs one request per group. Only
+    these tensors' records are grouped: a group never fetches bytes that are not read.
+    """
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for entry in tensors.values():
+        for chunk in entry.chunks:
+            if chunk.data.record is not None:
+                by_file.setdefault(chunk.data.uri, []).append((chunk.data.offset, chunk.data.length))
+    groups: dict[tuple[str, int], tuple[int, int, int]] = {}
+    for uri, records in by_file.items():
+        runs: list[list[tuple[int, int]]] = []
+        for offset, length in sorted(set(records)):
+            run = runs[-1] if runs else None
+            end = run[-1][0] + run[-1][1] if run else 0
+            small = sum(n for _, n in run if n < MIN_REQUEST) if run else 0
+            if run is None or offset - end > _GROUP_GAP or length >= MIN_REQUEST or small + length > READ_CHUNK:
+                runs.append([(offset, length)])
+            else:
+                run.append((offset, length))
+        for run in runs:
+            start, stop = run[0][0], run[-1][0] + run[-1][1]
+            for offset, _ in run:
+                groups[(uri, offset)] = (start, stop - start, len(run))
+    return {name: replace(entry, chunks=[
+        replace(c, data=replace(c.data, record=groups[(c.data.uri, c.data.offset)])) if c.data.record else c
+        for c in entry.chunks]) for name, entry in tensors.items()}
+
+
+_GROUP_GAP = 4096
 
 
 def _located_all(reader: RangeReader, entry: TensorEntry, overlapping: list[tuple[Chunk, Box]],

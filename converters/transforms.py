@@ -20,6 +20,7 @@ from .errors import OptionError
 from .index import CheckpointIndex, ObjectEntry, TensorEntry
 from .stacking import unstack
 from .storage import RangeReader
+from .tensorio import group_records
 from .writers.objects import load_object
 
 Only = Literal["model", "optim", "all"]
@@ -200,6 +201,7 @@ def apply(index: CheckpointIndex, options: KeyOptions, reader: RangeReader | Non
             if new.value is not None:
                 new.value = mapper.value(p, copy.deepcopy(new.value))
             out.objects[name] = new
+    out.tensors = group_records(out.tensors)  # records read together from object storage: fetched together
     report = unstacked + [f"stripped {prefix} from {n} keys" for prefix, n in sorted(mapper.counts.items())]
     report += [f"renamed {n} keys with {pattern}" for pattern, n in mapper.rename_counts.items()]
     if dropped:

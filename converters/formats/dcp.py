@@ -180,7 +180,7 @@ class DcpReader(BaseReader):
             raise FormatError(f"{storage.join(self.uri, rel)}: file is {sizes[rel]} bytes but {METADATA} places "
                               f"{name!r} at bytes {offset}..{offset + length}; the file is truncated "
                               "(re-copy or re-upload it)")
-        return ByteRange(storage.join(self.uri, rel), offset, length, record=True)
+        return ByteRange(storage.join(self.uri, rel), offset, length, record=(offset, length, 1))
 
     def _locate_all(self, entries: list[TensorEntry]) -> None:
         """Point every chunk at its tensor's bytes inside its record (a torch.save archive each); the
