@@ -619,14 +619,19 @@ class RangeReader:
 
     def _from_cache(self, uri: str, offset: int, view: memoryview) -> tuple[int, int]:
         """Copy the ends of `view` that prefetched spans and blocks already fetched for small reads hold (a
-        record's header and the zip directory after it share blocks with its data), so no byte is fetched
-        twice; returns the
-        part of `view` still to fetch, as [start, end) offsets into it."""
+        record's header and the zip directory after it share blocks or spans with its data), so no byte is
+        fetched twice; returns the part of `view` still to fetch, as [start, end) offsets into it."""
         start, end = 0, len(view)
         while start < end and (piece := self._span_piece(uri, offset + start, end - start)):
             view[start: start + len(piece)] = piece
             start += len(piece)
         with self._lock:
+            for (span_uri, at), span in self._spans.items():  # a span holding the view's last bytes
+                if span_uri == uri and at < offset + end <= at + len(span.data):
+                    lo = max(offset + start, at)
+                    view[lo - offset: end] = span.data[lo - at: offset + end - at]
+                    end = lo - offset
+                    break
             while start < end:
                 block = (offset + start) // MIN_REQUEST
                 data = self._blocks.get((uri, block))

@@ -103,10 +103,12 @@ def _record_spans(record: ByteRange, head: int, tail: int) -> list[tuple[int, in
     group's end; for a small record (of a group with a large one, which comes first), the record itself."""
     group, length, _ = record.record or (record.offset, record.length, 1)
     head_end, tail_start, end = record.offset + head, record.offset + record.length - tail, group + length
-    if length <= READ_CHUNK + MIN_REQUEST or end - head_end <= MIN_REQUEST or tail_start <= head_end:
+    if length <= READ_CHUNK + MIN_REQUEST:
         return [(group, length)]
     if record.length < MIN_REQUEST:
         return [(record.offset, record.length)]
+    if end - head_end <= MIN_REQUEST or tail_start <= head_end:
+        return [(group, length)]
     return [(group, head_end - group), (tail_start, end - tail_start)]
 
 

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from converters import storage, upload
+from converters import storage, tensorio, upload
 from converters.api import ConvertOptions, convert
 from converters.errors import FormatError, TargetError
 from converters.formats import load_index
 from converters.formats.dcp import DcpReader
-from converters.index import ByteRange
+from converters.index import ByteRange, Chunk, TensorEntry
 from converters.output import open_output
 from converters.tensorio import located
 
@@ -260,6 +260,124 @@ def test_dcp_records_are_located_when_read_with_their_header_in_the_same_request
     got = load_file(str(tmp_path / "remote.safetensors"))
     generator = torch.Generator().manual_seed(1)
     assert all(torch.equal(got[f"layers.{i}.weight"], torch.randn(64, 1024, generator=generator)) for i in range(12))
+
+
+def _save_dcp(path: Path, state: dict[str, Any]) -> None:
+    import torch.distributed.checkpoint as dist_cp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist_cp.save(state, checkpoint_id=str(path))
+
+
+def _layers(count: int, rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """Layers of a weight (rows x 1024 fp32) and a small bias each: large records with a small one after each."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(count):
+        state[f"l{i}.w"] = torch.randn(rows, 1024, generator=generator)
+        state[f"l{i}.b"] = torch.randn(16, generator=generator)
+    return state
+
+
+def _exported_equal(path: Path, got: Path, want: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    convert(str(path), str(got.parent / "local.safetensors"))
+    assert got.read_bytes() == (got.parent / "local.safetensors").read_bytes()
+    loaded = load_file(str(got))
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
+
+
+def test_small_records_are_fetched_with_the_large_record_before_them(s3: S3, tmp_path: Path) -> None:
+    """A bias record after each weight record: one request per weight and its bias, every byte once."""
+    state = _layers(4, 128, 2)  # 512 KiB weights
+    _save_dcp(tmp_path / "dcp", state)
+    src = s3.upload(tmp_path / "dcp", "layers")
+    records = [c.data for e in load_index(str(tmp_path / "dcp"), locate=False).tensors.values() for c in e.chunks]
+    with CountingReader() as reader:
+        convert(src, str(tmp_path / "out.safetensors"), reader=reader)
+        assert reader.requests == 4
+        assert reader.fetched == sum(r.length for r in records) <= 1.05 * reader.requested
+    _exported_equal(tmp_path / "dcp", tmp_path / "out.safetensors", state)
+
+
+def test_a_large_record_is_fetched_as_head_and_tail_with_the_small_ones_after_it(
+        s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record larger than a read chunk: its head with the tensor's first chunk, its tail (the zip directory)
+    with the small record after it, and the middle, three requests per layer; the small record, read first
+    (the export goes by name: `l0.b` before `l0.w`), is fetched alone, not with the large one."""
+    monkeypatch.setattr(storage, "READ_CHUNK", MIB)
+    monkeypatch.setattr(tensorio, "READ_CHUNK", MIB)
+    state = _layers(3, 512, 3)  # 2 MiB weights
+    _save_dcp(tmp_path / "dcp", state)
+    src = s3.upload(tmp_path / "dcp", "large")
+    with CountingReader() as reader:
+        convert(src, str(tmp_path / "out.safetensors"), reader=reader)
+        assert reader.requests == 3 * (3 + 1)
+        assert reader.fetched <= 1.05 * reader.requested
+    _exported_equal(tmp_path / "dcp", tmp_path / "out.safetensors", state)
+
+
+def test_export_from_model_and_optimizer_fetches_only_the_model(s3: S3, tmp_path: Path) -> None:
+    """Records that are not read are never fetched, even when they lie between records that are."""
+    model = _layers(3, 128, 4)
+    generator = torch.Generator().manual_seed(5)
+    optim = {"state": {k: {"exp_avg": torch.randn(v.shape, generator=generator), "step": torch.tensor(3.0)}
+                       for k, v in model.items()}, "param_groups": [{"lr": 0.1, "params": sorted(model)}]}
+    _save_dcp(tmp_path / "dcp", {"model": model, "optim": optim})
+    src = s3.upload(tmp_path / "dcp", "both")
+    with CountingReader() as reader:
+        convert(src, str(tmp_path / "out.safetensors"), ConvertOptions(export=True), reader=reader)
+        model_bytes = sum(v.numel() * 4 for v in model.values())
+        assert model_bytes <= reader.fetched <= 1.05 * model_bytes
+    _exported_equal(tmp_path / "dcp", tmp_path / "out.safetensors", model)
+
+
+def test_reshard_from_s3_fetches_each_record_once_and_equals_the_local_one(
+        s3: S3, dcp_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records split between target ranks (1 -> 3) are fetched once, by whichever rank reads them first; the
+    output is the local reshard's, byte for byte (DCP's random ids pinned)."""
+    import types
+    import uuid
+
+    import converters.writers.dcp
+    import converters.zipwriter
+    from converters.reshard import ReshardOptions, reshard
+
+    fixed = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=0x5EED))
+    monkeypatch.setattr(converters.writers.dcp, "uuid", fixed)
+    monkeypatch.setattr(converters.zipwriter, "uuid", fixed)
+    src = s3.upload(dcp_source, "reshard")
+    with CountingReader() as reader:
+        reshard(src, str(tmp_path / "remote"), ReshardOptions(world_size=3), reader=reader)
+        sizes = sum(p.stat().st_size for p in dcp_source.glob("*.distcp"))
+        assert reader.fetched <= sizes and reader.fetched <= 1.05 * reader.requested
+    reshard(str(dcp_source), str(tmp_path / "local"), ReshardOptions(world_size=3))
+    names = sorted(p.name for p in (tmp_path / "local").iterdir() if p.name != "ckpt-manifest.json")
+    assert len(names) >= 4 and names == sorted(p.name for p in (tmp_path / "remote").iterdir()
+                                               if p.name != "ckpt-manifest.json")
+    for name in names:
+        assert (tmp_path / "remote" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+
+
+def test_group_records_joins_back_to_back_records_of_the_selection_only() -> None:
+    """A large record takes the small ones after it; small ones before any large one group alone; a gap of
+    unselected bytes, another file, or another large record starts a new group."""
+    big, small = tensorio.MIN_REQUEST, 100
+    layout = [("a", 0, small), ("b", small, big), ("c", small + big, small), ("d", 2 * small + big, small),
+              ("e", 2 * small + big + 8192, small), ("f", 3 * small + big + 8192, big)]
+    tensors = {name: _record_entry("s3://b/x/__0_0.distcp", offset, length) for name, offset, length in layout}
+    tensors["g"] = _record_entry("s3://b/x/__1_0.distcp", small, small)
+    grouped = {name: e.chunks[0].data.record for name, e in tensorio.group_records(tensors).items()}
+    assert grouped == {"a": (0, small, 1), "b": (small, big + 2 * small, 3), "c": (small, big + 2 * small, 3),
+                       "d": (small, big + 2 * small, 3), "e": (2 * small + big + 8192, small, 1),
+                       "f": (3 * small + big + 8192, big, 1), "g": (small, small, 1)}
+
+
+def _record_entry(uri: str, offset: int, length: int) -> TensorEntry:
+    return TensorEntry("t", "uint8", (length,), [Chunk((0,), (length,), ByteRange(uri, offset, length,
+                                                                                  record=(offset, length, 1)))])
 
 
 def _dcp_of_many_records(path: Path) -> None:
