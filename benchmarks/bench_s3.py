@@ -4,8 +4,9 @@
 
 Makes (or reuses, under --work-dir) a model-only FSDP2 DCP checkpoint with `ckptctl sample` (world size 4,
 fp32), starts a moto S3 server on loopback (`tests/s3server.py`, with ranged GETs that cost their range as
-on S3: moto itself reads the whole object for each), uploads the checkpoint, then runs, --repeats times,
-interleaved:
+on S3: moto itself reads the whole object for each; multipart uploads completed by joining the parts once;
+objects kept in memory, not spilled to this machine's disk; `--moto-complete`: moto as it comes), uploads
+the checkpoint, then runs, --repeats times, interleaved:
 
 - `copy`: the floor, a plain parallel byte copy of the same objects to a new prefix through s3fs (the client
   library the engine uses): ranged GETs of one part each, multipart uploads of `UPLOAD_BLOCK` parts, the
@@ -63,7 +64,7 @@ ROUTES = ("local-local", "s3-s3", "s3-local", "local-s3")
 #: moto keeps an object's bytes in a SpooledTemporaryFile that spills to a temporary file on this machine's disk
 #: past 5 MiB (every 16 MiB part, every output); S3 does not share the client's disk and cores: the bench's
 #: server keeps objects up to this size in memory (moto's own setting, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE)
-KEY_BUFFER = int(os.environ.get("BENCH_KEY_BUFFER", 2 << 30))
+KEY_BUFFER = 2 << 30
 LATENCY_S = 0.02  # the index cases' time to first byte, as on S3 (loopback has none)
 INDEX_CASES = {"index +20ms serial": 1, "index +20ms parallel": None}  # index reads at a time (None: the engine's)
 CASES = ("copy", *(f"export {r}" for r in ROUTES), *(f"reshard {r}" for r in ROUTES), *INDEX_CASES)
