@@ -351,6 +351,19 @@ def read_all(uri: str, cap: int | None = None) -> bytes:
         os.close(fd)
 
 
+def _gather(futures: list[Future[_T]]) -> list[_T]:
+    """The futures' results in order; the first failure in order is raised. Either way, none is still running
+    when this returns (never leave a request writing into a buffer the caller has given up on)."""
+    try:
+        return [future.result() for future in futures]
+    finally:
+        for future in futures:
+            future.cancel()
+        for future in futures:
+            if not future.cancelled():
+                future.exception()
+
+
 @dataclass
 class _Group:
     """The records of a prefetched group (`RangeReader.prefetch`): how many, and which were read."""
@@ -531,10 +544,15 @@ class RangeReader:
     def _span_piece(self, uri: str, at: int, length: int) -> bytes:
         """Up to `length` bytes from `at` that a prefetched span holds (b"" when none does)."""
         with self._lock:
-            for (span_uri, start), span in self._spans.items():
-                if span_uri == uri and start <= at < start + len(span.data):
-                    return span.data[at - start: at - start + length]
-        return b""
+            start, data = self._span_at(uri, at)
+            return data[at - start: at - start + length]
+
+    def _span_at(self, uri: str, at: int) -> tuple[int, bytes]:
+        """(start, bytes) of a prefetched span of `uri` that holds byte `at`, or (at, b""); the lock is held."""
+        for (span_uri, start), span in self._spans.items():
+            if span_uri == uri and start <= at < start + len(span.data):
+                return start, span.data
+        return at, b""
 
     def _remote_into(self, uri: str, offset: int, view: memoryview) -> None:
         """Fill `view` with a large remote range (see `_fetches`)."""
@@ -574,16 +592,7 @@ class RangeReader:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(REMOTE_PARALLEL, thread_name_prefix="ckpt-fetch")
             pool = self._pool
-        futures = [pool.submit(fetch) for fetch in fetches]
-        try:
-            for future in futures:
-                future.result()
-        finally:  # never leave a request writing into a buffer the caller has given up on
-            for future in futures:
-                future.cancel()
-            for future in futures:
-                if not future.cancelled():
-                    future.exception()
+        _gather([pool.submit(fetch) for fetch in fetches])
 
     def map(self, fn: Callable[[_T], _R], items: Sequence[_T], remote: bool = True) -> list[_R]:
         """`[fn(item) for item in items]`, with up to `INDEX_PARALLEL` calls side by side when their reads are
@@ -595,15 +604,7 @@ class RangeReader:
             if self._side_pool is None:
                 self._side_pool = ThreadPoolExecutor(INDEX_PARALLEL, thread_name_prefix="ckpt-index")
             pool = self._side_pool
-        futures = [pool.submit(fn, item) for item in items]
-        try:
-            return [future.result() for future in futures]
-        finally:
-            for future in futures:
-                future.cancel()
-            for future in futures:  # none still runs once this returns or raises
-                if not future.cancelled():
-                    future.exception()
+        return _gather([pool.submit(fn, item) for item in items])
 
     def readinto_many(self, reads: list[tuple[str, int, memoryview]]) -> None:
         """`readinto` for several (uri, offset, view) at once: the large remote ones are fetched side by side
@@ -626,12 +627,11 @@ class RangeReader:
             view[start: start + len(piece)] = piece
             start += len(piece)
         with self._lock:
-            for (span_uri, at), span in self._spans.items():  # a span holding the view's last bytes
-                if span_uri == uri and at < offset + end <= at + len(span.data):
-                    lo = max(offset + start, at)
-                    view[lo - offset: end] = span.data[lo - at: offset + end - at]
-                    end = lo - offset
-                    break
+            at, held = self._span_at(uri, offset + end - 1) if start < end else (0, b"")
+            if held:  # a span holding the view's last bytes
+                lo = max(offset + start, at)
+                view[lo - offset: end] = held[lo - at: offset + end - at]
+                end = lo - offset
             while start < end:
                 block = (offset + start) // MIN_REQUEST
                 data = self._blocks.get((uri, block))

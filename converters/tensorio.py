@@ -76,16 +76,16 @@ def located(reader: RangeReader, entry: TensorEntry, chunk: Chunk, want: int = 0
     bytes inside it, found once per reader and checked against the index. From object storage, the first
     `want` bytes of the tensor (what the caller reads next) come in the same request as the record's header,
     with the records grouped with it (`group_records`)."""
-    data = chunk.data
-    if data.record is None:
+    data, record = chunk.data, chunk.data.record
+    if record is None:
         return data
 
     def find() -> ByteRange:
         from .torchzip import HEAD_READ, TAIL_READ, record_tensor
 
         if not is_local(data.uri):
-            spans = _record_spans(data, HEAD_READ + min(want, READ_CHUNK), TAIL_READ)
-            group, _, count = data.record or (0, 0, 1)
+            spans = _record_spans(data, record, HEAD_READ + min(want, READ_CHUNK), TAIL_READ)
+            group, _, count = record
             if spans[0][0] == group:  # the group's fetch, once (a lone small record of a group fetches itself)
                 reader.once(("group", data.uri, group), lambda: reader.prefetch(data.uri, spans, group, count))
             else:
@@ -95,18 +95,19 @@ def located(reader: RangeReader, entry: TensorEntry, chunk: Chunk, want: int = 0
     return reader.once(("record", data.uri, data.offset), find)
 
 
-def _record_spans(record: ByteRange, head: int, tail: int) -> list[tuple[int, int]]:
-    """The ranges to fetch to locate a tensor in a remote record and read its first `head` bytes (headers
-    included): its whole group when that is about one `READ_CHUNK` at most or little more lies in it; else,
-    for a large record, the group up to the record's `head` bytes and from its last `tail` bytes (the zip
-    directory, which torch's records need: their local headers leave sizes to data descriptors) to the
-    group's end; for a small record (of a group with a large one, which comes first), the record itself."""
-    group, length, _ = record.record or (record.offset, record.length, 1)
-    head_end, tail_start, end = record.offset + head, record.offset + record.length - tail, group + length
+def _record_spans(data: ByteRange, record: tuple[int, int, int], head: int, tail: int) -> list[tuple[int, int]]:
+    """The ranges to fetch to locate a tensor in a remote record (`data`, of the group `record`) and read its
+    first `head` bytes (headers included): its whole group when that is about one `READ_CHUNK` at most or
+    little more lies in it; else, for a large record, the group up to the record's `head` bytes and from its
+    last `tail` bytes (the zip directory, which torch's records need: their local headers leave sizes to
+    data descriptors) to the group's end; for a small record (of a group with a large one, which comes
+    first), the record itself."""
+    group, length, _ = record
+    head_end, tail_start, end = data.offset + head, data.offset + data.length - tail, group + length
     if length <= READ_CHUNK + MIN_REQUEST:
         return [(group, length)]
-    if record.length < MIN_REQUEST:
-        return [(record.offset, record.length)]
+    if data.length < MIN_REQUEST:
+        return [(data.offset, data.length)]
     if end - head_end <= MIN_REQUEST or tail_start <= head_end:
         return [(group, length)]
     return [(group, head_end - group), (tail_start, end - tail_start)]
