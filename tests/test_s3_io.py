@@ -359,6 +359,16 @@ def test_reshard_from_s3_fetches_each_record_once_and_equals_the_local_one(
                                                if p.name != "ckpt-manifest.json")
     for name in names:
         assert (tmp_path / "remote" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    import torch.distributed.checkpoint as dist_cp
+
+    generator = torch.Generator().manual_seed(0)  # the source's values (dcp_source)
+    want = {f"layers.{i}.weight": torch.randn(1024, 2048 + i, generator=generator) for i in range(3)}
+    want["bias"] = torch.randn(1000, generator=generator)
+    got = {name: torch.zeros_like(tensor) for name, tensor in want.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist_cp.load(got, checkpoint_id=str(tmp_path / "remote"))  # its consumer's own loader
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
 
 
 def test_group_records_joins_back_to_back_records_of_the_selection_only() -> None:
