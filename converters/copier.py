@@ -14,14 +14,17 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 from . import dtypes
 from .checksum import crc32, crc32_zeros
 from .errors import SourceError
 from .index import TensorEntry
+from .readahead import Budget, Buffer, ReadAhead
 from .storage import RangeReader, is_local, local_path
 from .tensorio import Box, cast, direct_ranges, read_box, slabs
 
@@ -111,25 +114,44 @@ class Copier:
         self._file_locks: dict[int, threading.Lock] = {}  # output fd -> its writers' turn
         self._locks_lock = threading.Lock()
         self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
+        self.ahead = Budget(self.slab_bytes * self.threads)  # remote reads ahead of uploads, all files together
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
             return cast_to
         return entry.dtype
 
-    def stream(self, entry: TensorEntry, cast_to: str | None = None, box: Box | None = None
-               ) -> Iterator[memoryview]:
-        """Yield the row-major bytes of `entry` (or of `entry[box]`), cast to `cast_to` if it is floating."""
+    def stream(self, entry: TensorEntry, cast_to: str | None = None, box: Box | None = None,
+               buffer: Buffer | None = None) -> Iterator[memoryview]:
+        """Yield the row-major bytes of `entry` (or of `entry[box]`), cast to `cast_to` if it is floating, each
+        slab read into `buffer(n)` (default: this thread's reused slab, valid until the next step)."""
         out_dtype = self.out_dtype(entry, cast_to)
         item = dtypes.itemsize(entry.dtype)
         base, shape = box if box is not None else ((0,) * len(entry.shape), entry.shape)
         for offsets, sizes in slabs(shape, item, self.slab_bytes):
             absolute = (tuple(b + o for b, o in zip(base, offsets)), sizes)
-            view = self._buffer(dtypes.numel(sizes) * item)
+            view = (buffer or self._buffer)(dtypes.numel(sizes) * item)
             read_box(self.reader, entry, absolute, view)
             self.progress.add(len(view))
             yield cast(view, entry.dtype, out_dtype) if out_dtype != entry.dtype else view
         self.progress.add(tensors=1)
+
+    @contextmanager
+    def in_order(self, jobs: Sequence[tuple[TensorEntry, str | None, Box | None]],
+                 pool: ThreadPoolExecutor | None = None) -> Iterator[list[Iterable[memoryview]]]:
+        """The blocks of each (entry, cast_to, box) of `jobs` (`stream`), one iterable per job, to be used in
+        order (a file written front to back: an upload). From object storage, the jobs are read ahead in
+        `pool`'s threads (or the copier's own), up to `threads` slabs ahead (`ReadAhead`)."""
+        remote = any(not is_local(chunk.data.uri) for entry, _, _ in jobs for chunk in entry.chunks)
+        if not remote or len(jobs) < 2:
+            yield [self.stream(entry, cast_to, box) for entry, cast_to, box in jobs]
+            return
+        streams = [partial(self.stream, entry, cast_to, box) for entry, cast_to, box in jobs]
+        with ExitStack() as stack:
+            if pool is None:
+                pool = stack.enter_context(ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-ahead"))
+            ahead = stack.enter_context(ReadAhead(pool, streams, self.ahead))
+            yield [ahead.blocks(i) for i in range(len(jobs))]
 
     def pieces(self, entry: TensorEntry, cast_to: str | None = None, box: Box | None = None,
                in_kernel: bool = False) -> Iterator[memoryview | SourceRange]:

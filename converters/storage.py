@@ -466,7 +466,7 @@ class RangeReader:
             if not piece:
                 block = at // MIN_REQUEST
                 lo = at - block * MIN_REQUEST
-                piece = self._block(uri, block)[lo: lo + length - len(out)]
+                piece = memoryview(self._block(uri, block))[lo: lo + length - len(out)]
                 if not piece:
                     break
             out += piece
@@ -541,18 +541,19 @@ class RangeReader:
                 if len(span.state.done) >= span.state.count:
                     self._span_bytes -= len(self._spans.pop(key).data)
 
-    def _span_piece(self, uri: str, at: int, length: int) -> bytes:
-        """Up to `length` bytes from `at` that a prefetched span holds (b"" when none does)."""
+    def _span_piece(self, uri: str, at: int, length: int) -> memoryview:
+        """Up to `length` bytes from `at` that a prefetched span holds (empty when none does), not copied."""
         with self._lock:
             start, data = self._span_at(uri, at)
             return data[at - start: at - start + length]
 
-    def _span_at(self, uri: str, at: int) -> tuple[int, bytes]:
-        """(start, bytes) of a prefetched span of `uri` that holds byte `at`, or (at, b""); the lock is held."""
+    def _span_at(self, uri: str, at: int) -> tuple[int, memoryview]:
+        """(start, a view of the bytes) of a prefetched span of `uri` that holds byte `at`, or (at, an empty
+        view); the lock is held. Views, so that taking a piece of a span copies nothing."""
         for (span_uri, start), span in self._spans.items():
             if span_uri == uri and start <= at < start + len(span.data):
-                return start, span.data
-        return at, b""
+                return start, memoryview(span.data)
+        return at, memoryview(b"")
 
     def _remote_into(self, uri: str, offset: int, view: memoryview) -> None:
         """Fill `view` with a large remote range (see `_fetches`)."""
@@ -627,7 +628,7 @@ class RangeReader:
             view[start: start + len(piece)] = piece
             start += len(piece)
         with self._lock:
-            at, held = self._span_at(uri, offset + end - 1) if start < end else (0, b"")
+            at, held = self._span_at(uri, offset + end - 1) if start < end else (0, memoryview(b""))
             if held:  # a span holding the view's last bytes
                 lo = max(offset + start, at)
                 view[lo - offset: end] = held[lo - at: offset + end - at]
@@ -636,7 +637,7 @@ class RangeReader:
                 block = (offset + start) // MIN_REQUEST
                 data = self._blocks.get((uri, block))
                 lo = offset + start - block * MIN_REQUEST
-                piece = data[lo: lo + end - start] if data is not None else b""
+                piece = memoryview(data)[lo: lo + end - start] if data is not None else memoryview(b"")
                 if not piece:
                     break
                 view[start: start + len(piece)] = piece
@@ -647,7 +648,7 @@ class RangeReader:
                 lo = max(offset + start, block * MIN_REQUEST)
                 if data is None or len(data) < offset + end - block * MIN_REQUEST:
                     break
-                view[lo - offset: end] = data[lo - block * MIN_REQUEST: offset + end - block * MIN_REQUEST]
+                view[lo - offset: end] = memoryview(data)[lo - block * MIN_REQUEST: offset + end - block * MIN_REQUEST]
                 end = lo - offset
         return start, end
 

@@ -8,7 +8,7 @@ to Python objects element by element.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -104,7 +104,7 @@ def _record_spans(data: ByteRange, record: tuple[int, int, int], head: int, tail
     first), the record itself."""
     group, length, _ = record
     head_end, tail_start, end = data.offset + head, data.offset + data.length - tail, group + length
-    if length <= READ_CHUNK + MIN_REQUEST:
+    if length <= GROUP_BYTES + MIN_REQUEST:
         return [(group, length)]
     if data.length < MIN_REQUEST:
         return [(data.offset, data.length)]
@@ -113,32 +113,47 @@ def _record_spans(data: ByteRange, record: tuple[int, int, int], head: int, tail
     return [(group, head_end - group), (tail_start, end - tail_start)]
 
 
-def group_records(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
-    """`tensors` with the DCP records they are read from grouped: a record of at least `MIN_REQUEST` bytes with
-    the smaller ones right after it (up to the next large one or `READ_CHUNK` bytes of small ones; small ones
-    before any large one form groups of their own), within one file, back to back (a few bytes of other
-    records between at most), so that reading them from object storage costs one request per group. Only
-    these tensors' records are grouped: a group never fetches bytes that are not read.
+def group_records(tensors: dict[str, TensorEntry], order: Sequence[str] | None = None) -> dict[str, TensorEntry]:
+    """`tensors` with the DCP records they are read from grouped, so that reading them from object storage
+    costs one request per group: records within one file, back to back (a few bytes of other records between
+    at most). A record of at least `MIN_REQUEST` bytes takes the smaller ones right after it (up to the next
+    large one or `READ_CHUNK` bytes of small ones; small ones before any large one form groups of their own).
+    With `order` (every name of `tensors`, as one reader reads them, front to back), any record also joins
+    the group before it while the group stays within `GROUP_BYTES` and the bytes read between the group's
+    first tensor and the record's own stay within `GROUP_WINDOW`, so that a group, fetched when one of its
+    records is first read, is not held for long. Only these tensors' records are grouped: a group never
+    fetches bytes that are not read.
     """
-    by_file: dict[str, list[tuple[int, int]]] = {}
-    for entry in tensors.values():
+    at, position = 0, {}
+    for name in order or ():
+        position[name] = at
+        at += tensors[name].nbytes
+    by_file: dict[str, dict[tuple[int, int], int]] = {}
+    for name, entry in tensors.items():
         for chunk in entry.chunks:
             if chunk.data.record is not None:
-                by_file.setdefault(chunk.data.uri, []).append((chunk.data.offset, chunk.data.length))
+                records = by_file.setdefault(chunk.data.uri, {})
+                key = (chunk.data.offset, chunk.data.length)
+                records[key] = min(records.get(key, position.get(name, 0)), position.get(name, 0))
     groups: dict[tuple[str, int], tuple[int, int, int]] = {}
     for uri, records in by_file.items():
-        runs: list[list[tuple[int, int]]] = []
-        for offset, length in sorted(set(records)):
+        runs: list[list[tuple[int, int, int]]] = []
+        for (offset, length), read_at in sorted(records.items()):
             run = runs[-1] if runs else None
-            end = run[-1][0] + run[-1][1] if run else 0
-            small = sum(n for _, n in run if n < MIN_REQUEST) if run else 0
-            if run is None or offset - end > _GROUP_GAP or length >= MIN_REQUEST or small + length > READ_CHUNK:
-                runs.append([(offset, length)])
+            if run is None or offset - (run[-1][0] + run[-1][1]) > _GROUP_GAP:
+                runs.append([(offset, length, read_at)])
+                continue
+            small = sum(n for _, n, _ in run if n < MIN_REQUEST)
+            joins = length < MIN_REQUEST and small + length <= READ_CHUNK
+            if order is not None and not joins:
+                joins = offset + length - run[0][0] <= GROUP_BYTES and abs(read_at - run[0][2]) <= GROUP_WINDOW
+            if joins:
+                run.append((offset, length, read_at))
             else:
-                run.append((offset, length))
+                runs.append([(offset, length, read_at)])
         for run in runs:
             start, stop = run[0][0], run[-1][0] + run[-1][1]
-            for offset, _ in run:
+            for offset, _, _ in run:
                 groups[(uri, offset)] = (start, stop - start, len(run))
     return {name: replace(entry, chunks=[
         replace(c, data=replace(c.data, record=groups[(c.data.uri, c.data.offset)])) if c.data.record else c
@@ -146,6 +161,8 @@ def group_records(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
 
 
 _GROUP_GAP = 4096
+GROUP_BYTES = 16 * 1024 * 1024  # a group read in order: one request of at most this (and the copy's part size)
+GROUP_WINDOW = 32 * 1024 * 1024  # ... of records read at most this many bytes apart
 
 
 def _located_all(reader: RangeReader, entry: TensorEntry, overlapping: list[tuple[Chunk, Box]],

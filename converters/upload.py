@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import threading
-from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
-from concurrent.futures import Executor, Future
+from collections.abc import Coroutine
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -27,7 +28,6 @@ UPLOAD_BLOCK = 16 * 1024 * 1024  # part size; S3 needs >= 5 MiB for every part b
 PARALLEL_ENV = "CKPT_UPLOAD_PARALLEL"
 DEFAULT_PARALLEL = 4  # the copier's default thread count
 GROW_EVERY = 1000  # parts: the part size grows by UPLOAD_BLOCK every 1000 parts (S3 allows 10,000)
-FIRST_BUFFER = 1024 * 1024
 SETTLE_S = 60.0  # bound on waiting for requests in flight before aborting
 
 
@@ -78,7 +78,7 @@ class MultipartWriter:
         self.bucket, self.key, _ = fs.split_path(path)
         self.slots = slots
         self.block = block or UPLOAD_BLOCK
-        self.buf = bytearray(min(FIRST_BUFFER, self.block))  # grows to a part: small files stay small
+        self.buf = io.BytesIO()  # the part being filled: it grows as it fills, so small files stay small
         self.fill = 0
         self.create: Future[str] | None = None
         self.put: Future[Any] | None = None  # the single PUT of a small file
@@ -94,39 +94,34 @@ class MultipartWriter:
         view = memoryview(data).cast("B")
         total = len(view)
         while view:
-            limit = part_size(len(self.parts) + 1, self.block)
-            if self.fill == len(self.buf):  # double the buffer, up to a part
-                grown = bytearray(min(limit, 2 * len(self.buf)))
-                grown[: self.fill] = self.buf[: self.fill]
-                self.buf = grown
-            n = min(len(view), len(self.buf) - self.fill)
-            self.buf[self.fill: self.fill + n] = view[:n]
+            n = min(len(view), part_size(len(self.parts) + 1, self.block) - self.fill)
+            self.buf.write(view[:n])
             self.fill += n
             view = view[n:]
-            if self.fill == limit:
+            if self.fill == part_size(len(self.parts) + 1, self.block):
                 self._send()
         return total
 
+    def _take(self) -> bytes:
+        """The filled part as `bytes` (botocore copies a bytearray body up to three times), without a copy:
+        `BytesIO.getvalue` hands over its own buffer when no view of it is held. A new buffer takes its place."""
+        body, self.buf, self.fill = self.buf.getvalue(), io.BytesIO(), 0
+        return body
+
     def _send(self) -> None:
-        """Hand the buffer's bytes to the loop as the next part (blocking while K parts are in flight). The
-        part goes as `bytes` (botocore copies a bytearray body up to three times); the buffer is reused."""
+        """Hand the filled part to the loop as the next part (blocking while K parts are in flight)."""
         self._raise_failed()
         if self.create is None:
             self.create = self._submit(self._create())
         number = len(self.parts) + 1
         self.slots.take()
         try:
-            body = bytes(memoryview(self.buf)[: self.fill])
-            future = self._submit(self._part(number, body))
+            future = self._submit(self._part(number, self._take()))
         except BaseException:
             self.slots.give()
             raise
         future.add_done_callback(self.slots.give)
         self.parts.append(future)
-        self.fill = 0
-        limit = part_size(number + 1, self.block)
-        if len(self.buf) < limit:
-            self.buf = bytearray(limit)
 
     def _raise_failed(self) -> None:
         for future in [self.create, *self.parts]:
@@ -164,7 +159,7 @@ class MultipartWriter:
         if self.closed:
             return
         if self.create is None:
-            body = bytes(memoryview(self.buf)[: self.fill])
+            body = self._take()
             self.put = self._submit(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body))
             self.put.result()
         else:
@@ -175,7 +170,7 @@ class MultipartWriter:
             self._submit(self.fs._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key,
                                           UploadId=upload_id, MultipartUpload={"Parts": parts})).result()
         self.closed = True
-        self.buf = bytearray()
+        self.buf = io.BytesIO()
         self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
 
     def discard(self, settle: float = SETTLE_S) -> None:
@@ -183,89 +178,9 @@ class MultipartWriter:
         single PUT that lands is an object like any other: the output removes what it uploaded.)"""
         self.discarded = True  # first: a create still in flight sees it and aborts what it opens (`_create`)
         self.closed = True
-        self.buf = bytearray()
+        self.buf = io.BytesIO()
         pending = [f for f in [self.put, self.create, *self.parts] if f is not None]
         wait_futures(pending, timeout=settle)
         if self.upload_id is not None:
             with contextlib.suppress(Exception):
                 self._submit(self._abort()).result(timeout=settle)
-
-
-_EMPTY = object()
-_END = object()
-
-
-class _Handoff:
-    """One block passed from a producer thread to the consumer; the producer waits until the consumer is done
-    with it (the block lives in the producer's reusable buffer)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.item: Any = _EMPTY
-
-    def put(self, item: Any, stop: threading.Event) -> bool:
-        """Hand over `item`; wait until it was taken and used. False when the consumer gave up."""
-        with self.cond:
-            self.item = item
-            self.cond.notify_all()
-            while self.item is not _EMPTY and not stop.is_set():
-                self.cond.wait()
-        return not stop.is_set()
-
-    def get(self) -> Any:
-        with self.cond:
-            while self.item is _EMPTY:
-                self.cond.wait()
-            return self.item
-
-    def done(self) -> None:
-        with self.cond:
-            self.item = _EMPTY
-            self.cond.notify_all()
-
-
-def read_ahead(pool: Executor, streams: Sequence[Callable[[], Iterable[memoryview]]], depth: int
-               ) -> Generator[memoryview, None, None]:
-    """The blocks of every stream in `streams`, in order, with up to `depth` streams reading ahead in `pool`'s
-    threads (a remote source is read while the blocks before are uploaded). A producer hands over one block
-    at a time and waits until the consumer has used it, so memory is `depth` blocks (the copier's budget for
-    `depth` threads). Producers stop when the consumer stops; an error in one is raised in order."""
-    stop = threading.Event()
-    handoffs = [_Handoff() for _ in streams]
-    running: dict[int, Future[None]] = {}
-
-    def produce(i: int) -> None:
-        if stop.is_set():
-            return
-        try:
-            for block in streams[i]():
-                if not handoffs[i].put(block, stop):
-                    return
-            handoffs[i].put(_END, stop)
-        except BaseException as exc:  # handed to the consumer, which raises it in order
-            handoffs[i].put(exc, stop)
-
-    submitted = 0
-    try:
-        for i in range(len(streams)):
-            while submitted < len(streams) and submitted < i + max(1, depth):
-                running[submitted] = pool.submit(produce, submitted)
-                submitted += 1
-            while True:
-                item = handoffs[i].get()
-                if item is _END:
-                    handoffs[i].done()
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                handoffs[i].done()
-            running.pop(i).result()
-    finally:
-        stop.set()
-        for future in running.values():
-            future.cancel()  # not started yet
-        for handoff in handoffs:
-            with handoff.cond:
-                handoff.cond.notify_all()
-        wait_futures(list(running.values()))  # no producer touches a buffer after this returns

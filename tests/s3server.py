@@ -56,20 +56,44 @@ FakeKey.value = property(get, put)
 # moto 5's `complete_multipart_upload` copies the whole object five times in Python (into a bytearray, to
 # bytes, into the checksum builder's bytearray, to bytes again, then into the key's file), serially, after
 # the last part: 3.4 s of the server's one core for a 400 MB object, 1.9 s for four of 100 MB (superlinear),
-# where S3 completes in time proportional to the number of parts. With `one_copy_complete` (which implies
-# `ranged_reads`), the parts are joined once (same validation, ETag and checksum) and the joined bytes are the
-# key's value, kept as they are rather than written again into the key's spooled file (1.6 s of a 400 MB
-# object's completion was that write). For benchmarks.
-_ONE_COPY_COMPLETE = """
+# where S3 completes in time proportional to the number of parts. With `s3_complete` (which implies
+# `ranged_reads`), completion copies nothing: it validates the parts and computes the ETag and the checksum
+# as moto does (the checksum over the parts in turn), and the key keeps the parts as received, joined once
+# when the object is first read. For benchmarks, which time uploads, not the server's bookkeeping.
+_S3_COMPLETE = """
+import binascii as _binascii
+from moto.s3 import models as _m
+from moto.s3 import utils as _u
+from moto.utilities.utils import md5_hash as _md5
+class Parts:
+    def __init__(self, values):
+        self.values = values
+    def __len__(self):
+        return sum(len(v) for v in self.values)
+def get_joined(self, ranged_get=FakeKey.value.fget):
+    if isinstance(self.__dict__.get("_bytes"), Parts):
+        self.__dict__["_bytes"] = b"".join(self.__dict__["_bytes"].values)
+    return ranged_get(self)
 def put_joined(self, value, plain_put=FakeKey.value.fset):
-    if getattr(self, "multipart", None) is not None and self._etag is not None and isinstance(value, bytes):
-        self.__dict__["_bytes"] = value  # a completed multipart upload: its joined parts, as they are
+    if isinstance(value, Parts):  # a completed multipart upload: its parts, as they are
+        self.__dict__["_bytes"] = value
         self.contentsize = len(value)
         return
     plain_put(self, value)
-FakeKey.value = property(FakeKey.value.fget, put_joined)
-from moto.s3 import models as _m
-from moto.utilities.utils import md5_hash as _md5
+FakeKey.value = property(get_joined, put_joined)
+def set_part(self, part_id, value, plain_set_part=_m.FakeMultipart.set_part):
+    part = plain_set_part(self, part_id, value)
+    if isinstance(value, bytes):  # the bytes received are the part's value: completion takes them as they are
+        part.__dict__["_bytes"] = value
+    return part
+_m.FakeMultipart.set_part = set_part
+def full_checksum(values, algorithm):
+    if algorithm == "CRC32" or (algorithm == "CRC64NVME" and not _u.HAS_CRT):  # moto's CRC32 fallback
+        crc = 0
+        for value in values:
+            crc = _binascii.crc32(value, crc)
+        return _u.base64.b64encode(crc.to_bytes(4, "big"))
+    return _u.compute_checksum(b"".join(values), algorithm)
 def complete(self, body):
     parts = []
     for number, etag in body:
@@ -81,33 +105,34 @@ def complete(self, body):
         parts.append(part)
     if not parts:
         raise _m.MalformedXML
-    total = b"".join(part.value for part in parts)
+    values = [part.value for part in parts]
     builder = _m.MultipartChecksumBuilder(self.metadata.get("x-amz-checksum-algorithm"),
                                           self.metadata.get("x-amz-checksum-type"))
     if builder.checksum_type == "COMPOSITE":
-        for part in parts:
-            builder.addPart(part.value)
+        for value in values:
+            builder.addPart(value)
+        checksum = builder.build()
     else:
-        builder.complete_object, builder.part_count = total, len(parts)  # bytes(bytes) is no copy
+        checksum = (builder.checksum_type, full_checksum(values, builder.checksum_algorithm).decode(), 1)
     etag = _md5()
     etag.update(b"".join(bytes.fromhex(part.etag.replace('"', "")) for part in parts))
-    return total, f"{etag.hexdigest()}-{len(parts)}", builder.build()
+    return Parts(values), f"{etag.hexdigest()}-{len(parts)}", checksum
 _m.FakeMultipart.complete = complete
 """
 
 
 class MotoServer:
     """`python -m moto.server -H 127.0.0.1 -p PORT` as a subprocess; `extra_env` goes into its environment;
-    `ranged_reads`: ranged GETs cost their range (see _RANGED_READS); `one_copy_complete`: completing a
-    multipart upload copies its bytes once (see _ONE_COPY_COMPLETE)."""
+    `ranged_reads`: ranged GETs cost their range (see _RANGED_READS); `s3_complete`: completing a multipart
+    upload copies nothing, as on S3 (see _S3_COMPLETE)."""
 
     def __init__(self, extra_env: dict[str, str] | None = None, log_dir: str | None = None,
-                 ranged_reads: bool = False, one_copy_complete: bool = False) -> None:
+                 ranged_reads: bool = False, s3_complete: bool = False) -> None:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.extra_env = extra_env or {}
-        self.patches = (_RANGED_READS if ranged_reads or one_copy_complete else "") + (
-            _ONE_COPY_COMPLETE if one_copy_complete else "")
+        self.patches = (_RANGED_READS if ranged_reads or s3_complete else "") + (
+            _S3_COMPLETE if s3_complete else "")
         self.log_path = Path(log_dir or tempfile.gettempdir()) / f"moto-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -237,7 +237,8 @@ def test_dcp_index_reads_record_headers_side_by_side(s3: S3, tmp_path: Path,
 
 def test_dcp_records_are_located_when_read_with_their_header_in_the_same_request(s3: S3, tmp_path: Path) -> None:
     """From object storage the DCP index reads no record; an export then fetches each record once, its header
-    and its tensor in one request (12 records: 12 requests), and writes what the local export writes."""
+    with its tensor, and the records it reads close together with it: the 12 records (3 MiB back to back,
+    read in another order than they lie in) in one request; it writes what the local export writes."""
     path = tmp_path / "dcp"
     _dcp_of_many_records(path)
     src = s3.upload(path, "many")
@@ -247,12 +248,13 @@ def test_dcp_records_are_located_when_read_with_their_header_in_the_same_request
         assert reader.requests == 0
         assert all(c.data.record for e in remote.tensors.values() for c in e.chunks)
         convert(src, str(tmp_path / "remote.safetensors"), reader=reader)
-        assert reader.requests == sum(len(e.chunks) for e in local.tensors.values()) == 12
+        assert sum(len(e.chunks) for e in local.tensors.values()) == 12
+        assert reader.requests == 1
         assert reader.fetched <= 1.05 * reader.requested
         for name, entry in local.tensors.items():  # located as the local index locates them
             assert [located(reader, remote.tensors[name], c).offset for c in remote.tensors[name].chunks] == \
                 [c.data.offset for c in entry.chunks]
-        assert reader.requests == 12
+        assert reader.requests == 1
     convert(str(path), str(tmp_path / "local.safetensors"))
     assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
     from safetensors.torch import load_file
@@ -290,14 +292,23 @@ def _exported_equal(path: Path, got: Path, want: dict[str, torch.Tensor]) -> Non
 
 
 def test_small_records_are_fetched_with_the_large_record_before_them(s3: S3, tmp_path: Path) -> None:
-    """A bias record after each weight record: one request per weight and its bias, every byte once."""
+    """A bias record after each weight record: a torch file, whose records are read by several threads at
+    once, fetches each weight with its bias (one request per layer); an export, which reads in its file's
+    order, fetches the records it reads close together in one request (the 4 layers, 2 MiB back to back,
+    read in another order than they lie in); every byte once."""
     state = _layers(4, 128, 2)  # 512 KiB weights
     _save_dcp(tmp_path / "dcp", state)
     src = s3.upload(tmp_path / "dcp", "layers")
     records = [c.data for e in load_index(str(tmp_path / "dcp"), locate=False).tensors.values() for c in e.chunks]
     with CountingReader() as reader:
-        convert(src, str(tmp_path / "out.safetensors"), reader=reader)
+        convert(src, str(tmp_path / "out.pt"), ConvertOptions(to="torch"), reader=reader)
         assert reader.requests == 4
+        assert reader.fetched == sum(r.length for r in records) <= 1.05 * reader.requested
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    with CountingReader() as reader:
+        convert(src, str(tmp_path / "out.safetensors"), reader=reader)
+        assert reader.requests == 1
         assert reader.fetched == sum(r.length for r in records) <= 1.05 * reader.requested
     _exported_equal(tmp_path / "dcp", tmp_path / "out.safetensors", state)
 
@@ -309,6 +320,7 @@ def test_a_large_record_is_fetched_as_head_and_tail_with_the_small_ones_after_it
     (the export goes by name: `l0.b` before `l0.w`), is fetched alone, not with the large one."""
     monkeypatch.setattr(storage, "READ_CHUNK", MIB)
     monkeypatch.setattr(tensorio, "READ_CHUNK", MIB)
+    monkeypatch.setattr(tensorio, "GROUP_BYTES", MIB)  # a 2 MiB record groups with no other large one
     state = _layers(3, 512, 3)  # 2 MiB weights
     _save_dcp(tmp_path / "dcp", state)
     src = s3.upload(tmp_path / "dcp", "large")
@@ -383,6 +395,28 @@ def test_group_records_joins_back_to_back_records_of_the_selection_only() -> Non
     assert grouped == {"a": (0, small, 1), "b": (small, big + 2 * small, 3), "c": (small, big + 2 * small, 3),
                        "d": (small, big + 2 * small, 3), "e": (2 * small + big + 8192, small, 1),
                        "f": (3 * small + big + 8192, big, 1), "g": (small, small, 1)}
+
+
+def test_group_records_in_read_order_joins_large_records_read_close_together(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the order they are read in, large records join too, while the group stays within GROUP_BYTES and
+    its records are read within GROUP_WINDOW bytes of its first: a record read far later starts a new group,
+    and so does one that would make the group too large."""
+    monkeypatch.setattr(tensorio, "GROUP_BYTES", 4 * MIB)
+    monkeypatch.setattr(tensorio, "GROUP_WINDOW", 2 * MIB)
+    uri, big = "s3://b/x/__0_0.distcp", MIB
+    tensors = {name: _record_entry(uri, i * big, big) for i, name in enumerate("abcdefg")}
+    order = ["a", "b", "g", "c", "d", "e", "f"]  # read at 0, 1, 3, 4, 5, 6 MiB; g at 2 MiB
+
+    def groups() -> dict[str, tuple[int, int, int] | None]:
+        return {name: e.chunks[0].data.record for name, e in tensorio.group_records(tensors, order).items()}
+
+    assert groups() == {"a": (0, 2 * big, 2), "b": (0, 2 * big, 2), "c": (2 * big, 3 * big, 3),
+                        "d": (2 * big, 3 * big, 3), "e": (2 * big, 3 * big, 3), "f": (5 * big, big, 1),
+                        "g": (6 * big, big, 1)}
+    monkeypatch.setattr(tensorio, "GROUP_WINDOW", 100 * MIB)  # now only the size ends a group
+    assert groups() == {**dict.fromkeys("abcd", (0, 4 * big, 4)), **dict.fromkeys("efg", (4 * big, 3 * big, 3))}
+    assert all(r[2] == 1 for r in (e.chunks[0].data.record for e in tensorio.group_records(tensors).values()))
 
 
 def _record_entry(uri: str, offset: int, length: int) -> TensorEntry:
@@ -513,39 +547,53 @@ def test_export_s3_to_s3_equals_local_and_fetches_what_it_needs(s3: S3, dcp_sour
     assert open_uploads(s3) == []
 
 
-def test_read_ahead_keeps_order_reads_ahead_and_stops_its_producers() -> None:
-    """Blocks come in stream order while later streams already run; each producer's buffer is reused only
-    after the consumer is done with it; an error comes in order and stops every producer."""
+def test_read_ahead_keeps_order_reads_ahead_within_its_budget_and_stops_its_producers() -> None:
+    """Blocks come in stream order while later streams already run, each in a buffer of its own; the bytes
+    read and not yet used stay within the budget, which never holds back the stream the consumer waits for
+    (one block larger than the whole budget included); an error comes in order and stops every producer."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from converters.readahead import Budget, ReadAhead
 
     started: list[int] = []
 
-    def stream(i: int, fail: bool = False) -> Any:
-        def blocks() -> Iterator[memoryview]:
+    def stream(i: int, fail: bool = False, size: int = 10) -> Any:
+        def blocks(buffer: Any) -> Iterator[memoryview]:
             started.append(i)
-            buf = bytearray(1)
             for j in range(3):
                 if fail and j == 1:
                     raise ValueError(f"stream {i} failed")
-                buf[0] = 10 * i + j  # the same buffer, rewritten: a consumer that read late would see it
-                yield memoryview(buf)
+                view = buffer(size)
+                view[0] = 10 * i + j
+                yield view
         return blocks
 
     with ThreadPoolExecutor(3) as pool:
-        got = []
-        for block in upload.read_ahead(pool, [stream(i) for i in range(5)], depth=3):
-            if not got:
-                deadline = time.monotonic() + 10
-                while len(started) < 3 and time.monotonic() < deadline:
-                    time.sleep(0.01)  # the streams after the first start while its first block is in use
-                assert sorted(started) == [0, 1, 2]
-            got.append(block[0])
+        budget = Budget(45)
+        streams = [stream(i) for i in range(4)] + [stream(4, size=100)]
+        got, held = [], []
+        with ReadAhead(pool, streams, budget) as ahead:
+            for i in range(len(streams)):
+                for block in ahead.blocks(i):
+                    if not got:
+                        deadline = time.monotonic() + 10
+                        while budget.used < 40 and time.monotonic() < deadline:
+                            time.sleep(0.01)  # the streams after the first read ahead while its block is in use
+                        assert budget.used == 40 and len(started) >= 2  # 4 blocks of 10: a 5th would pass 45
+                    held.append(block)  # a block stays valid after the next one: its buffer is its own
+                    got.append(block[0])
+                    assert budget.used <= 100 + 10  # the one large block, taken when the consumer waits for it
         assert got == [10 * i + j for i in range(5) for j in range(3)]
+        assert [b[0] for b in held] == got
+        assert budget.used == 0 and budget.peak <= 110 and budget.kept == 0  # blocks under Budget.KEEP are not kept
         seen = []
         with pytest.raises(ValueError, match="stream 1 failed"):
-            for block in upload.read_ahead(pool, [stream(0), stream(1, fail=True), stream(2)], depth=3):
-                seen.append(block[0])
+            with ReadAhead(pool, [stream(0), stream(1, fail=True), stream(2)], budget) as ahead:
+                for i in range(3):
+                    for block in ahead.blocks(i):
+                        seen.append(block[0])
         assert seen == [0, 1, 2, 10]
+        assert budget.used == 0
         pool.submit(lambda: None).result(timeout=10)  # no producer left blocked in the pool
 
 

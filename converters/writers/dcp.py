@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,11 +102,12 @@ class RankPart:
     def run(self, out: Output, copier: Copier, pool: object = None) -> list[Record]:
         records: list[Record] = []
         at = 0
-        with out.open(self.name) as fh:
+        # piece.dtype is the output dtype: as a cast target it casts exactly when the plan did
+        jobs = [(piece.entry, piece.dtype, piece.box) for piece in self.pieces]
+        with out.open(self.name) as fh, (nullcontext(None) if out.local else copier.in_order(jobs)) as ahead:
             for i, piece in enumerate(self.pieces):
                 nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
-                # piece.dtype is the output dtype: as a cast target it casts exactly when the plan did
-                stream = copier.pieces(piece.entry, piece.dtype, piece.box, in_kernel=out.local)
+                stream = ahead[i] if ahead is not None else copier.pieces(*jobs[i], in_kernel=True)
                 pickled = picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1]))
                 length = _record(fh, at, pickled, [("data/0", stream, nbytes)], copier.copy_range,
                                  serial_id(self.serial, self.rank, i))

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 
 from .. import dtypes
 from ..copier import Copier, pwrite_all
@@ -16,8 +13,7 @@ from ..index import CheckpointIndex, TensorEntry
 from ..names import SAFETENSORS_INDEX as INDEX_NAME
 from ..output import Output
 from ..plan import Plan, greedy_groups
-from ..storage import is_local
-from ..upload import read_ahead
+from ..tensorio import group_records
 
 SINGLE_NAME = "model.safetensors"
 
@@ -52,21 +48,20 @@ def header_bytes(items: list[Planned], metadata: dict[str, str]) -> bytes:
 
 def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cast_to: str | None,
                metadata: dict[str, str], pool: ThreadPoolExecutor) -> None:
-    """One safetensors file: the header, then each tensor. Locally the tensors are written at their
-    offsets by several threads at once; to object storage they stream in order (from a remote source, the
-    next tensors are read ahead in the pool's threads while the ones before upload)."""
-    items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))  # as save_file does
+    """One safetensors file: the header, then each tensor (`items`, in file order: `in_file_order`). Locally
+    the tensors are written at their offsets by several threads at once; to object storage they stream in
+    order (from a remote source, the next tensors are read ahead in the pool's threads while the ones before
+    upload: `Copier.in_order`)."""
     header = header_bytes(items, metadata)
     total = len(header) + sum(item.nbytes for item in items)
     if not out.local:
-        streams = [partial(copier.stream, item.entry, cast_to) for item in items]
-        remote = any(not is_local(chunk.data.uri) for item in items for chunk in item.entry.chunks)
-        blocks: Generator[memoryview, None, None] = (read_ahead(pool, streams, copier.threads) if remote else
-                                                     (b for s in streams for b in s()))
-        with out.open(name) as fh, closing(blocks):  # a failed upload stops the readers first
+        with out.open(name) as fh, \
+                copier.in_order([(item.entry, cast_to, None) for item in items], pool) as streams:
+            # a failure stops the readers first, then the upload is aborted
             fh.write(header)
-            for block in blocks:
-                fh.write(block)
+            for blocks in streams:
+                for block in blocks:
+                    fh.write(block)
         return
     path = out.path(name)
     with open(path, "wb") as fh:
@@ -79,6 +74,14 @@ def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cas
         copier.write_many(fd, [(off, item.entry, cast_to) for off, item in zip(offsets, items)], pool)
         os.ftruncate(fd, total)
     out.record(name, total)
+
+
+def in_file_order(items: list[Planned]) -> list[Planned]:
+    """`items` in the order a file holds them (as `save_file` writes them), which is the order they are read
+    in, with the DCP records they come from grouped for that order (`group_records`)."""
+    items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
+    tensors = group_records({item.name: item.entry for item in items}, [item.name for item in items])
+    return [replace(item, entry=tensors[item.name]) for item in items]
 
 
 @dataclass
@@ -121,11 +124,11 @@ def plan_safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cas
     for item in items:  # refuse dtypes safetensors cannot hold before anything is written
         dtypes.to_safetensors(item.dtype, item.name)
     if out.single_file:
-        return SafetensorsPlan("safetensors", [ShardPart("", items, cast_to, meta)])
+        return SafetensorsPlan("safetensors", [ShardPart("", in_file_order(items), cast_to, meta)])
     shards = plan_shards(items, max_shard_size)
     if len(shards) == 1:
-        return SafetensorsPlan("safetensors", [ShardPart(SINGLE_NAME, shards[0], cast_to, meta)])
-    parts = [ShardPart(f"model-{i:05d}-of-{len(shards):05d}.safetensors", shard, cast_to, meta)
+        return SafetensorsPlan("safetensors", [ShardPart(SINGLE_NAME, in_file_order(shards[0]), cast_to, meta)])
+    parts = [ShardPart(f"model-{i:05d}-of-{len(shards):05d}.safetensors", in_file_order(shard), cast_to, meta)
              for i, shard in enumerate(shards, 1)]
     weight_map = {item.name: part.name for part in parts for item in part.items}
     index_doc = {"metadata": {"total_size": sum(i.nbytes for i in items), **(metadata or {})},

@@ -75,10 +75,10 @@ class TorchPart:
                                          pool, checksum=True)
                 for slot, crc in zip(slots, crcs):
                     zw.settle(slot, crc)
-            else:  # a stream (object storage): records in order
-                for (key, entry, _), size in zip(storages, sizes):
-                    zw.write_member(f"data/{key}", copier.pieces(entry, self.cast_to, in_kernel=out.local), size,
-                                    copier.copy_range)
+            else:  # a stream (object storage): records in order, a remote source read ahead
+                with copier.in_order([(entry, self.cast_to, None) for _, entry, _ in storages]) as streams:
+                    for (key, _, _), stream, size in zip(storages, streams, sizes):
+                        zw.write_member(f"data/{key}", stream, size, copier.copy_range)
             zw.add_torch_records(self.serial)
             zw.close()
 
