@@ -4,9 +4,9 @@
 
 Makes (or reuses, under --work-dir) a model-only FSDP2 DCP checkpoint with `ckptctl sample` (world size 4,
 fp32), starts a moto S3 server on loopback (`tests/s3server.py`, with ranged GETs that cost their range as
-on S3: moto itself reads the whole object for each; multipart uploads completed without copying the
-object, as on S3, its parts joined when it is first read; objects kept in memory, not spilled to this machine's disk; `--moto-complete`: moto as it comes), uploads
-the checkpoint, then runs, --repeats times, interleaved:
+on S3: moto itself reads the whole object for each; multipart uploads completed without copying the object,
+as on S3, its parts joined when it is first read; objects kept in memory, not spilled to this machine's
+disk; `--moto-complete`: moto as it comes), uploads the checkpoint, then runs, --repeats times, interleaved:
 
 - `copy`: the floor, a plain parallel byte copy of the same objects to a new prefix through s3fs (the client
   library the engine uses): ranged GETs of one part each, multipart uploads of `UPLOAD_BLOCK` parts, the

@@ -50,6 +50,29 @@ class Archive:
                           uri=self.uri)
 
 
+class _Reads:
+    """The reads of one archive, served from the bytes already read of it (its head, its tail) when they hold
+    them: a record's directory, local headers and descriptors lie in those, and each read of the reader costs
+    its checks and look-ups (a DCP record from object storage: about 25 reads)."""
+
+    def __init__(self, reader: RangeReader, uri: str) -> None:
+        self.reader = reader
+        self.uri = uri
+        self.held: list[tuple[int, bytes]] = []
+
+    def read(self, offset: int, length: int) -> bytes:
+        for start, data in self.held:
+            if start <= offset and offset + length <= start + len(data):
+                return data[offset - start: offset - start + length]
+        return self.reader.read(self.uri, offset, length)
+
+    def keep(self, offset: int, length: int) -> bytes:
+        """Read `length` bytes at `offset` and keep them for the reads after."""
+        data = self.read(offset, length)
+        self.held.append((offset, data))
+        return data
+
+
 def _zip64_sizes(extra: bytes, comp: int, uncomp: int, offset: int | None = None) -> tuple[int, int, int | None]:
     pos = 0
     while pos + 4 <= len(extra):
@@ -103,11 +126,11 @@ def _damaged(label: str, what: str) -> FormatError:
     return FormatError(f"{label}: damaged zip directory ({what}); the file is damaged or not a PyTorch checkpoint")
 
 
-def _central_members(reader: RangeReader, uri: str, base: int, length: int, label: str) -> list[Member]:
+def _central_members(reads: _Reads, base: int, length: int, label: str) -> list[Member]:
     """Members from the zip's central directory; every size and offset is checked against `length` (the
     archive's real extent) before anything is read or allocated."""
     tail_len = min(length, TAIL_READ)
-    tail = reader.read(uri, base + length - tail_len, tail_len)
+    tail = reads.keep(base + length - tail_len, tail_len)
     at = tail.rfind(_EOCD_SIG)
     if at < 0 or at + 22 > len(tail):
         raise FormatError(f"{label}: not a torch.save archive (no zip directory); "
@@ -120,7 +143,7 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
         (eocd64_offset,) = struct.unpack_from("<Q", tail, loc + 8)
         if eocd64_offset + 56 > length:
             raise _damaged(label, "zip64 record outside the archive")
-        eocd64 = reader.read(uri, base + eocd64_offset, 56)
+        eocd64 = reads.read(base + eocd64_offset, 56)
         if eocd64[:4] != b"PK\x06\x06":
             raise _damaged(label, "bad zip64 record")
         entries, cd_size, cd_offset = struct.unpack_from("<QQQ", eocd64, 32)
@@ -128,7 +151,7 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
         raise _damaged(label, f"directory of {cd_size} bytes at {cd_offset} lies outside the {length}-byte archive")
     if cd_size > max_metadata_bytes() or entries * _CENTRAL.size > cd_size:
         raise _damaged(label, f"{entries} entries in a {cd_size}-byte directory")
-    directory = reader.read(uri, base + cd_offset, cd_size)
+    directory = reads.read(base + cd_offset, cd_size)
     members: list[Member] = []
     starts: list[int] = []
     pos = 0
@@ -148,7 +171,7 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
                               "archives store members uncompressed, so the file was re-packed or is damaged")
         if local_offset is None or local_offset + _LOCAL.size > length:
             raise _damaged(label, f"member {name!r} starts outside the archive")
-        data_offset = _local_data_offset(reader, uri, base, local_offset, length, name,
+        data_offset = _local_data_offset(reads, base, local_offset, length, name,
                                          directory[pos + 46: pos + 46 + name_len], label)
         members.append(Member(name, data_offset, comp))
         starts.append(base + local_offset)
@@ -159,7 +182,7 @@ def _central_members(reader: RangeReader, uri: str, base: int, length: int, labe
     for member in members:
         end = member.data_offset + member.size
         nxt = next((b for b in bounds if b >= member.data_offset), base + cd_offset)
-        if end > nxt or (nxt > end and not _is_descriptor(reader.read(uri, end, min(nxt - end, 24)), nxt - end,
+        if end > nxt or (nxt > end and not _is_descriptor(reads.read(end, min(nxt - end, 24)), nxt - end,
                                                            member.size)):
             raise _damaged(label, f"member {member.name!r} does not end where the next entry starts")
     return members
@@ -173,15 +196,15 @@ def _is_descriptor(data: bytes, gap: int, size: int) -> bool:
     return struct.unpack_from("<I" if len(body) == 12 else "<Q", body, 4)[0] == size
 
 
-def _local_data_offset(reader: RangeReader, uri: str, base: int, local_offset: int, length: int, name: str,
+def _local_data_offset(reads: _Reads, base: int, local_offset: int, length: int, name: str,
                        central_name: bytes, label: str) -> int:
     """Where a member's data starts, from its local header, which must agree with the directory: same name, an
     extra field made of whole records (a flipped length would shift the data silently)."""
-    lf = _LOCAL.unpack(reader.read(uri, base + local_offset, _LOCAL.size))
+    lf = _LOCAL.unpack(reads.read(base + local_offset, _LOCAL.size))
     name_len, extra_len = lf[9], lf[10]
     if lf[0] != _LOCAL_SIG or local_offset + _LOCAL.size + name_len + extra_len > length:
         raise _damaged(label, f"member {name!r} has no local header")
-    rest = reader.read(uri, base + local_offset + _LOCAL.size, name_len + extra_len)
+    rest = reads.read(base + local_offset + _LOCAL.size, name_len + extra_len)
     if rest[:name_len] != central_name:
         raise _damaged(label, f"member {name!r} is named differently in its local header")
     extra, at = rest[name_len:], 0
@@ -219,10 +242,11 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
     label = label or uri
     if length is None:
         length = reader.file_size(uri) - offset
-    head = reader.read(uri, offset, min(length, HEAD_READ))
+    reads = _Reads(reader, uri)
+    head = reads.keep(offset, min(length, HEAD_READ))
     members, complete = _walk_local_headers(head, offset, length) if single_storage else ([], False)
     if not complete:
-        members = _central_members(reader, uri, offset, length, label)
+        members = _central_members(reads, offset, length, label)
     for member in members:
         if member.data_offset + member.size > offset + length:
             raise FormatError(f"{label}: zip member {member.name!r} reaches past the end of the archive; the file is "
@@ -234,9 +258,7 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
     if pkl.size > max_metadata_bytes():
         raise FormatError(f"{label}: data.pkl is {pkl.size} bytes, more than the limit for metadata; the file is "
                           "damaged (if it is genuine, raise CKPT_MAX_METADATA_BYTES)")
-    rel = pkl.data_offset - offset
-    pkl_bytes = head[rel: rel + pkl.size] if rel + pkl.size <= len(head) else reader.read(
-        uri, pkl.data_offset, pkl.size)
+    pkl_bytes = reads.read(pkl.data_offset, pkl.size)
     obj = unpickle.loads(pkl_bytes, label, allowed, unpickle.torch_storage_loader(label))
     return Archive(uri, by_name, obj)
 

@@ -587,11 +587,11 @@ def test_read_ahead_keeps_order_reads_ahead_within_its_budget_and_stops_its_prod
         assert [b[0] for b in held] == got
         assert budget.used == 0 and budget.peak <= 110 and budget.kept == 0  # blocks under Budget.KEEP are not kept
         seen = []
-        with pytest.raises(ValueError, match="stream 1 failed"):
-            with ReadAhead(pool, [stream(0), stream(1, fail=True), stream(2)], budget) as ahead:
-                for i in range(3):
-                    for block in ahead.blocks(i):
-                        seen.append(block[0])
+        with pytest.raises(ValueError, match="stream 1 failed"), \
+                ReadAhead(pool, [stream(0), stream(1, fail=True), stream(2)], budget) as ahead:
+            for i in range(3):
+                for block in ahead.blocks(i):
+                    seen.append(block[0])
         assert seen == [0, 1, 2, 10]
         assert budget.used == 0
         pool.submit(lambda: None).result(timeout=10)  # no producer left blocked in the pool
