@@ -114,7 +114,7 @@ class Copier:
         self._file_locks: dict[int, threading.Lock] = {}  # output fd -> its writers' turn
         self._locks_lock = threading.Lock()
         self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
-        self.ahead = Budget(self.slab_bytes * self.threads)  # remote reads ahead of uploads, all files together
+        self.ahead = Budget(self.slab_bytes)  # remote reads ahead of uploads, all files together
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:

@@ -31,10 +31,10 @@ import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import lru_cache, partial, wraps
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from .env import positive_int
 from .errors import CkptError, FormatError, OptionError, SourceError, TargetError
@@ -278,8 +278,69 @@ def _remote_call(uri: str, method: str, **kwargs: Any) -> Any:
         return getattr(fs, method)(path, **kwargs)
 
 
+_Listing = dict[str, tuple[bool, int]]  # name -> (is a folder, size)
+_static_lock = threading.Lock()
+_static: dict[str, tuple[list[int], dict[str, _Listing]]] = {}  # root -> ([users], folder -> its listing)
+
+
+@contextmanager
+def static_source(uri: str) -> Iterator[None]:
+    """While a command reads the remote checkpoint `uri`, which does not change while it is read, each folder
+    at or under it is listed once: `exists`, `isdir`, `listdir` and `size` of what lies there answer from that
+    listing (a source of a few files costs one request instead of one or two per question, each a round trip
+    on object storage). Elsewhere listings stay uncached (another process may be writing there)."""
+    root = uri.rstrip("/")
+    if is_local(uri):
+        yield
+        return
+    with _static_lock:
+        _static.setdefault(root, ([0], {}))[0][0] += 1
+    try:
+        yield
+    finally:
+        with _static_lock:
+            users = _static[root][0]
+            users[0] -= 1
+            if not users[0]:
+                del _static[root]
+
+
+def _listed(uri: str) -> _Listing | None:
+    """The listing of the remote folder `uri` when it lies in a `static_source` (listed now if need be; a file or
+    a missing folder lists empty), else None."""
+    key = uri.rstrip("/")
+    with _static_lock:
+        cache = next((c for root, (_, c) in _static.items() if key == root or key.startswith(root + "/")), None)
+        if cache is None or key in cache:
+            return None if cache is None else cache[key]
+    own = key.split("://", 1)[-1]
+    fs, path = filesystem(key)
+    with translate_errors(key):
+        try:
+            entries = fs.ls(path, detail=True)
+        except FileNotFoundError:
+            entries = []
+    listing = {basename(e["name"]): (e.get("type") == "directory", int(e.get("size") or 0))
+               for e in entries if e["name"].rstrip("/") != own}
+    with _static_lock:
+        cache[key] = listing
+    return listing
+
+
+def _listed_entry(uri: str) -> tuple[bool, int] | Literal[False] | None:
+    """(is a folder, size) of `uri` from the cached listing of its folder; False when that listing lacks it;
+    None when its folder lies in no `static_source`."""
+    listing = _listed(parent(uri))
+    return None if listing is None else listing.get(basename(uri), False)
+
+
 def exists(uri: str) -> bool:
-    return os.path.exists(local_path(uri)) if is_local(uri) else bool(_remote_call(uri, "exists"))
+    if is_local(uri):
+        return os.path.exists(local_path(uri))
+    entry = _listed_entry(uri)
+    if entry is not None:
+        return entry is not False
+    return bool(_listed(uri)) or bool(_remote_call(uri, "exists"))
 
 
 def lexists(uri: str) -> bool:
@@ -288,13 +349,21 @@ def lexists(uri: str) -> bool:
 
 
 def isdir(uri: str) -> bool:
-    return os.path.isdir(local_path(uri)) if is_local(uri) else bool(_remote_call(uri, "isdir"))
+    if is_local(uri):
+        return os.path.isdir(local_path(uri))
+    entry = _listed_entry(uri)
+    if entry is not None:
+        return entry is not False and entry[0]
+    return bool(_listed(uri)) or bool(_remote_call(uri, "isdir"))
 
 
 def listdir(uri: str) -> list[str]:
     """Names (not paths) of the entries of a folder, sorted."""
     if is_local(uri):
         return sorted(os.listdir(local_path(uri)))
+    listing = _listed(uri)
+    if listing:
+        return sorted(listing)
     own = uri.split("://", 1)[-1].rstrip("/")
     return sorted(basename(p) for p in _remote_call(uri, "ls", detail=False) if p.rstrip("/") != own)
 
@@ -304,6 +373,9 @@ def size(uri: str, missing: str = "no such file") -> int:
     if is_local(uri):
         return _stat_local(uri, missing).st_size
     _check_roots(uri)
+    entry = _listed_entry(uri)
+    if entry and not entry[0]:
+        return entry[1]
     fs, path = filesystem(uri)
     with translate_errors(uri):
         try:
@@ -735,10 +807,14 @@ def io_errors(source: str, target: str) -> Iterator[None]:
 
 
 def with_io_errors(fn: Callable[Concatenate[str, str, _P], _R]) -> Callable[Concatenate[str, str, _P], _R]:
-    """`io_errors` around a command `fn(source, target, ...)` (convert, reshard)."""
+    """`io_errors` around a command `fn(source, target, ...)` (convert, reshard), its source `static_source`
+    (unless the target lies in it: that one changes)."""
     @wraps(fn)
     def run(source: str, target: str, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with io_errors(source, target):
+        root = source.rstrip("/")
+        static = not (target.rstrip("/") == root or target.startswith(root + "/") or source.startswith(
+            target.rstrip("/") + "/"))
+        with io_errors(source, target), (static_source(source) if static else nullcontext()):
             return fn(source, target, *args, **kwargs)
     return run
 

@@ -161,7 +161,7 @@ def group_records(tensors: dict[str, TensorEntry], order: Sequence[str] | None =
 
 
 _GROUP_GAP = 4096
-GROUP_BYTES = 16 * 1024 * 1024  # a group read in order: one request of at most this (and the copy's part size)
+GROUP_BYTES = 16 * 1024 * 1024  # a group read in order: one request of at most this (the copy part size)
 GROUP_WINDOW = 32 * 1024 * 1024  # ... of records read at most this many bytes apart
 
 

@@ -24,7 +24,7 @@ import torch
 
 from converters import storage, tensorio, upload
 from converters.api import ConvertOptions, convert
-from converters.errors import FormatError, TargetError
+from converters.errors import FormatError, SourceError, TargetError
 from converters.formats import load_index
 from converters.formats.dcp import DcpReader
 from converters.index import ByteRange, Chunk, TensorEntry
@@ -381,6 +381,35 @@ def test_reshard_from_s3_fetches_each_record_once_and_equals_the_local_one(
         warnings.simplefilter("ignore")
         dist_cp.load(got, checkpoint_id=str(tmp_path / "remote"))  # its consumer's own loader
     assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
+
+
+def test_a_remote_source_is_listed_once_per_command_and_a_missing_file_still_named(
+        s3: S3, dcp_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a checkpoint from object storage asks the service about its files once: one listing of the
+    folder, no HEAD per file, however many times detection, checks and reads ask; a file the metadata names
+    but the listing lacks is still refused, naming it."""
+    from s3fs import S3FileSystem
+
+    from converters.reshard import ReshardOptions, reshard
+
+    src = s3.upload(dcp_source, "run/step_1")
+    key = src.split("://", 1)[1].split("/", 1)[1]
+    asked: list[tuple[str, str]] = []
+    original = S3FileSystem._call_s3
+
+    async def counting(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        where = kwargs.get("Key") or kwargs.get("Prefix") or ""
+        if method in ("head_object", "list_objects_v2") and where.startswith(key):
+            asked.append((method, where))
+        return await original(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3FileSystem, "_call_s3", counting)
+    convert(src, str(tmp_path / "out.safetensors"))
+    reshard(src, str(tmp_path / "resharded"), ReshardOptions(world_size=3))
+    assert asked == [("list_objects_v2", key + "/")] * 2  # once per command
+    s3.client.delete_object(Bucket=s3.bucket, Key=f"{key}/__0_0.distcp")
+    with pytest.raises(SourceError, match=r"__0_0\.distcp"):
+        convert(src, str(tmp_path / "again.safetensors"))
 
 
 def test_group_records_joins_back_to_back_records_of_the_selection_only() -> None:
