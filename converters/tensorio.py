@@ -113,28 +113,39 @@ def _record_spans(data: ByteRange, record: tuple[int, int, int], head: int, tail
     return [(group, head_end - group), (tail_start, end - tail_start)]
 
 
-def group_records(tensors: dict[str, TensorEntry], order: Sequence[str] | None = None) -> dict[str, TensorEntry]:
+def read_positions(lanes: Sequence[Sequence[tuple[TensorEntry, Box | None]]]) -> dict[tuple[str, int], int]:
+    """Where each DCP record (its (uri, offset)) is first read, in bytes read before it in its lane, when each
+    lane (a file written front to back; the lanes side by side) reads its (entry, box) pieces in turn."""
+    positions: dict[tuple[str, int], int] = {}
+    for lane in lanes:
+        at = 0
+        for entry, box in lane:
+            box = box or ((0,) * len(entry.shape), entry.shape)
+            for chunk in entry.chunks:
+                if chunk.data.record is not None and (not entry.shape or _overlap(box, (chunk.offsets, chunk.sizes))):
+                    key = (chunk.data.uri, chunk.data.offset)
+                    positions[key] = min(positions.get(key, at), at)
+            at += dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype)
+    return positions
+
+
+def group_records(tensors: dict[str, TensorEntry], positions: dict[tuple[str, int], int] | None = None
+                  ) -> dict[str, TensorEntry]:
     """`tensors` with the DCP records they are read from grouped, so that reading them from object storage
     costs one request per group: records within one file, back to back (a few bytes of other records between
     at most). A record of at least `MIN_REQUEST` bytes takes the smaller ones right after it (up to the next
     large one or `READ_CHUNK` bytes of small ones; small ones before any large one form groups of their own).
-    With `order` (every name of `tensors`, as one reader reads them, front to back), any record also joins
-    the group before it while the group stays within `GROUP_BYTES` and the bytes read between the group's
-    first tensor and the record's own stay within `GROUP_WINDOW`, so that a group, fetched when one of its
-    records is first read, is not held for long. Only these tensors' records are grouped: a group never
-    fetches bytes that are not read.
+    With `positions` (where each record is first read: `read_positions`), any record also joins the group
+    before it while the group stays within `GROUP_BYTES` and the record is read within `GROUP_WINDOW` bytes of
+    the group's first, so that a group, fetched when one of its records is first read, is not held for long.
+    Only these tensors' records are grouped: a group never fetches bytes that are not read.
     """
-    at, position = 0, {}
-    for name in order or ():
-        position[name] = at
-        at += tensors[name].nbytes
     by_file: dict[str, dict[tuple[int, int], int]] = {}
-    for name, entry in tensors.items():
+    for entry in tensors.values():
         for chunk in entry.chunks:
             if chunk.data.record is not None:
-                records = by_file.setdefault(chunk.data.uri, {})
-                key = (chunk.data.offset, chunk.data.length)
-                records[key] = min(records.get(key, position.get(name, 0)), position.get(name, 0))
+                read_at = (positions or {}).get((chunk.data.uri, chunk.data.offset), 0)
+                by_file.setdefault(chunk.data.uri, {})[(chunk.data.offset, chunk.data.length)] = read_at
     groups: dict[tuple[str, int], tuple[int, int, int]] = {}
     for uri, records in by_file.items():
         runs: list[list[tuple[int, int, int]]] = []
@@ -145,7 +156,7 @@ def group_records(tensors: dict[str, TensorEntry], order: Sequence[str] | None =
                 continue
             small = sum(n for _, n, _ in run if n < MIN_REQUEST)
             joins = length < MIN_REQUEST and small + length <= READ_CHUNK
-            if order is not None and not joins:
+            if positions is not None and not joins:
                 joins = offset + length - run[0][0] <= GROUP_BYTES and abs(read_at - run[0][2]) <= GROUP_WINDOW
             if joins:
                 run.append((offset, length, read_at))

@@ -438,7 +438,8 @@ def test_group_records_in_read_order_joins_large_records_read_close_together(
     order = ["a", "b", "g", "c", "d", "e", "f"]  # read at 0, 1, 3, 4, 5, 6 MiB; g at 2 MiB
 
     def groups() -> dict[str, tuple[int, int, int] | None]:
-        return {name: e.chunks[0].data.record for name, e in tensorio.group_records(tensors, order).items()}
+        positions = tensorio.read_positions([[(tensors[name], None) for name in order]])
+        return {name: e.chunks[0].data.record for name, e in tensorio.group_records(tensors, positions).items()}
 
     assert groups() == {"a": (0, 2 * big, 2), "b": (0, 2 * big, 2), "c": (2 * big, 3 * big, 3),
                         "d": (2 * big, 3 * big, 3), "e": (2 * big, 3 * big, 3), "f": (5 * big, big, 1),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import dtypes, picklewriter
@@ -19,7 +19,7 @@ from ..index import CheckpointIndex, ObjectEntry, TensorEntry
 from ..output import Output
 from ..picklewriter import Call, Global, Obj, Pairs
 from ..plan import Plan
-from ..tensorio import Box
+from ..tensorio import Box, group_records, read_positions
 from ..zipwriter import ZipWriter, serial_id
 from .objects import writable_object
 
@@ -162,6 +162,10 @@ def plan_dcp(index: CheckpointIndex, copier: Copier, plan: list[list[Piece]],
     for name, entry in index.tensors.items():  # refuse what dcp.load cannot read before anything is written
         dtypes.check_dcp(entry.dtype, name)
     serial = serial_id()
+    # the DCP records the ranks read, grouped for the order they read them in, side by side
+    grouped = group_records({p.name: p.entry for pieces in plan for p in pieces},
+                            read_positions([[(p.entry, p.box) for p in pieces] for pieces in plan]))
+    plan = [[replace(p, entry=grouped[p.name]) for p in pieces] for pieces in plan]
     parts = [RankPart(rank, pieces, list(index.objects.values()) if rank == 0 else [], serial)
              for rank, pieces in enumerate(plan)]
     tensor_meta = {name: (copier.out_dtype(entry, cast_for(entry) or entry.dtype), entry.shape, entry.path)

@@ -13,7 +13,7 @@ from ..index import CheckpointIndex, TensorEntry
 from ..names import SAFETENSORS_INDEX as INDEX_NAME
 from ..output import Output
 from ..plan import Plan, greedy_groups
-from ..tensorio import group_records
+from ..tensorio import group_records, read_positions
 
 SINGLE_NAME = "model.safetensors"
 
@@ -80,7 +80,8 @@ def in_file_order(items: list[Planned]) -> list[Planned]:
     """`items` in the order a file holds them (as `save_file` writes them), which is the order they are read
     in, with the DCP records they come from grouped for that order (`group_records`)."""
     items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
-    tensors = group_records({item.name: item.entry for item in items}, [item.name for item in items])
+    positions = read_positions([[(item.entry, None) for item in items]])
+    tensors = group_records({item.name: item.entry for item in items}, positions)
     return [replace(item, entry=tensors[item.name]) for item in items]
 
 
