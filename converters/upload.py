@@ -93,6 +93,10 @@ class MultipartWriter:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
+        if self.fill + total < part_size(len(self.parts) + 1, self.block):  # the usual small write: no part ends
+            self.buf.write(view)
+            self.fill += total
+            return total
         while view:
             n = min(len(view), part_size(len(self.parts) + 1, self.block) - self.fill)
             self.buf.write(view[:n])
