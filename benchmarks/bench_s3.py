@@ -6,7 +6,9 @@ Makes (or reuses, under --work-dir) a model-only FSDP2 DCP checkpoint with `ckpt
 fp32), starts a moto S3 server on loopback (`tests/s3server.py`, with ranged GETs that cost their range as
 on S3: moto itself reads the whole object for each; multipart uploads completed without copying the object,
 as on S3, its parts joined when it is first read; objects kept in memory, not spilled to this machine's
-disk; `--moto-complete`: moto as it comes), uploads the checkpoint, then runs, --repeats times, interleaved:
+disk; `--moto-complete`: moto as it comes), then runs, --repeats times, interleaved, each run on a fresh
+server with the checkpoint uploaded to it (moto keeps every object it was sent, deleted ones too: a server
+grown by gigabytes slows the whole machine, and the runs late in a shared server's life would pay for it):
 
 - `copy`: the floor, a plain parallel byte copy of the same objects to a new prefix through s3fs (the client
   library the engine uses): ranged GETs of one part each, multipart uploads of `UPLOAD_BLOCK` parts, the
@@ -20,7 +22,8 @@ disk; `--moto-complete`: moto as it comes), uploads the checkpoint, then runs, -
   `storage.INDEX_PARALLEL` at a time; both must give the same located chunks (their MB/s and "x copy"
   columns mean nothing).
 
-Each run is a worker subprocess that times only the engine call (`converters.api.convert` /
+Each run is a worker subprocess that times only the engine call (everything is synced between runs, so that
+no run writes back another's local output) (`converters.api.convert` /
 `converters.reshard.reshard`; interpreter start-up and imports are not counted) and reports the engine's
 RangeReader counters (bytes fetched / bytes needed), its CPU seconds and the server's, and its memory: RSS
 before the call and peak RSS (`ru_maxrss`: resident anonymous and file-backed pages of the process, imports
@@ -218,10 +221,17 @@ def s3_digests(client: Any, prefix: str) -> dict[str, tuple[int, str]]:
     return out
 
 
-def s3_delete(client: Any, prefix: str) -> None:
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/"):
-        for obj in page.get("Contents", []):
-            client.delete_object(Bucket=BUCKET, Key=obj["Key"])
+def upload_source(endpoint: str, sample: Path) -> Any:
+    """The sample in a new bucket of the server at `endpoint`, each object read once (so that its parts are
+    joined and kept before the timed run, as S3 serves any object); a boto3 client for it."""
+    from tests.s3server import boto3_client
+
+    client = boto3_client(endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    for path in sorted(sample.iterdir()):
+        client.upload_file(str(path), BUCKET, f"{SOURCE}/{path.name}")
+        client.get_object(Bucket=BUCKET, Key=f"{SOURCE}/{path.name}", Range="bytes=0-0")["Body"].read()
+    return client
 
 
 def process_cpu(pid: int) -> float:
@@ -317,47 +327,42 @@ def main() -> int:
         parser.error(f"unknown cases: {', '.join(sorted(unknown))}")
     cases = [case for case in CASES if case in wanted or case == "copy"]
 
-    from tests.s3server import MotoServer, aws_env, boto3_client
+    from tests.s3server import MotoServer, aws_env
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     sample = make_sample(args.work_dir, args.size)
     data_bytes = sum(p.stat().st_size for p in sample.iterdir() if p.is_file())
     load_before = os.getloadavg()
     server_env = {} if args.moto_complete else {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(KEY_BUFFER)}
-    with (MotoServer(server_env, log_dir=str(args.work_dir), ranged_reads=True,
-                     s3_complete=not args.moto_complete) as server,
-          tempfile.TemporaryDirectory(dir=args.work_dir) as tmp):
-        os.environ.update(aws_env(server.endpoint))
-        client = boto3_client(server.endpoint)
-        client.create_bucket(Bucket=BUCKET)
-        for path in sorted(sample.iterdir()):
-            client.upload_file(str(path), BUCKET, f"{SOURCE}/{path.name}")
-            client.get_object(Bucket=BUCKET, Key=f"{SOURCE}/{path.name}", Range="bytes=0-0")["Body"].read()  # joins it
-        source_digests = local_digests(sample)
-
-        scratch = Path(tmp)
-        reference: dict[str, Any] = {}
-        runs: list[dict[str, Any]] = []
+    source_digests = local_digests(sample)
+    reference: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         for repeat in range(args.repeats):
             for case in cases:
-                assert server.proc is not None
-                row = run_case(case, sample, scratch, server.proc.pid)
-                target = row.pop("target")
-                digest = row.pop("digest")
-                prefix = target.split("/", 3)[3] if target.startswith("s3://") else ""
-                op = case.split()[0]
-                got: Any = digest if op == "index" else s3_digests(client, prefix) if prefix else local_digests(
-                    Path(target))
+                # a fresh server for every run: moto keeps what it was sent (deleted objects too), and a server
+                # grown by gigabytes slows the whole machine, so that runs late in the order would pay for it
+                with MotoServer(server_env, log_dir=str(args.work_dir), ranged_reads=True,
+                                s3_complete=not args.moto_complete) as server:
+                    os.environ.update(aws_env(server.endpoint))
+                    client = upload_source(server.endpoint, sample)
+                    assert server.proc is not None
+                    row = run_case(case, sample, Path(tmp), server.proc.pid)
+                    target = row.pop("target")
+                    digest = row.pop("digest")
+                    prefix = target.split("/", 3)[3] if target.startswith("s3://") else ""
+                    op = case.split()[0]
+                    got: Any = digest if op == "index" else s3_digests(client, prefix) if prefix else \
+                        local_digests(Path(target))
                 want = source_digests if op == "copy" else reference.setdefault(op, got)  # the first run of op
                 row["identical"] = got == want
                 row["repeat"] = repeat + 1
                 runs.append(row)
                 print(f"  {repeat + 1}/{args.repeats} {case:<20} {row['seconds']:7.2f} s"
                       f"{'' if row['identical'] else '  OUTPUT DIFFERS'}", flush=True)
-                if prefix:
-                    s3_delete(client, prefix)
-                elif target:
+                if target and not prefix:
                     shutil.rmtree(target)
+                os.sync()  # the next run must not pay for writing back this one's local output
     load_after = os.getloadavg()
 
     summary = summarise(runs, data_bytes, cases)
