@@ -4,8 +4,8 @@
 K parts at once on fsspec's I/O loop (s3fs's own `_call_s3`, so retries, credentials and error mapping are
 s3fs's). K is a semaphore shared by every file of one output (`Slots`): a writer that would put a part
 over K blocks until one lands, so an output holds at most K parts in flight plus the part each open file
-is filling, (K + files) x part size (and, while a part is sent, the copy botocore makes of it). A file
-smaller than one part is a single PUT.
+is filling, (K + files) x part size: a part goes out as it is (`Part`), not copied. A file smaller than one
+part is a single PUT.
 
 Nothing is half-written: the object appears only when `complete_multipart_upload` succeeds. `discard`
 (on any failure, KeyboardInterrupt included) waits, bounded, for the requests already handed to the loop
@@ -70,6 +70,34 @@ def part_size(number: int, block: int = UPLOAD_BLOCK) -> int:
     return block * (1 + (number - 1) // GROW_EVERY)
 
 
+class Part(io.BytesIO):
+    """A part's bytes as the request body. botocore turns a `bytes` body into a BytesIO that shares it, and
+    aiohttp then takes a view of that buffer, which makes BytesIO copy it first: a body that is a BytesIO
+    of its own goes out without that copy (and its 16 MiB allocation). Every attempt must send it whole:
+    botocore rewinds it for its own retries; `_rewind` does for each call (s3fs retries a request by
+    calling again with the same body); aiohttp closes a body once sent, which leaves this one open."""
+
+    def close(self) -> None:
+        self.seek(0)
+
+
+def _rewind(params: dict[str, Any], **_: Any) -> None:
+    body = params.get("Body")
+    if isinstance(body, Part):
+        body.seek(0)
+
+
+async def _send_part(fs: Any, method: str, **kwargs: Any) -> Any:
+    """`fs._call_s3(method, **kwargs)` with a `Part` body rewound before every attempt."""
+    await fs.set_session()
+    fs.s3.meta.events.register_first(f"before-parameter-build.s3.{_OPERATIONS[method]}", _rewind,
+                                     unique_id=f"ckpt-rewind-{method}")
+    return await fs._call_s3(method, **kwargs)
+
+
+_OPERATIONS = {"upload_part": "UploadPart", "put_object": "PutObject"}
+
+
 class MultipartWriter:
     """A write-only stream that becomes one S3 object: one PUT, or a multipart upload K parts at a time."""
 
@@ -78,7 +106,7 @@ class MultipartWriter:
         self.bucket, self.key, _ = fs.split_path(path)
         self.slots = slots
         self.block = block or UPLOAD_BLOCK
-        self.buf = io.BytesIO()  # the part being filled: it grows as it fills, so small files stay small
+        self.buf = Part()  # the part being filled: it grows as it fills, so small files stay small
         self.fill = 0
         self.create: Future[str] | None = None
         self.put: Future[Any] | None = None  # the single PUT of a small file
@@ -106,10 +134,10 @@ class MultipartWriter:
                 self._send()
         return total
 
-    def _take(self) -> bytes:
-        """The filled part as `bytes` (botocore copies a bytearray body up to three times), without a copy:
-        `BytesIO.getvalue` hands over its own buffer when no view of it is held. A new buffer takes its place."""
-        body, self.buf, self.fill = self.buf.getvalue(), io.BytesIO(), 0
+    def _take(self) -> Part:
+        """The filled part, handed over as it is (a new buffer takes its place)."""
+        body, self.buf, self.fill = self.buf, Part(), 0
+        body.seek(0)
         return body
 
     def _send(self) -> None:
@@ -149,13 +177,13 @@ class MultipartWriter:
             await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
                                    UploadId=self.upload_id)
 
-    async def _part(self, number: int, body: bytes) -> dict[str, Any]:
+    async def _part(self, number: int, body: Part) -> dict[str, Any]:
         assert self.create is not None
         upload_id = await asyncio.wrap_future(self.create)
         if self.discarded:  # the upload is being aborted: sending the part would only fail (and be retried)
             raise RuntimeError(f"{self.key}: upload discarded")
-        reply = await self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
-                                       PartNumber=number, Body=body)
+        reply = await _send_part(self.fs, "upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
+                                 PartNumber=number, Body=body)
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def close(self) -> None:
@@ -164,7 +192,7 @@ class MultipartWriter:
             return
         if self.create is None:
             body = self._take()
-            self.put = self._submit(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body))
+            self.put = self._submit(_send_part(self.fs, "put_object", Bucket=self.bucket, Key=self.key, Body=body))
             self.put.result()
         else:
             if self.fill:
@@ -174,7 +202,7 @@ class MultipartWriter:
             self._submit(self.fs._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key,
                                           UploadId=upload_id, MultipartUpload={"Parts": parts})).result()
         self.closed = True
-        self.buf = io.BytesIO()
+        self.buf = Part()
         self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
 
     def discard(self, settle: float = SETTLE_S) -> None:
@@ -182,7 +210,7 @@ class MultipartWriter:
         single PUT that lands is an object like any other: the output removes what it uploaded.)"""
         self.discarded = True  # first: a create still in flight sees it and aborts what it opens (`_create`)
         self.closed = True
-        self.buf = io.BytesIO()
+        self.buf = Part()
         pending = [f for f in [self.put, self.create, *self.parts] if f is not None]
         wait_futures(pending, timeout=settle)
         if self.upload_id is not None:

@@ -118,6 +118,22 @@ def wait_until(check: Callable[[], bool], proc: subprocess.Popen[str], what: str
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def stop_when(check: Callable[[], bool], proc: subprocess.Popen[str], what: str, timeout: float = WAIT) -> None:
+    """Leave `proc` stopped (SIGSTOP) once `check()` holds; `check` runs only while it is stopped, so however
+    long a check takes, the process cannot run past the moment looked for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        if check():
+            return
+        proc.send_signal(signal.SIGCONT)
+        if proc.poll() is not None:
+            stderr = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"ckptctl ended ({proc.returncode}) before {what}: {stderr}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
 @contextmanager
 def running_ckptctl(*args: str) -> Iterator[subprocess.Popen[str]]:
     """`ckptctl ARGS` in the background; killed (and reaped) on the way out if it is still running."""
@@ -383,12 +399,11 @@ def test_listing_is_fresh_after_another_process_finishes(s3: S3, dcp: Sample) ->
 def test_cancelled_upload_removes_what_it_uploaded(s3: S3, big: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the (single, multipart) output is being uploaded: exit 130 and an empty prefix."""
     target = s3.uri("exports/cancelled")
-    # one part in flight, and the process stopped the moment the marker is seen: the whole 50 MB upload
-    # takes well under a second, which a busy machine could spend before the listing answers
+    # one part in flight, and the process looked at while it is stopped: the whole 50 MB upload takes well
+    # under a second, which a listing on a busy machine could take while the export ran on
     monkeypatch.setenv("CKPT_UPLOAD_PARALLEL", "1")
     with running_ckptctl("export", str(big), target, "--quiet") as proc:
-        wait_until(lambda: MARKER in s3.keys("exports/cancelled"), proc, "the marker")
-        proc.send_signal(signal.SIGSTOP)
+        stop_when(lambda: MARKER in s3.keys("exports/cancelled"), proc, "the marker")
         assert MANIFEST not in s3.keys("exports/cancelled"), "the export finished before it could be interrupted"
         proc.send_signal(signal.SIGINT)
         proc.send_signal(signal.SIGCONT)

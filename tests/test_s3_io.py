@@ -577,6 +577,24 @@ def test_export_s3_to_s3_equals_local_and_fetches_what_it_needs(s3: S3, dcp_sour
     assert open_uploads(s3) == []
 
 
+def test_a_part_body_sent_twice_sends_every_byte_twice(s3: S3) -> None:
+    """An upload part's body (`upload.Part`) goes out without a copy and is rewound before every attempt, so
+    that a retry of the request (s3fs and botocore send the same body again) sends it whole: two requests
+    with one body store the same bytes."""
+    from fsspec.asyn import sync
+
+    fs, _ = storage.filesystem(s3.uri())
+    data = random.Random(7).randbytes(3 * MIB)
+    body = upload.Part(data)
+
+    async def put(key: str) -> None:
+        await upload._send_part(fs, "put_object", Bucket=s3.bucket, Key=key, Body=body)
+
+    sync(fs.loop, put, "first")
+    sync(fs.loop, put, "again")
+    assert s3.get("first") == s3.get("again") == data
+
+
 def test_read_ahead_keeps_order_reads_ahead_within_its_budget_and_stops_its_producers() -> None:
     """Blocks come in stream order while later streams already run, each in a buffer of its own; the bytes
     read and not yet used stay within the budget, which never holds back the stream the consumer waits for
