@@ -259,8 +259,21 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
         raise FormatError(f"{label}: data.pkl is {pkl.size} bytes, more than the limit for metadata; the file is "
                           "damaged (if it is genuine, raise CKPT_MAX_METADATA_BYTES)")
     pkl_bytes = reads.read(pkl.data_offset, pkl.size)
-    obj = unpickle.loads(pkl_bytes, label, allowed, unpickle.torch_storage_loader(label))
+    obj = _RECORD_PICKLES.get(pkl_bytes) if single_storage and allowed is None else None
+    if obj is None:
+        obj = unpickle.loads(pkl_bytes, label, allowed, unpickle.torch_storage_loader(label))
+        if single_storage and allowed is None and isinstance(obj, unpickle.TensorRef):
+            if len(_RECORD_PICKLES) >= _RECORD_PICKLES_MAX:
+                _RECORD_PICKLES.clear()  # rare: more distinct records than this; threads may share the dict
+            _RECORD_PICKLES[pkl_bytes] = obj
     return Archive(uri, by_name, obj)
+
+
+# A DCP record's data.pkl (one tensor) is the same bytes for every record of the same dtype, shape and strides
+# (the layers of a model, on every rank): the same bytes unpickle to the same frozen TensorRef, so each
+# distinct one is read once.
+_RECORD_PICKLES: dict[bytes, unpickle.TensorRef] = {}
+_RECORD_PICKLES_MAX = 4096
 
 
 def record_tensor(reader: RangeReader, record: ByteRange, name: str, dtype: str, sizes: tuple[int, ...]) -> ByteRange:

@@ -412,6 +412,30 @@ def test_a_remote_source_is_listed_once_per_command_and_a_missing_file_still_nam
         convert(src, str(tmp_path / "again.safetensors"))
 
 
+def test_records_of_one_shape_are_unpickled_once_and_still_checked(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twelve records of one dtype and shape hold the same data.pkl: it is unpickled once; each record is still
+    located and checked against the metadata (a record zeroed is refused as before)."""
+    from converters import torchzip, unpickle
+
+    path = tmp_path / "dcp"
+    _dcp_of_many_records(path)
+    torchzip._RECORD_PICKLES.clear()
+    loads: list[str] = []
+    original = unpickle.loads
+
+    def counting(data: bytes, source: str, *args: Any) -> Any:
+        loads.append(source)
+        return original(data, source, *args)
+
+    monkeypatch.setattr(unpickle, "loads", counting)
+    index = load_index(str(path))
+    assert len(index.tensors) == 12 and len([s for s in loads if "@" in s]) == 1
+    _damage_records(path, 5)
+    with pytest.raises(FormatError):
+        load_index(str(path))
+
+
 def test_group_records_joins_back_to_back_records_of_the_selection_only() -> None:
     """A large record takes the small ones after it; small ones before any large one group alone; a gap of
     unselected bytes, another file, or another large record starts a new group."""
