@@ -42,6 +42,9 @@ class Slot:
     size: int
 
 
+_GATHER = 64 * 1024
+
+
 class ZipWriter:
     """Writes one torch.save archive into `fh` (sequential writes only), from its current position."""
 
@@ -51,10 +54,24 @@ class ZipWriter:
         self.pos = 0  # bytes written so far, relative to the archive start
         self.archive = archive
         self.entries: list[tuple[bytes, int, int, int, bool]] = []  # name, offset, size, crc, zip64
+        self.pending = bytearray()  # headers and small members not yet written: they go with the next bytes
 
     def _write(self, data: bytes | memoryview) -> None:
-        self.fh.write(data)
-        self.pos += len(memoryview(data).cast("B"))
+        """Write `data` at the archive's position; small pieces (headers, descriptors, the small members of a DCP
+        record, about 17 a record) are gathered into one write with what follows them."""
+        view = memoryview(data).cast("B")
+        if len(view) < _GATHER:
+            self.pending += view
+        else:
+            self._flush()
+            self.fh.write(view)
+        self.pos += len(view)
+
+    def _flush(self) -> None:
+        """Write what `_write` gathered (before the file is used any other way: a seek, a kernel copy, the end)."""
+        if self.pending:
+            self.fh.write(self.pending)
+            self.pending = bytearray()
 
     def _header(self, name: bytes, size: int, at: int) -> bytes:
         zip64 = size >= _U32
@@ -76,6 +93,7 @@ class ZipWriter:
         crc, written = 0, 0
         for chunk in chunks:
             if copy_range is not None and not isinstance(chunk, bytes | bytearray | memoryview):
+                self._flush()
                 self.fh.flush()
                 crc = copy_range(chunk, self.fh.fileno(), self.base + self.pos, crc)
                 written += chunk.length
@@ -100,6 +118,7 @@ class ZipWriter:
         self._write(self._header(bname, size, at))
         slot = Slot(len(self.entries), self.base + self.pos, size)
         self.entries.append((bname, at, size, 0, size >= _U32 or at >= _U32))
+        self._flush()
         self.pos += size + len(_descriptor(0, size))
         self.fh.seek(self.base + self.pos)
         return slot
@@ -139,4 +158,5 @@ class ZipWriter:
             self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32, _U32, 0))
         else:
             self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, cd_start, 0))
+        self._flush()
         return self.pos
