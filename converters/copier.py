@@ -141,7 +141,7 @@ class Copier:
                  pool: ThreadPoolExecutor | None = None) -> Iterator[list[Iterable[memoryview]]]:
         """The blocks of each (entry, cast_to, box) of `jobs` (`stream`), one iterable per job, to be used in
         order (a file written front to back: an upload). From object storage, the jobs are read ahead in
-        `pool`'s threads (or the copier's own), up to `threads` slabs ahead (`ReadAhead`)."""
+        `pool`'s threads (or the copier's own), within `self.ahead` (one slab, shared by an output's files)."""
         remote = any(not is_local(chunk.data.uri) for entry, _, _ in jobs for chunk in entry.chunks)
         if not remote or len(jobs) < 2:
             yield [self.stream(entry, cast_to, box) for entry, cast_to, box in jobs]

@@ -259,10 +259,11 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
         raise FormatError(f"{label}: data.pkl is {pkl.size} bytes, more than the limit for metadata; the file is "
                           "damaged (if it is genuine, raise CKPT_MAX_METADATA_BYTES)")
     pkl_bytes = reads.read(pkl.data_offset, pkl.size)
-    obj = _RECORD_PICKLES.get(pkl_bytes) if single_storage and allowed is None else None
+    cached = single_storage and allowed is None  # a DCP record, read with the default allow-list
+    obj = _RECORD_PICKLES.get(pkl_bytes) if cached else None
     if obj is None:
         obj = unpickle.loads(pkl_bytes, label, allowed, unpickle.torch_storage_loader(label))
-        if single_storage and allowed is None and isinstance(obj, unpickle.TensorRef):
+        if cached and isinstance(obj, unpickle.TensorRef):
             if len(_RECORD_PICKLES) >= _RECORD_PICKLES_MAX:
                 _RECORD_PICKLES.clear()  # rare: more distinct records than this; threads may share the dict
             _RECORD_PICKLES[pkl_bytes] = obj

@@ -107,7 +107,6 @@ class MultipartWriter:
         self.slots = slots
         self.block = block or UPLOAD_BLOCK
         self.buf = Part()  # the part being filled: it grows as it fills, so small files stay small
-        self.fill = 0
         self.create: Future[str] | None = None
         self.put: Future[Any] | None = None  # the single PUT of a small file
         self.upload_id: str | None = None  # set in the loop's thread once the multipart upload exists
@@ -121,22 +120,18 @@ class MultipartWriter:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
-        if self.fill + total < part_size(len(self.parts) + 1, self.block):  # the usual small write: no part ends
-            self.buf.write(view)
-            self.fill += total
-            return total
         while view:
-            n = min(len(view), part_size(len(self.parts) + 1, self.block) - self.fill)
-            self.buf.write(view[:n])
-            self.fill += n
-            view = view[n:]
-            if self.fill == part_size(len(self.parts) + 1, self.block):
-                self._send()
+            room = part_size(len(self.parts) + 1, self.block) - self.buf.tell()
+            self.buf.write(view[:room])
+            if len(view) < room:  # the part is not full yet
+                break
+            view = view[room:]
+            self._send()
         return total
 
     def _take(self) -> Part:
         """The filled part, handed over as it is (a new buffer takes its place)."""
-        body, self.buf, self.fill = self.buf, Part(), 0
+        body, self.buf = self.buf, Part()
         body.seek(0)
         return body
 
@@ -195,7 +190,7 @@ class MultipartWriter:
             self.put = self._submit(_send_part(self.fs, "put_object", Bucket=self.bucket, Key=self.key, Body=body))
             self.put.result()
         else:
-            if self.fill:
+            if self.buf.tell():
                 self._send()
             parts = [future.result() for future in self.parts]
             upload_id = self.create.result()

@@ -130,10 +130,7 @@ class ZipWriter:
         pwrite_all(self.fh.fileno(), _descriptor(crc, size), slot.data_at + size)
 
     def add(self, name: str, data: bytes) -> None:
-        """A small member, in one write (its header, bytes and descriptor)."""
-        bname, at, crc = f"{self.archive}/{name}".encode(), self.pos, crc32(data)
-        self._write(self._header(bname, len(data), at) + data + _descriptor(crc, len(data)))
-        self.entries.append((bname, at, len(data), crc, len(data) >= _U32 or at >= _U32))
+        self.write_member(name, [data], len(data))
 
     def add_torch_records(self, serial: str | None = None) -> None:
         """The records torch.save ends with; `serial` is the archive's id (random, as torch's, by default)."""
