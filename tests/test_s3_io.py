@@ -436,6 +436,29 @@ def test_records_of_one_shape_are_unpickled_once_and_still_checked(tmp_path: Pat
         load_index(str(path))
 
 
+def test_a_record_whose_shape_contradicts_the_metadata_is_refused_when_its_pickle_is_cached(
+        tmp_path: Path) -> None:
+    """Crafted: `.metadata` gives one of twelve same-shape tensors another shape of the same size. Its record's
+    data.pkl is byte for byte the others' (already unpickled and kept), and it is still checked and refused."""
+    import pickle
+
+    import torch.distributed.checkpoint as dist_cp
+
+    from converters import torchzip
+
+    path = tmp_path / "dcp"
+    _dcp_of_many_records(path)
+    metadata = dist_cp.FileSystemReader(str(path)).read_metadata()  # the framework's own reader
+    tensor = metadata.state_dict_metadata["layers.7.weight"]
+    tensor.size = torch.Size((128, 512))
+    tensor.chunks[0].sizes = torch.Size((128, 512))
+    with open(path / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)  # as DCP writes it
+    torchzip._RECORD_PICKLES.clear()
+    with pytest.raises(FormatError, match=r"layers\.7\.weight.*float32\[64, 1024\].*float32\[128, 512\]"):
+        load_index(str(path))
+
+
 def test_group_records_joins_back_to_back_records_of_the_selection_only() -> None:
     """A large record takes the small ones after it; small ones before any large one group alone; a gap of
     unselected bytes, another file, or another large record starts a new group."""
