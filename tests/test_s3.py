@@ -106,18 +106,6 @@ def one_line_error(proc: subprocess.CompletedProcess[str], *words: str) -> str:
     return lines[0]
 
 
-def wait_until(check: Callable[[], bool], proc: subprocess.Popen[str], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if proc.poll() is not None:
-            stderr = proc.stderr.read() if proc.stderr else ""
-            raise AssertionError(f"ckptctl ended ({proc.returncode}) before {what}: {stderr}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def stop_when(check: Callable[[], bool], proc: subprocess.Popen[str], what: str, timeout: float = WAIT) -> None:
     """Leave `proc` stopped (SIGSTOP) once `check()` holds; `check` runs only while it is stopped, so however
     long a check takes, the process cannot run past the moment looked for."""
@@ -352,7 +340,7 @@ def test_killed_upload_is_incomplete_and_rerun_repairs_it(s3: S3, big: Path) -> 
         return MARKER in keys and any(k.endswith(".safetensors") for k in keys)
 
     with running_ckptctl(*args) as proc:
-        wait_until(marker_and_a_shard, proc, "the marker and a first uploaded shard")
+        stop_when(marker_and_a_shard, proc, "the marker and a first uploaded shard")
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=WAIT) == -signal.SIGKILL
     keys = s3.keys("exports/step_2000")
