@@ -635,11 +635,39 @@ def test_a_part_body_sent_twice_sends_every_byte_twice(s3: S3) -> None:
     body = upload.Part(data)
 
     async def put(key: str) -> None:
-        await upload._send_part(fs, "put_object", Bucket=s3.bucket, Key=key, Body=body)
+        await upload._send_part(fs, "put_object", upload._crc32_param(body), Bucket=s3.bucket, Key=key, Body=body)
 
     sync(fs.loop, put, "first")
     sync(fs.loop, put, "again")
     assert s3.get("first") == s3.get("again") == data
+
+
+def test_a_part_goes_out_with_its_crc32_which_the_server_checks(s3: S3) -> None:
+    """A part carries the CRC-32 we computed, which the server keeps as the object's checksum; botocore computes
+    none of its own: a value we give is the one sent (moto records it unchecked; S3 refuses a mismatch)."""
+    import base64
+    import zlib
+
+    from fsspec.asyn import sync
+
+    fs, _ = storage.filesystem(s3.uri())
+    data = random.Random(8).randbytes(MIB + 5)
+    body = upload.Part(data)
+    checksum = upload._crc32_param(body)
+    assert base64.b64decode(checksum) == zlib.crc32(data).to_bytes(4, "big")
+
+    async def put(key: str, value: str) -> None:
+        await upload._send_part(fs, "put_object", value, Bucket=s3.bucket, Key=key, Body=body)
+
+    def stored(key: str) -> str:
+        return str(s3.client.head_object(Bucket=s3.bucket, Key=key, ChecksumMode="ENABLED")["ChecksumCRC32"])
+
+    sync(fs.loop, put, "good", checksum)
+    assert stored("good") == checksum
+    assert s3.get("good") == data
+    other = base64.b64encode((zlib.crc32(data) ^ 1).to_bytes(4, "big")).decode()
+    sync(fs.loop, put, "sent-as-given", other)
+    assert stored("sent-as-given") == other
 
 
 def test_read_ahead_keeps_order_reads_ahead_within_its_budget_and_stops_its_producers() -> None:
