@@ -139,15 +139,15 @@ def _remove_remote(uri: str, settle: float = 0.0) -> None:
 @contextmanager
 def open_output(uri: str, overwrite: bool, kind: str, single_file: bool = False) -> Iterator[Output]:
     """Yield an `Output`; commit it when the block ends, or remove every trace if it raises."""
-    storage.check_target(uri, overwrite)
+    present = storage.check_target(uri, overwrite)
     out = Output(uri, single_file)
     if out.local:
-        yield from _local(out, overwrite, kind)
+        yield from _local(out, kind)
     else:
-        yield from _remote(out, overwrite, kind)
+        yield from _remote(out, present, kind)
 
 
-def _local(out: Output, overwrite: bool, kind: str) -> Iterator[Output]:
+def _local(out: Output, kind: str) -> Iterator[Output]:
     target = os.path.abspath(storage.local_path(out.uri))
     parent = os.path.dirname(target)
     try:
@@ -178,10 +178,11 @@ def _local(out: Output, overwrite: bool, kind: str) -> Iterator[Output]:
         raise
 
 
-def _remote(out: Output, overwrite: bool, kind: str) -> Iterator[Output]:
+def _remote(out: Output, present: bool, kind: str) -> Iterator[Output]:
+    """`present`: something is at the target that may be replaced (`check_target`): it is removed first."""
     fs, _ = storage.filesystem(out.uri)
     out.root = out.uri
-    if overwrite or storage.is_incomplete(out.uri):
+    if present:
         _remove_remote(out.uri)
     try:
         if not out.single_file:

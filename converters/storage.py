@@ -819,10 +819,14 @@ def with_io_errors(fn: Callable[Concatenate[str, str, _P], _R]) -> Callable[Conc
     return run
 
 
-def check_target(uri: str, overwrite: bool) -> None:
-    """Refuse to write over an existing output, unless asked, or unless it is one we never finished."""
-    if exists(uri) and not overwrite and not is_incomplete(uri):
+def check_target(uri: str, overwrite: bool) -> bool:
+    """Refuse to write over an existing output, unless asked, or unless it is one we never finished; return
+    whether there is one (to be replaced)."""
+    if not exists(uri):
+        return False
+    if not overwrite and not is_incomplete(uri):
         raise TargetError(f"{uri}: already exists; pass --overwrite to replace it, or choose another target", uri=uri)
+    return True
 
 
 def is_incomplete(uri: str) -> bool:

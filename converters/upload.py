@@ -4,8 +4,9 @@
 K parts at once on fsspec's I/O loop (s3fs's own `_call_s3`, so retries, credentials and error mapping are
 s3fs's). K is a semaphore shared by every file of one output (`Slots`): a writer that would put a part
 over K blocks until one lands, so an output holds at most K parts in flight plus the part each open file
-is filling, (K + files) x part size: a part goes out as it is (`Part`), not copied. A file smaller than one
-part is a single PUT.
+is filling, (K + files) x part size: a part goes out as it is (`Part`), not copied. A file smaller than
+`MIN_PART` is a single PUT; a larger one opens its multipart upload once that much is written, while its
+first part still fills (so the part goes out as soon as it is full).
 
 Nothing is half-written: the object appears only when `complete_multipart_upload` succeeds. `discard`
 (on any failure, KeyboardInterrupt included) waits, bounded, for the requests already handed to the loop
@@ -28,6 +29,7 @@ from typing import Any
 from .checksum import crc32
 
 UPLOAD_BLOCK = 16 * 1024 * 1024  # part size; S3 needs >= 5 MiB for every part but the last
+MIN_PART = 5 * 1024 * 1024  # a file this large is uploaded in parts (even one part): S3's smallest part
 PARALLEL_ENV = "CKPT_UPLOAD_PARALLEL"
 DEFAULT_PARALLEL = 4  # the copier's default thread count
 GROW_EVERY = 1000  # parts: the part size grows by UPLOAD_BLOCK every 1000 parts (S3 allows 10,000)
@@ -136,6 +138,8 @@ class MultipartWriter:
             room = part_size(len(self.parts) + 1, self.block) - self.buf.tell()
             self.buf.write(view[:room])
             if len(view) < room:  # the part is not full yet
+                if self.create is None and self.buf.tell() >= MIN_PART:
+                    self.create = self._submit(self._create())  # a multipart upload: open it while the part fills
                 break
             view = view[room:]
             self._send()

@@ -100,6 +100,28 @@ def test_small_file_is_one_put_and_files_share_the_slots(s3: S3, slots_seen: lis
     assert s3.keys("out") == ["ckpt-manifest.json", "large.bin", "small.bin"]
 
 
+def test_multipart_upload_opens_while_its_first_part_fills(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file past S3's smallest part opens its multipart upload before its first part is full (the part goes
+    out as soon as it is); one that ends before the part is full is that upload's only part. Below the
+    smallest part a file stays one PUT."""
+    monkeypatch.setattr(upload, "UPLOAD_BLOCK", 3 * PART)
+    below, one_part = payload(upload.MIN_PART - 1, 4), payload(2 * PART, 5)
+    with open_output(s3.uri("out"), overwrite=False, kind="test") as out:
+        with out.open("below.bin") as fh:
+            write_in_pieces(fh, below, PART // 2)
+            assert fh.raw.create is None
+        with out.open("one-part.bin") as fh:
+            fh.write(one_part[:upload.MIN_PART])
+            assert fh.raw.create is not None and fh.raw.parts == []  # opened, nothing sent yet
+            fh.raw.create.result()
+            assert open_uploads(s3) == ["out/one-part.bin"]
+            fh.write(one_part[upload.MIN_PART:])
+    assert (s3.get("out/below.bin"), s3.get("out/one-part.bin")) == (below, one_part)
+    assert (part_count(s3, "out/below.bin"), part_count(s3, "out/one-part.bin")) == (1, 1)
+    assert "-" in s3.client.head_object(Bucket=s3.bucket, Key="out/one-part.bin")["ETag"]  # a multipart upload
+    assert open_uploads(s3) == []
+
+
 def test_producer_waits_while_k_parts_are_in_flight(s3: S3, slots_seen: list[upload.Slots],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Memory stays at (K + 1) parts: with K = 1 every part waits for the one before it to land."""
