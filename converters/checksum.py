@@ -3,7 +3,8 @@
 `crc32` is ISA-L's (python-isal, carry-less multiply: about 9 GB/s here against 1.4 GB/s for zlib's; it
 releases the GIL like zlib's), or zlib's where isal is not installed: same values either way.
 `crc32_zeros` extends a CRC over a run of zero bytes without reading them (a hole in a sparse file),
-by multiplying in GF(2) as zlib's crc32_combine does: O(log n) steps instead of n bytes.
+by multiplying in GF(2) as zlib's crc32_combine does: O(log n) steps instead of n bytes; `crc32_combine`
+joins the CRCs of two pieces (an upload's parts) into the whole's.
 """
 
 from __future__ import annotations
@@ -63,3 +64,9 @@ def crc32_zeros(n: int, value: int = 0) -> int:
     if n <= 0:
         return value
     return _multmodp(_x8nmodp(n), value ^ _ONES) ^ _ONES
+
+
+def crc32_combine(crc: int, more: int, length: int) -> int:
+    """The CRC-32 of a + b from `crc` (a's), `more` (b's) and b's `length`, reading neither, as zlib's
+    crc32_combine: crc(a + b) = crc(b) ^ shift(crc(a)) ^ shift(0), shifting over `length` zero bytes."""
+    return more ^ crc32_zeros(length, crc) ^ crc32_zeros(length, 0)

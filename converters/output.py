@@ -77,7 +77,8 @@ class Output:
         target = self.uri if self.single_file else storage.join(self.uri, name)
         with storage.translate_errors(target, writing=True):
             raw = self._writer(fs, target)
-            stream = _Checksummed(raw)
+            # a multipart writer computes its parts' CRCs (sent with them) and the file's from those
+            stream = raw if isinstance(raw, upload.MultipartWriter) else _Checksummed(raw)
             try:
                 yield stream
                 raw.close()

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from .checksum import crc32
+from .checksum import crc32, crc32_combine
 
 UPLOAD_BLOCK = 16 * 1024 * 1024  # part size; S3 needs >= 5 MiB for every part but the last
 MIN_PART = 5 * 1024 * 1024  # a file this large is uploaded in parts (even one part): S3's smallest part
@@ -92,12 +92,17 @@ def _rewind(params: dict[str, Any], **_: Any) -> None:
         body.seek(0)
 
 
-def _crc32_param(body: Part) -> str:
-    """The part's CRC-32 as S3's `ChecksumCRC32` (base64 of its 4 big-endian bytes), computed here at memory
-    bandwidth (`checksum.crc32`): given, botocore sends it instead of computing its own (with zlib's, 6x slower;
-    the same request otherwise), and S3 checks the part against it."""
+def _crc32_param(crc: int) -> str:
+    """A CRC-32 as S3's `ChecksumCRC32`: base64 of its 4 big-endian bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _crc32(body: Part) -> int:
+    """The part's CRC-32, computed here at memory bandwidth (`checksum.crc32`): sent with the part, botocore
+    computes none of its own (with zlib's, 6x slower; the same request otherwise), and S3 checks the part
+    against it; combined, the parts' give the file's (`MultipartWriter.crc`)."""
     with body.getbuffer() as view:
-        return base64.b64encode(crc32(view).to_bytes(4, "big")).decode()
+        return crc32(view)
 
 
 async def _send_part(fs: Any, method: str, checksum: str, **kwargs: Any) -> Any:
@@ -127,13 +132,19 @@ class MultipartWriter:
         self.discarded = False
         self.parts: list[Future[dict[str, Any]]] = []
         self.closed = False
+        self.size = 0  # bytes written
+        self.crc = 0  # CRC-32 of the parts sent, once closed: of the whole file
 
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
+    def tell(self) -> int:
+        return self.size
+
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
+        self.size += total
         while view:
             room = part_size(len(self.parts) + 1, self.block) - self.buf.tell()
             self.buf.write(view[:room])
@@ -145,11 +156,14 @@ class MultipartWriter:
             self._send()
         return total
 
-    def _take(self) -> Part:
-        """The filled part, handed over as it is (a new buffer takes its place)."""
+    def _take(self) -> tuple[Part, str]:
+        """The filled part, handed over as it is (a new buffer takes its place), and its `ChecksumCRC32`."""
         body, self.buf = self.buf, Part()
+        length = body.tell()
         body.seek(0)
-        return body
+        crc = _crc32(body)
+        self.crc = crc32_combine(self.crc, crc, length)
+        return body, _crc32_param(crc)
 
     def _send(self) -> None:
         """Hand the filled part to the loop as the next part (blocking while K parts are in flight)."""
@@ -158,9 +172,9 @@ class MultipartWriter:
             self.create = self._submit(self._create())
         number = len(self.parts) + 1
         self.slots.take()
-        body = self._take()
+        body, checksum = self._take()
         try:
-            future = self._submit(self._part(number, body, _crc32_param(body)))
+            future = self._submit(self._part(number, body, checksum))
         except BaseException:
             self.slots.give()
             raise
@@ -203,9 +217,9 @@ class MultipartWriter:
         if self.closed:
             return
         if self.create is None:
-            body = self._take()
-            self.put = self._submit(_send_part(self.fs, "put_object", _crc32_param(body), Bucket=self.bucket,
-                                               Key=self.key, Body=body))
+            body, checksum = self._take()
+            self.put = self._submit(_send_part(self.fs, "put_object", checksum, Bucket=self.bucket, Key=self.key,
+                                               Body=body))
             self.put.result()
         else:
             if self.buf.tell():

@@ -63,7 +63,7 @@ FakeKey.value = property(get, put)
 # time uploads, not the server's bookkeeping.
 _S3_COMPLETE = """
 import zlib as _zlib
-from converters.checksum import crc32_zeros as _crc32_zeros
+from converters.checksum import crc32_combine as _crc32_combine
 from moto.s3 import models as _m
 from moto.s3 import utils as _u
 from moto.utilities.utils import md5_hash as _md5
@@ -92,14 +92,14 @@ def set_part(self, part_id, value, plain_set_part=_m.FakeMultipart.set_part):
 _m.FakeMultipart.set_part = set_part
 def full_checksum(parts, algorithm):
     if algorithm == "CRC32" or (algorithm == "CRC64NVME" and not _u.HAS_CRT):  # moto's CRC32 fallback
-        crc = 0  # the parts' CRCs combined, as S3 does: crc(a + b) = crc(b) ^ shift(crc(a), len(b)) ^ shift(0, len(b))
+        crc = 0  # the parts' CRCs combined, as S3 does
         for part in parts:
             value = part.value
             own = part.__dict__.get("_crc32")
             if own is None:
                 crc = _zlib.crc32(value, crc)
             else:
-                crc = own ^ _crc32_zeros(len(value), crc) ^ _crc32_zeros(len(value), 0)
+                crc = _crc32_combine(crc, own, len(value))
         return _u.base64.b64encode(crc.to_bytes(4, "big"))
     return _u.compute_checksum(b"".join(part.value for part in parts), algorithm)
 def complete(self, body):

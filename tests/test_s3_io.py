@@ -109,17 +109,19 @@ def test_multipart_upload_opens_while_its_first_part_fills(s3: S3, monkeypatch: 
     with open_output(s3.uri("out"), overwrite=False, kind="test") as out:
         with out.open("below.bin") as fh:
             write_in_pieces(fh, below, PART // 2)
-            assert fh.raw.create is None
+            assert fh.create is None
         with out.open("one-part.bin") as fh:
             fh.write(one_part[:upload.MIN_PART])
-            assert fh.raw.create is not None and fh.raw.parts == []  # opened, nothing sent yet
-            fh.raw.create.result()
+            assert fh.create is not None and fh.parts == []  # opened, nothing sent yet
+            fh.create.result()
             assert open_uploads(s3) == ["out/one-part.bin"]
             fh.write(one_part[upload.MIN_PART:])
     assert (s3.get("out/below.bin"), s3.get("out/one-part.bin")) == (below, one_part)
     assert (part_count(s3, "out/below.bin"), part_count(s3, "out/one-part.bin")) == (1, 1)
     assert "-" in s3.client.head_object(Bucket=s3.bucket, Key="out/one-part.bin")["ETag"]  # a multipart upload
     assert open_uploads(s3) == []
+    assert out.files == {"below.bin": {"bytes": len(below), "crc32": zlib.crc32(below)},
+                         "one-part.bin": {"bytes": len(one_part), "crc32": zlib.crc32(one_part)}}
 
 
 def test_producer_waits_while_k_parts_are_in_flight(s3: S3, slots_seen: list[upload.Slots],
@@ -129,7 +131,7 @@ def test_producer_waits_while_k_parts_are_in_flight(s3: S3, slots_seen: list[upl
     data = payload(3 * PART, 3)
     with open_output(s3.uri("out/k1.bin"), overwrite=False, kind="test", single_file=True) as out, out.open() as fh:
         write_in_pieces(fh, data)
-        writer = fh.raw
+        writer = fh
         assert len(writer.parts) == 3 and all(f.done() for f in writer.parts[:2])
     assert s3.get("out/k1.bin") == data
     assert slots_seen[0].peak == 1
@@ -657,7 +659,8 @@ def test_a_part_body_sent_twice_sends_every_byte_twice(s3: S3) -> None:
     body = upload.Part(data)
 
     async def put(key: str) -> None:
-        await upload._send_part(fs, "put_object", upload._crc32_param(body), Bucket=s3.bucket, Key=key, Body=body)
+        await upload._send_part(fs, "put_object", upload._crc32_param(upload._crc32(body)), Bucket=s3.bucket,
+                                Key=key, Body=body)
 
     sync(fs.loop, put, "first")
     sync(fs.loop, put, "again")
@@ -675,7 +678,7 @@ def test_a_part_goes_out_with_its_crc32_which_the_server_checks(s3: S3) -> None:
     fs, _ = storage.filesystem(s3.uri())
     data = random.Random(8).randbytes(MIB + 5)
     body = upload.Part(data)
-    checksum = upload._crc32_param(body)
+    checksum = upload._crc32_param(upload._crc32(body))
     assert base64.b64decode(checksum) == zlib.crc32(data).to_bytes(4, "big")
 
     async def put(key: str, value: str) -> None:

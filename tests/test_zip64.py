@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.checksum import crc32, crc32_zeros
+from converters.checksum import crc32, crc32_combine, crc32_zeros
 from converters.copier import Copier, SourceRange, data_runs
 from converters.errors import SourceError
 from converters.storage import RangeReader
@@ -132,6 +132,13 @@ def test_crc32_zeros_matches_zlib() -> None:
         assert crc32_zeros(n) == zlib.crc32(bytes(n)), n
     head = rng.randbytes(1000)
     assert crc32_zeros(5000, zlib.crc32(head)) == zlib.crc32(head + bytes(5000))
+
+
+def test_crc32_combine_matches_zlib_over_the_joined_bytes() -> None:
+    rng = random.Random(5)
+    for a_len, b_len in ((0, 0), (0, 9), (9, 0), (1, 1), (1000, 4097), (1 << 20, 3)):
+        a, b = rng.randbytes(a_len), rng.randbytes(b_len)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), b_len) == zlib.crc32(a + b), (a_len, b_len)
 
 
 def _holey(path: Path) -> bytes:
