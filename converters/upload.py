@@ -107,11 +107,15 @@ def _crc32(body: Part) -> int:
 
 async def _send_part(fs: Any, method: str, checksum: str, **kwargs: Any) -> Any:
     """`fs._call_s3(method, **kwargs)` with the body's `checksum` (`_crc32_param`), a `Part` body rewound before
-    every attempt."""
+    every attempt. A client that sends checksums only where S3 requires them (botocore's setting
+    `request_checksum_calculation="when_required"`, or AWS_REQUEST_CHECKSUM_CALCULATION, for S3-compatible
+    stores that refuse the headers) sends none of ours either."""
     await fs.set_session()
     fs.s3.meta.events.register_first(f"before-parameter-build.s3.{_OPERATIONS[method]}", _rewind,
                                      unique_id=f"ckpt-rewind-{method}")
-    return await fs._call_s3(method, ChecksumAlgorithm="CRC32", ChecksumCRC32=checksum, **kwargs)
+    if getattr(fs.s3.meta.config, "request_checksum_calculation", None) != "when_required":
+        kwargs.update(ChecksumAlgorithm="CRC32", ChecksumCRC32=checksum)
+    return await fs._call_s3(method, **kwargs)
 
 
 _OPERATIONS = {"upload_part": "UploadPart", "put_object": "PutObject"}

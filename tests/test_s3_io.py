@@ -695,6 +695,26 @@ def test_a_part_goes_out_with_its_crc32_which_the_server_checks(s3: S3) -> None:
     assert stored("sent-as-given") == other
 
 
+def test_a_client_that_sends_checksums_only_when_required_sends_none(s3: S3) -> None:
+    """Stores that refuse S3's checksum headers are reached with `request_checksum_calculation="when_required"`
+    (botocore's own switch, also AWS_REQUEST_CHECKSUM_CALCULATION): then no part carries our checksum either."""
+    import s3fs
+    from fsspec.asyn import sync
+
+    fs = s3fs.S3FileSystem(endpoint_url=s3.endpoint, skip_instance_cache=True,
+                           config_kwargs={"request_checksum_calculation": "when_required"})
+    data = random.Random(9).randbytes(MIB)
+    body = upload.Part(data)
+
+    async def put(key: str) -> None:
+        await upload._send_part(fs, "put_object", upload._crc32_param(upload._crc32(body) ^ 1), Bucket=s3.bucket,
+                                Key=key, Body=body)
+
+    sync(fs.loop, put, "plain")
+    assert s3.get("plain") == data
+    assert "ChecksumCRC32" not in s3.client.head_object(Bucket=s3.bucket, Key="plain", ChecksumMode="ENABLED")
+
+
 def test_read_ahead_keeps_order_reads_ahead_within_its_budget_and_stops_its_producers() -> None:
     """Blocks come in stream order while later streams already run, each in a buffer of its own; the bytes
     read and not yet used stay within the budget, which never holds back the stream the consumer waits for
