@@ -153,8 +153,8 @@ class MultipartWriter:
             room = part_size(len(self.parts) + 1, self.block) - self.buf.tell()
             self.buf.write(view[:room])
             if len(view) < room:  # the part is not full yet
-                if self.create is None and self.buf.tell() >= MIN_PART:
-                    self.create = self._submit(self._create())  # a multipart upload: open it while the part fills
+                if self.buf.tell() >= MIN_PART:
+                    self._open()  # a multipart upload: opened while its first part fills
                 break
             view = view[room:]
             self._send()
@@ -172,8 +172,7 @@ class MultipartWriter:
     def _send(self) -> None:
         """Hand the filled part to the loop as the next part (blocking while K parts are in flight)."""
         self._raise_failed()
-        if self.create is None:
-            self.create = self._submit(self._create())
+        self._open()
         number = len(self.parts) + 1
         self.slots.take()
         body, checksum = self._take()
@@ -184,6 +183,11 @@ class MultipartWriter:
             raise
         future.add_done_callback(self.slots.give)
         self.parts.append(future)
+
+    def _open(self) -> None:
+        """Start opening the multipart upload, unless that has begun."""
+        if self.create is None:
+            self.create = self._submit(self._create())
 
     def _raise_failed(self) -> None:
         for future in [self.create, *self.parts]:

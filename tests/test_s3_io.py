@@ -667,7 +667,7 @@ def test_a_part_body_sent_twice_sends_every_byte_twice(s3: S3) -> None:
     assert s3.get("first") == s3.get("again") == data
 
 
-def test_a_part_goes_out_with_its_crc32_which_the_server_checks(s3: S3) -> None:
+def test_a_part_goes_out_with_its_crc32_which_the_server_keeps(s3: S3) -> None:
     """A part carries the CRC-32 we computed, which the server keeps as the object's checksum; botocore computes
     none of its own: a value we give is the one sent (moto records it unchecked; S3 refuses a mismatch)."""
     import base64
