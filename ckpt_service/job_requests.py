@@ -178,7 +178,9 @@ class ReshardRequest(KeyedRequest):
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None
-    only: Only = "model"
+    only: Annotated[choice(Literal["model", "optim", "all"], "selection"),
+                    Field(description="Which entries: all (the whole training state as stored, to resume "
+                                      "training), model or optim."), flag("--only")] = "all"
     clean_keys: CleanKeys = None
     dtype: DType = None
     dtype_optim: Annotated[bool, Field(description="Cast optimizer state too."), flag("--dtype-optim")] = False

@@ -103,6 +103,8 @@ class CkptService:
             if earlier is not None:
                 return earlier, False
         normal = self.normalise(spec)
+        if not _exists(normal.source, "source"):  # found now, not when the job runs (rules check their own)
+            raise InvalidRequest(f"source: {normal.source} does not exist; check the path or URI", "source")
         writing = normal.kind in WRITING_KINDS
         record, created = self.store.create_job(
             kind=normal.kind, spec=normal.model_dump(mode="json"), target=normal.target if writing else None,

@@ -38,13 +38,17 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, err
 @dataclass
 class Progress:
     """Counts bytes and tensors done; `callback` (if any) gets the object after each step, one call at a
-    time (writer threads share this object), each seeing the counts of its own step."""
+    time (writer threads share this object), each seeing the counts of its own step.
+
+    A tensor written in pieces (a reshard: one box per rank holding it) counts as done once, with its last
+    piece: `pieces` names how many each such tensor has (absent: one)."""
 
     total_bytes: int = 0
     total_tensors: int = 0
     done_bytes: int = 0
     done_tensors: int = 0
     callback: Callable[[Progress], None] | None = None
+    pieces: dict[str, int] = field(default_factory=dict)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def add(self, nbytes: int = 0, tensors: int = 0) -> None:
@@ -53,6 +57,16 @@ class Progress:
             self.done_tensors += tensors
             if self.callback is not None:
                 self.callback(self)
+
+    def piece_done(self, name: str) -> None:
+        """One piece of tensor `name` is written; the tensor counts when its last piece is."""
+        with self._lock:
+            left = self.pieces.get(name, 1) - 1
+            if left > 0:
+                self.pieces[name] = left
+                return
+            self.pieces.pop(name, None)
+            self.add(tensors=1)
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -134,7 +148,7 @@ class Copier:
             read_box(self.reader, entry, absolute, view)
             self.progress.add(len(view))
             yield cast(view, entry.dtype, out_dtype) if out_dtype != entry.dtype else view
-        self.progress.add(tensors=1)
+        self.progress.piece_done(entry.name)
 
     @contextmanager
     def in_order(self, jobs: Sequence[tuple[TensorEntry, str | None, Box | None]],
@@ -163,7 +177,7 @@ class Copier:
                 for uri, offset, length in ranges:
                     yield SourceRange(local_path(uri), offset, length)
                     self.progress.add(length)
-                self.progress.add(tensors=1)
+                self.progress.piece_done(entry.name)
                 return
         yield from self.stream(entry, cast_to, box)
 

@@ -6,6 +6,7 @@ under the parameter's name, so `exp_avg` lands on the same rank, in the same box
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ class ReshardOptions:
     layout: str = "fsdp2"
     dim_rules: list[tuple[str, int]] = field(default_factory=list)
     source_format: str | None = None
-    keys: KeyOptions = field(default_factory=KeyOptions)
+    keys: KeyOptions = field(default_factory=lambda: KeyOptions(only="all"))  # the training state, as stored
     dtype: str | None = None
     dtype_optim: bool = False
     memory_limit: int = DEFAULT_MEMORY_LIMIT
@@ -112,6 +113,8 @@ def reshard(source: str, target: str, options: ReshardOptions,
             for rank, box in enumerate(boxes):
                 if box is not None:
                     plan[rank].append(Piece(name, entry, box, out_dtype))
+        copier.progress.pieces = dict(Counter(piece.name for pieces in plan for piece in pieces))
+        copier.progress.total_tensors = len(copier.progress.pieces)
         if uneven:
             report.append(f"{uneven} tensors have fewer rows than {options.world_size} ranks: some ranks hold empty "
                           "shards of them, as FSDP2 does")

@@ -51,7 +51,7 @@ def test_defaults_per_kind() -> None:
     # convert keeps keys as stored; reshard leaves it to the engine (kept for --only all, a training state);
     # export cleans them (a serving checkpoint)
     assert keys == {"convert": ("all", False, False), "export": ("model", True, True),
-                    "reshard": ("model", None, True), "verify": ("all", True, True)}
+                    "reshard": ("all", None, False), "verify": ("all", True, True)}
     assert key_options(build("reshard", {"world_size": 2, "only": "all"})).clean is False  # type: ignore[arg-type]
     export = build("export", {})
     assert (export.max_shard_size, export.memory_limit) == (5 * 1000**3, 256 * 1024**2)  # type: ignore[attr-defined]

@@ -114,9 +114,51 @@ def test_other_inputs_reshard_into_fsdp2(layout: str, fsdp1: dict[str, Sample], 
 def test_export_then_reshard_to_2(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
     src = fsdp2["fsdp2-dcp"]
     ckptctl("export", src.path, tmp_path / "hf", "--max-shard-size", "100KB")
-    ckptctl("reshard", tmp_path / "hf", tmp_path / "ws2", "--world-size", "2")
+    ckptctl("reshard", tmp_path / "hf", tmp_path / "ws2", "--world-size", "2", "--only", "model")
     loaded, _ = load_at(tmp_path / "ws2", 2, tmp_path)
     assert_same_tensors(loaded["model"], src.ref()["model"])
+
+
+def test_reshard_defaults_to_the_whole_training_state(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    """A reshard is for resuming training: without --only it keeps model and optimizer state as stored."""
+    src = fsdp2["fsdp2-dcp"]
+    out = tmp_path / "ws3"
+    proc = ckptctl("reshard", src.path, out, "--world-size", "3")
+    assert "left out" not in proc.stderr
+    loaded, _ = load_at(out, 3, tmp_path)
+    assert_same_state(loaded, src.ref())
+    model_only = ckptctl("reshard", src.path, tmp_path / "model", "--world-size", "3", "--only", "model")
+    assert "optimizer state" in model_only.stderr  # asked for: the optimizer is left out, and said so
+
+
+def test_reshard_job_progress_counts_tensors_and_a_missing_source_is_refused(fsdp2: dict[str, Sample],
+                                                                             tmp_path: Path) -> None:
+    """REST: progress counts each tensor once (not once per rank piece); a source that is not there is a 4xx
+    at submit naming `source`, not a failure later in the queue."""
+    from converters import inspect
+
+    from .service_harness import Tokens, job_spec, make_server
+
+    src = fsdp2["fsdp2-dcp"].path
+    tokens, out = Tokens.make(), tmp_path / "out"
+    out.mkdir()
+    server = make_server(tmp_path / "data", read_roots=[src.parent], write_roots=[out], workers=1,
+                         tokens=tokens.entries).start()
+    try:
+        with server.http(tokens.write) as http:
+            missing = http.post("/v1/jobs", json=job_spec("reshard", src.parent / "nope", out / "a", world_size=4))
+            assert missing.status_code in (404, 409, 422), missing.text
+            error = missing.json()["error"]
+            assert [f["field"] for f in error["fields"]] == ["source"] and "does not exist" in error["message"]
+            assert http.get("/v1/jobs").json()["items"] == []  # nothing was queued
+            job = http.post("/v1/jobs", json=job_spec("reshard", src, out / "ws4", world_size=4)).json()
+        final = server.wait_job(job["id"], ("succeeded", "failed"), token=tokens.read)
+        assert final["state"] == "succeeded", final["error"]
+        progress = final["progress"]
+        assert progress["done_tensors"] == progress["total_tensors"] == len(inspect(str(src)).tensors)
+        assert progress["done_bytes"] == progress["total_bytes"] > 0
+    finally:
+        server.stop()
 
 
 def test_round_trip_4_3_4_is_identical(samples: Samples, tmp_path: Path) -> None:
@@ -148,7 +190,7 @@ def test_more_ranks_than_rows_and_dtype_rules(fsdp2: dict[str, Sample], tmp_path
 def test_shard_dim_rule(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
     src = fsdp2["fsdp2-dcp"]
     out = tmp_path / "cols"
-    ckptctl("reshard", src.path, out, "--world-size", "2", "--shard-dim-rule", r"lm_head\.weight$=1")
+    ckptctl("reshard", src.path, out, "--world-size", "2", "--only", "model", "--shard-dim-rule", r"lm_head\.weight$=1")
     md = pickle.loads((out / ".metadata").read_bytes())
     chunks = md.state_dict_metadata["lm_head.weight"].chunks
     width = md.state_dict_metadata["lm_head.weight"].size[1]
