@@ -9,7 +9,8 @@ stand-ins in place of tensors.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes, unpickle
@@ -41,11 +42,19 @@ class Archive:
     uri: str
     members: dict[str, Member]
     obj: Any
+    storages: dict[str, Member] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # storage key -> the first member named `data/<key>` or `.../data/<key>`: one look-up per tensor
+        self.storages = {}
+        for name, member in self.members.items():
+            folder, _, key = name.rpartition("/")
+            if folder == "data" or folder.endswith("/data"):
+                self.storages.setdefault(key, member)
 
     def storage(self, key: str) -> Member:
-        for name, member in self.members.items():
-            if name.endswith(f"/data/{key}") or name == f"data/{key}":
-                return member
+        if key in self.storages:
+            return self.storages[key]
         raise FormatError(f"{self.uri}: storage data/{key} is missing from the archive; the file is damaged",
                           uri=self.uri)
 
@@ -154,6 +163,7 @@ def _central_members(reads: _Reads, base: int, length: int, label: str) -> list[
     directory = reads.read(base + cd_offset, cd_size)
     members: list[Member] = []
     starts: list[int] = []
+    names: set[str] = set()
     pos = 0
     for _ in range(entries):
         if pos + _CENTRAL.size > len(directory):
@@ -164,6 +174,9 @@ def _central_members(reads: _Reads, base: int, length: int, label: str) -> list[
         comp, uncomp, name_len, extra_len, comment_len, local_offset = (fields[8], fields[9], fields[10],
                                                                        fields[11], fields[12], fields[16])
         name = directory[pos + 46: pos + 46 + name_len].decode("utf-8", "replace")
+        if name in names:
+            raise _damaged(label, f"member {name!r} is listed twice")
+        names.add(name)
         extra = directory[pos + 46 + name_len: pos + 46 + name_len + extra_len]
         comp, uncomp, local_offset = _zip64_sizes(extra, comp, uncomp, local_offset)
         if fields[4] != 0 or comp != uncomp:
@@ -181,7 +194,8 @@ def _central_members(reads: _Reads, base: int, length: int, label: str) -> list[
     bounds = sorted([*starts, base + cd_offset])
     for member in members:
         end = member.data_offset + member.size
-        nxt = next((b for b in bounds if b >= member.data_offset), base + cd_offset)
+        at = bisect_left(bounds, member.data_offset)  # the first bound at or after the data: O(log n) each
+        nxt = bounds[at] if at < len(bounds) else base + cd_offset
         if end > nxt or (nxt > end and not _is_descriptor(reads.read(end, min(nxt - end, 24)), nxt - end,
                                                            member.size)):
             raise _damaged(label, f"member {member.name!r} does not end where the next entry starts")

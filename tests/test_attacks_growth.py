@@ -1,0 +1,94 @@
+"""Inputs that make the work grow faster than the input, through the real `ckptctl`: each must be read or refused
+with one line (exit code 2) in bounded time and memory.
+
+- a torch.save zip whose directory repeats an entry (the member-bounds check was quadratic in the entries);
+- pickles that build far more objects than their bytes justify (empty sets: ~340 bytes of memory per byte);
+- tensor views that claim more elements than their storage holds (a 4-byte storage seen as 65536 x 65536).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+TIMEOUT = 30  # seconds; each case takes under 3 s when the work is bounded
+
+
+def run_cli(args: list[str], address_space: int = 1 << 30) -> subprocess.CompletedProcess[str]:
+    """The real `ckptctl` in a subprocess, its address space capped at `address_space` bytes."""
+    def limits() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        resource.setrlimit(resource.RLIMIT_CPU, (TIMEOUT, TIMEOUT))
+
+    return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "200"}, timeout=TIMEOUT, preexec_fn=limits)
+
+
+def refused(proc: subprocess.CompletedProcess[str], *expect: str) -> str:
+    """The one error line of a refusal (exit code 2), which must hold each of `expect`."""
+    said = f"exit {proc.returncode}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}"
+    assert proc.returncode == 2, said
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), said
+    for text in expect:
+        assert text in lines[0], said
+    return lines[0]
+
+
+# --- zip directories ----------------------------------------------------------------------------------------
+
+
+def _directory(raw: bytes) -> tuple[int, list[bytes]]:
+    """(offset, records) of a zip's central directory."""
+    at = raw.rfind(b"PK\x05\x06")
+    entries, _, offset = struct.unpack_from("<HII", raw, at + 10)
+    records, pos = [], offset
+    for _ in range(entries):
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", raw, pos + 28)
+        end = pos + 46 + name_len + extra_len + comment_len
+        records.append(raw[pos:end])
+        pos = end
+    return offset, records
+
+
+def _write_directory(path: Path, body: bytes, offset: int, records: list[bytes]) -> None:
+    """Replace the directory of the zip `body` (it starts at `offset`) with `records` (zip64 when that many)."""
+    directory, n = b"".join(records), len(records)
+    if n < 0xFFFF:
+        end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, len(directory), offset, 0)
+    else:
+        end = (struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(directory), offset)
+               + struct.pack("<IIQI", 0x07064B50, 0, offset + len(directory), 1)
+               + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+    path.write_bytes(body[:offset] + directory + end)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entries", [65_534, 300_000])
+def test_zip_directory_repeating_an_entry_is_refused_at_once(entries: int, tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    raw = path.read_bytes()
+    offset, records = _directory(raw)
+    _write_directory(path, raw, offset, records + [records[0]] * (entries - len(records)))
+    refused(run_cli(["inspect", str(path)]), str(path), "'model/data.pkl' is listed twice")
+
+
+@pytest.mark.slow
+def test_zip_of_300000_members_is_read_in_seconds(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    with zipfile.ZipFile(path, "a") as archive:  # torch.save archives are stored (uncompressed) zips
+        for i in range(300_000):
+            archive.writestr(f"model/extra/{i}", b"")
+    proc = run_cli(["inspect", str(path)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tensors: 1" in proc.stdout and "total_bytes: 16 " in proc.stdout, proc.stdout
