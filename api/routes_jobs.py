@@ -7,7 +7,9 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
 
+from ckpt_service import joblogs
 from ckpt_service.jobs import JobSpec, JobView, Kind, State
 
 from .events import SlotStream, job_events
@@ -56,6 +58,22 @@ def cancel(job_id: JobId, request: Request, principal: Writer) -> JobView:
     partial output removed (the job shows `cancel_requested` until then). Only the token name that
     submitted the job, or an admin, may cancel it (403 otherwise)."""
     return request.app.state.service.cancel(job_id, principal)
+
+
+class JobLogs(BaseModel):
+    job_id: str
+    text: str = Field(description="The job process's own output (stdout and stderr), newest last; every attempt "
+                                  "after a `--- attempt N ---` line. Empty before the job started.")
+    truncated: bool = Field(description="Older output was left out (the last 256 KiB are kept).")
+
+
+@router.get("/{job_id}/logs", response_model=JobLogs, responses=errors(401, 403, 404, 422, 503),
+            summary="A job's output")
+def job_logs(job_id: JobId, request: Request, _: Reader) -> JobLogs:
+    """What the job's process printed, as kept by the worker that ran it (on this server's data directory)."""
+    request.app.state.service.job(job_id)  # 404 for an unknown job
+    text, truncated = joblogs.read_tail(request.app.state.settings.data_dir, job_id)
+    return JobLogs(job_id=job_id, text=text, truncated=truncated)
 
 
 @router.get("/{job_id}/events", responses={200: {"content": {"text/event-stream": {}},

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from converters import CkptError, storage
 from converters import dtypes as dt
 from converters.classify import index_kinds
 from converters.index import CheckpointIndex
@@ -17,6 +18,21 @@ def rank_bytes(index: CheckpointIndex) -> dict[str, int]:
         for chunk in entry.chunks:
             per[chunk.data.uri.rsplit("/", 1)[-1]] += chunk.numel * dt.itemsize(entry.dtype)
     return dict(sorted(per.items()))
+
+
+MAX_SIZED_FILES = 1000  # one stat (a HEAD on object storage) per file: bounded
+
+
+def file_bytes(index: CheckpointIndex) -> dict[str, int | None]:
+    """Bytes on disk of every file of the checkpoint (None where it cannot be read), the first 1000 files."""
+    base = index.uri if storage.isdir(index.uri) else storage.parent(index.uri)
+    sizes: dict[str, int | None] = {}
+    for name in index.files[:MAX_SIZED_FILES]:
+        try:
+            sizes[name] = storage.size(storage.join(base, name))
+        except CkptError:
+            sizes[name] = None
+    return sizes
 
 
 def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
@@ -33,6 +49,7 @@ def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
         "dtypes": dict(dtypes.most_common()),
         "has_optimizer": any(p.optimizer for p in kinds.values()),
         "files": len(index.files),
+        "file_bytes": file_bytes(index),
     }
     per = rank_bytes(index)
     if len(per) > 1:

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 
-from . import logs, webhooks, worker_main
+from . import joblogs, logs, webhooks, worker_main
 from .errors import ServiceError
 from .executor import clean_target
 from .jobs import JobRecord
@@ -87,8 +87,10 @@ class JobRunner(threading.Thread):
     def _run(self) -> None:
         store, s, job = self.pool.store, self.pool.settings, self.job
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONSAFEPATH": "1", **self.store_env(),
                                           "CKPT_EXECUTOR": s.executor, "CKPT_RAY_ADDRESS": s.ray_address})
+        joblogs.LogCapture(s.data_dir, job.id, self.attempt, self.proc.stdout).start()  # type: ignore[arg-type]
         store.set_pid(job.id, self.attempt, self.proc.pid)
         logs.event("job.process_started", job_id=job.id, attempt=self.attempt, pid=self.proc.pid,
                    worker=self.pool.id)
