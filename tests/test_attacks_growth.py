@@ -92,3 +92,23 @@ def test_zip_of_300000_members_is_read_in_seconds(tmp_path: Path) -> None:
     proc = run_cli(["inspect", str(path)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tensors: 1" in proc.stdout and "total_bytes: 16 " in proc.stdout, proc.stdout
+
+
+# --- views larger than their storage -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("command", "view", "expect"), [
+    ("inspect", lambda: torch.zeros(1).expand(65536, 65536), "a broadcast (stride 0)"),
+    ("export", lambda: torch.zeros(1).expand(65536, 65536), "a broadcast (stride 0)"),
+    ("export", lambda: torch.zeros(3).expand(4, 2, 3), "a broadcast (stride 0)"),
+    ("export", lambda: torch.zeros(131071).as_strided((65536, 65536), (1, 1)), "more elements than it holds")],
+    ids=["broadcast-inspect", "broadcast-export", "small-broadcast", "overlap"])
+def test_view_claiming_more_than_its_storage_is_refused(command: str, view: object, expect: str,
+                                                        tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(4.0), "big": view()}, path)  # type: ignore[operator]
+    out = tmp_path / "out"
+    proc = run_cli([command, str(path)] + ([str(out)] if command == "export" else []))
+    refused(proc, str(path), "storage data/1", expect)
+    assert not out.exists()
