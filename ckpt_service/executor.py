@@ -8,12 +8,13 @@ and by the offline commands (`ckptctl convert ...`) to run in-process.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from converters import CkptError, VerifyError, storage
+from converters import CkptError, SourceError, VerifyError, storage
 from converters.names import tmp_prefix
 
 from . import logs, roots
@@ -94,7 +95,8 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
                                      memory_limit=int(request.memory_limit), overwrite=request.overwrite,
                                      drop_tied=list(request.drop_tied), verify=request.verify,
                                      export=isinstance(request, ExportRequest),
-                                     to_hf=request.to_hf if isinstance(request, ExportRequest) else None)
+                                     to_hf=request.to_hf if isinstance(request, ExportRequest) else None,
+                                     config_from=request.config_from if isinstance(request, ExportRequest) else None)
     return lambda progress: convert(source, out, convert_options, progress)
 
 
@@ -159,6 +161,31 @@ def _summary(uri: str, source_format: str | None = None) -> dict[str, Any] | Non
     except CkptError as exc:
         logs.event("registry.inspect_failed", uri=uri, error=str(exc))
         return None
+
+
+def inspection(uri: str, source_format: str | None, tensors: bool, complete: bool) -> bytes:
+    """What an inspecting job process prints (sandbox.py): `{"summary": …}`, or `{"error": {"type", "message"}}`
+    with one line naming the file. `complete` reads as rules do: no unfinished upload, every file as long as
+    the metadata says. Any failure while reading is the checkpoint's: it never escapes as a traceback."""
+    from converters.formats import load_index
+
+    from .summary import summarize
+
+    try:
+        if complete and storage.is_incomplete(uri):
+            raise SourceError(f"{uri}: an upload started and did not finish", uri=uri)
+        summary = summarize(load_index(uri, source_format, locate=complete), tensors)
+        return json.dumps({"summary": summary}, ensure_ascii=False).encode()
+    except CkptError as exc:
+        kind, message = type(exc).__name__, str(exc)
+    except UnicodeEncodeError:
+        kind, message = "FormatError", f"{uri}: names an entry that is not valid UTF-8 text; the checkpoint is damaged"
+    except MemoryError:
+        kind, message = "FormatError", f"{uri}: reading its metadata needs more memory than inspecting may use"
+    except Exception as exc:  # RecursionError, ValueError, …: the file is damaged or hostile; no traceback
+        kind, message = "FormatError", f"{uri}: cannot be read ({type(exc).__name__}); the checkpoint is damaged"
+    text = " ".join(message.encode("utf-8", "backslashreplace").decode().splitlines())[:2000]
+    return json.dumps({"error": {"type": kind, "message": text}}).encode()
 
 
 def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: Any) -> bool:

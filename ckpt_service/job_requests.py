@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -27,7 +28,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from converters import READERS
+from converters import READERS, CkptError, dtypes
 from converters.api import DEFAULT_SHARD_SIZE
 from converters.copier import DEFAULT_MEMORY_LIMIT
 
@@ -56,13 +57,25 @@ Texts = Annotated[list[Text], Field(max_length=256)]
 
 @dataclass(frozen=True)
 class Flag:
-    """How an option is spelled on the command line (`ckptctl KIND` and `ckptctl submit KIND`)."""
+    """How an option is spelled on the command line (`ckptctl KIND` and `ckptctl submit KIND`): its
+    declarations, the placeholder its value shows in help (`GLOB`; choices are listed without one), and for
+    a switch whose default is unset, what unset means, in words."""
 
     decls: tuple[str, ...]
+    metavar: str | None = None
+    unset: str | None = None
 
 
-def flag(*decls: str) -> Flag:
-    return Flag(decls)
+def flag(*decls: str, metavar: str | None = None, unset: str | None = None) -> Flag:
+    return Flag(decls, metavar, unset)
+
+
+def _dtype_name(value: Any) -> Any:
+    """A dtype's other spellings (bf16, fp16, half, float, torch.bfloat16: `dtypes.canonical`) as its name."""
+    try:
+        return dtypes.canonical(value) if isinstance(value, str) else value
+    except CkptError:
+        return value  # refused below, with the choices
 
 
 def _size(value: int | str) -> int:
@@ -81,26 +94,27 @@ SourceFormat = Annotated[choice(Format, "format") | None,
                          Field(description=f"Force the source format ({', '.join(READERS)})."), flag("--from")]
 Only = Annotated[choice(Literal["model", "optim", "all"], "selection"),
                  Field(description="Which entries: model, optim or all."), flag("--only")]
-CleanKeys = Annotated[bool | None, Field(description="Strip wrapper prefixes and containers (false: keep names "
-                                         "exactly as stored; null: the kind's default)."),
-                      flag("--clean-keys/--keep-keys")]
+CleanKeys = Annotated[bool | None, Field(description="Strip wrapper prefixes and containers from names, or keep "
+                                         "names exactly as stored."),
+                      flag("--clean-keys/--keep-keys", unset="names kept for --only all, cleaned otherwise")]
 Rename = Annotated[Texts, Field(description="REGEX=REPLACEMENT applied to parameter names, in order."),
-                   flag("--rename")]
-Include = Annotated[Texts, Field(description="Keep only names matching this glob."), flag("--include")]
-Exclude = Annotated[Texts, Field(description="Drop names matching this glob."), flag("--exclude")]
-DType = Annotated[choice(Literal["float32", "bfloat16", "float16"], "dtype") | None,
-                  Field(description="Cast floating-point tensors: float32, bfloat16, float16."), flag("--dtype")]
+                   flag("--rename", metavar="REGEX=REPLACEMENT")]
+Include = Annotated[Texts, Field(description="Keep only names matching this glob."), flag("--include", metavar="GLOB")]
+Exclude = Annotated[Texts, Field(description="Drop names matching this glob."), flag("--exclude", metavar="GLOB")]
+DType = Annotated[choice(Literal["float32", "bfloat16", "float16"], "dtype") | None, BeforeValidator(_dtype_name),
+                  Field(description="Cast floating-point tensors: float32, bfloat16, float16 (also bf16, fp16, "
+                                    "half, fp32, float)."), flag("--dtype")]
 ShardSize = Annotated[Size, Field(description="Largest safetensors shard: bytes, or a size such as 5GB."),
-                      flag("--max-shard-size")]
+                      flag("--max-shard-size", metavar="SIZE")]
 MemoryLimit = Annotated[Size, Field(description="Cap on tensor bytes held in memory: bytes, or a size such as "
-                                    "256MiB."), flag("--memory-limit")]
+                                    "256MiB."), flag("--memory-limit", metavar="SIZE")]
 Overwrite = Annotated[bool, Field(description="Replace an existing target."), flag("--overwrite")]
 DropTied = Annotated[Texts, Field(description="Leave out NAME, a tensor equal to another (e.g. lm_head.weight); "
-                                  "the tie is recorded."), flag("--drop-tied")]
+                                  "the tie is recorded."), flag("--drop-tied", metavar="NAME")]
 VerifyOutput = Annotated[bool, Field(description="Compare the output with the source before finishing."),
                          flag("--verify")]
 Tag = Annotated[str | None, Field(max_length=200, description="DeepSpeed: the tag folder to read (default: the one "
-                                  "`latest` names)."), flag("--tag")]
+                                  "`latest` names)."), flag("--tag", metavar="TAG")]
 Weights = Annotated[choice(Literal["fp32", "module"], "weights") | None,
                     Field(description="DeepSpeed: fp32 (the master weights, the default) or module (the 16-bit "
                                       "module weights)."), flag("--weights")]
@@ -163,18 +177,22 @@ class ExportRequest(KeyedRequest):
     to_hf: Annotated[choice(Literal["llama"], "architecture") | None,
                      Field(description="Map a Megatron / NeMo GPT model to a Hugging Face architecture (llama) and "
                                        "write its config.json."), flag("--to-hf")] = None
+    config_from: Annotated[Annotated[str, Field(min_length=1, max_length=4096)] | None,
+                           Field(description="Folder to take config.json, generation config and tokenizer files "
+                                             "from (default: the checkpoint's folder, its context/ and the two "
+                                             "folders above it)."), flag("--config-from")] = None
 
 
 class ReshardRequest(KeyedRequest):
     """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
 
     kind: ClassVar[str] = "reshard"
-    world_size: Annotated[int, Field(ge=1, le=65536, description="Target ranks."), flag("--world-size")]
+    world_size: Annotated[int, Field(ge=1, le=65536, description="Target ranks."), flag("--world-size", metavar="N")]
     layout: Annotated[choice(Literal["fsdp2"], "layout"),
                       Field(description="Sharding policy: fsdp2 (dim-0 torch.chunk pieces)."),
                       flag("--layout")] = "fsdp2"
     shard_dim_rule: Annotated[Texts, Field(description="REGEX=DIM: split matching parameters on DIM instead."),
-                              flag("--shard-dim-rule")] = Field(default_factory=list)
+                              flag("--shard-dim-rule", metavar="REGEX=DIM")] = Field(default_factory=list)
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None

@@ -10,17 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any
 
 from pydantic import ValidationError
 
 from converters import CkptError
 
-from . import roots
+from . import roots, sandbox
 from .auth import Principal
-from .catalog import Catalog
-from .errors import Conflict, Forbidden, InvalidRequest, ServiceError
-from .helpers import remove_tree
+from .catalog import Catalog, check_owner
+from .errors import Conflict, Forbidden, InvalidRequest
 from .job_requests import problems
 from .jobs import APPLIES, WRITING_KINDS, JobOptions, JobRecord, JobSpec, JobView, request_of
 from .registry import CheckpointView, LineageView, RegisterRequest, Registry
@@ -89,7 +87,8 @@ class CkptService:
             raise InvalidRequest(f"options: {exc}", "options") from None
         overwrite = getattr(request, "overwrite", False)
         if spec.kind in WRITING_KINDS and not overwrite and _exists(target or "", "target"):
-            raise Conflict(f"target {target} exists; set options.overwrite to replace it, or choose another target")
+            raise Conflict(f"target {target} exists; replace it with options.overwrite, or choose another target",
+                           field="options.overwrite")
         return normal
 
     def submit(self, spec: JobSpec, principal: Principal, idempotency_key: str | None = None) -> tuple[JobView, bool]:
@@ -105,6 +104,9 @@ class CkptService:
         normal = self.normalise(spec)
         if not _exists(normal.source, "source"):  # found now, not when the job runs (rules check their own)
             raise InvalidRequest(f"source: {normal.source} does not exist; check the path or URI", "source")
+        config_from = getattr(normal.options, "config_from", None)
+        if config_from is not None:  # an export's side files are read from there: a read root
+            roots.check(config_from, self.settings.read_locations, field="options.config_from", purpose="read")
         writing = normal.kind in WRITING_KINDS
         record, created = self.store.create_job(
             kind=normal.kind, spec=normal.model_dump(mode="json"), target=normal.target if writing else None,
@@ -126,14 +128,14 @@ class CkptService:
         return self.store.get(job_id)
 
     def jobs(self, state: str | None, kind: str | None, limit: int, cursor: str | None
-             ) -> tuple[list[JobView], str | None]:
+             ) -> tuple[list[JobView], str | None, list[str]]:
         before = None
         if cursor is not None:
             if not cursor.isdigit() or len(cursor) > 18:
                 raise InvalidRequest("cursor: pass the next_cursor of the previous page", "cursor")
             before = int(cursor)
-        records, next_before = self.store.list_jobs(state, kind, limit, before)
-        return [r.view() for r in records], (str(next_before) if next_before is not None else None)
+        records, next_before, unreadable = self.store.list_jobs(state, kind, limit, before)
+        return [r.view() for r in records], (str(next_before) if next_before is not None else None), unreadable
 
     def cancel(self, job_id: str, principal: Principal) -> JobView:
         self.owned(self.store.get(job_id), principal, "cancel")
@@ -148,62 +150,41 @@ class CkptService:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _summary(self, uri: str, source_format: str | None, tensors: bool = False) -> dict[str, Any]:
-        from converters import inspect
-
-        from .summary import summarize
-
-        try:
-            return summarize(inspect(uri, source_format), tensors)
-        except CkptError as exc:
-            raise InvalidRequest(f"uri: {exc}", "uri") from None
-
     def register(self, request: RegisterRequest) -> CheckpointView:
         uri = roots.check(request.uri, self.settings.read_locations, field="uri", purpose="read")
-        view = self.registry.register(request, uri, self._summary(uri, request.source_format))
+        view = self.registry.register(request, uri, sandbox.inspect(uri, self.settings, request.source_format))
         self.catalog.place_registered(view, "register")
         return view
 
     def checkpoint(self, checkpoint_id: str, tensors: bool = False) -> CheckpointView:
         view = self.registry.get(checkpoint_id)
         if tensors:
-            view.summary = self._summary(view.uri, None, tensors=True)
+            uri = roots.check(view.uri, self.settings.read_locations, field="uri", purpose="read")
+            view.summary = sandbox.inspect(uri, self.settings, tensors=True)
         return view
 
     def checkpoints(self, name: str | None, tag: str | None, format: str | None, limit: int, cursor: str | None
-                    ) -> tuple[list[CheckpointView], str | None]:
+                    ) -> tuple[list[CheckpointView], str | None, list[str]]:
         return self.registry.list(name, tag, format, limit, cursor)
 
     def lineage(self, checkpoint_id: str) -> LineageView:
         return self.registry.lineage(checkpoint_id)
 
-    def delete(self, checkpoint_id: str, purge: bool = False) -> CheckpointView:
-        """Unregister; with `purge`, delete the data too (only under a write root, and not while a job uses it)."""
+    def delete(self, checkpoint_id: str, purge: bool = False, principal: Principal | None = None) -> CheckpointView:
+        """Unregister (the owner or an admin); with `purge` (admin), delete the data too, through the deletion
+        log like GC (only under a write root, and not while a job uses it): the entry then stays, with
+        `deleted_at`. `principal` None: an in-process caller."""
         view = self.registry.get(checkpoint_id)
-        if purge:
-            uri = roots.check(view.uri, self.settings.write_locations, field="uri", purpose="write")
-            busy = self.store.query("SELECT id FROM jobs WHERE state IN ('queued', 'running') AND "
-                                    "(target = ? OR json_extract(spec, '$.source') = ? OR "
-                                    "json_extract(spec, '$.target') = ?)", (uri, uri, uri))
-            if busy:
-                raise Conflict(f"{uri} is used by job {busy[0]['id']}; wait for it or cancel it")
-            remove_data(uri)
-        return self.registry.delete(checkpoint_id)
+        check_owner(principal, view.owner, f"checkpoint {checkpoint_id}")
+        if not purge:
+            return self.registry.delete(checkpoint_id)
+        uri = roots.check(view.uri, self.settings.write_locations, field="uri", purpose="write")
+        busy = self.store.query("SELECT id FROM jobs WHERE state IN ('queued', 'running') AND "
+                                "(target = ? OR json_extract(spec, '$.source') = ? OR "
+                                "json_extract(spec, '$.target') = ?)", (uri, uri, uri))
+        if busy:
+            raise Conflict(f"{uri} is used by job {busy[0]['id']}; wait for it or cancel it")
+        from .retention import Retention
 
-
-def remove_data(uri: str) -> None:
-    """Delete a checkpoint's data (a folder, a file or an object prefix); data already gone is fine.
-    Callers check `uri` against the write roots first."""
-    from converters import storage
-
-    if storage.is_local(uri):
-        remove_tree(storage.local_path(uri), ignore_errors=False)
-        return
-    try:
-        fs, path = storage.filesystem(uri)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-    except FileNotFoundError:
-        return
-    except (CkptError, OSError) as exc:
-        raise ServiceError(f"could not delete {uri}: {type(exc).__name__}") from None
+        Retention(self).purge(checkpoint_id, view.uri, principal.name if principal else "service")
+        return self.registry.get(checkpoint_id)

@@ -18,6 +18,7 @@ from .formats import load_index
 from .index import CheckpointIndex
 from .output import open_output
 from .plan import Execution, PartResult, execute
+from .sidefiles import CONFIG, SideFiles, collect
 from .transforms import KeyOptions, apply
 from .verify import VerifyReport, find_tie, verify_indexes, verify_output
 from .writers import WRITERS
@@ -39,6 +40,7 @@ class ConvertOptions:
     verify: bool = False
     export: bool = False  # an export for serving: model weights only, never optimizer state
     to_hf: str | None = None  # "llama": Megatron GPT -> LlamaForCausalLM names, layouts and config.json
+    config_from: str | None = None  # an export's side files (config, tokenizer) from this folder (`sidefiles`)
     execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (CKPT_EXECUTOR)
 
     def __post_init__(self) -> None:
@@ -54,6 +56,8 @@ class ConvertOptions:
             raise OptionError("--memory-limit must be at least 1MiB")
         if self.to_hf is not None and self.to_hf != "llama":
             raise OptionError(f"--to-hf {self.to_hf}: choose llama")
+        if self.config_from is not None and not self.export:
+            raise OptionError("--config-from applies to exports (their config and tokenizer files)")
         if self.to_hf and (self.to != "safetensors" or not self.keys.clean or self.keys.only != "model"):
             raise OptionError("--to-hf writes model weights as safetensors; drop --keep-keys / --only / --to")
 
@@ -66,11 +70,13 @@ class ConvertResult:
     skipped: list[str]
     verify: VerifyReport | None = None
     parts: list[PartResult] = field(default_factory=list)  # per output file: size, CRC-32, node (not in to_dict)
+    side_files: SideFiles | None = None  # an export's config and tokenizer files
 
     def to_dict(self) -> dict:
         return {"target": self.target, "outputs": [{"name": n, "bytes": b} for n, b in self.outputs],
                 "report": self.report, "skipped": self.skipped,
-                "verify": self.verify.to_dict() if self.verify else None}
+                "verify": self.verify.to_dict() if self.verify else None,
+                "side_files": self.side_files.to_dict() if self.side_files else None}
 
 
 def inspect(uri: str, source_format: str | None = None) -> CheckpointIndex:
@@ -130,6 +136,10 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
             metadata["tied_weights"] = json.dumps(ties)
             report.append("dropped tied " + ", ".join(f"{a} (= {b})" for a, b in ties.items()))
         single = options.to == "torch" or target.endswith(".safetensors")
+        side = _side_files(source, options, view, copier, hf_config is not None) if options.export and not single \
+            else None
+        if side is not None:
+            report.append(side.report())
         with open_output(target, options.overwrite, options.to, single_file=single) as out:
             plan = WRITERS[options.to](view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
                                        metadata=metadata)
@@ -137,8 +147,11 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
             if hf_config is not None:
                 with out.open("config.json") as fh:
                     fh.write(json.dumps(hf_config, indent=2).encode())
+            for name, data in (side.data if side else {}).items():
+                with out.open(name) as fh:
+                    fh.write(data)
             result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped,
-                                   parts=plan.results)
+                                   parts=plan.results, side_files=side)
             if options.verify:
                 result.verify = verify_output(view, out.root, options.to, reader, cast_ok=options.dtype is not None,
                                               memory_limit=options.memory_limit, target=target)
@@ -147,6 +160,15 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
     finally:
         if own_reader:
             reader.close()
+
+
+def _side_files(source: str, options: ConvertOptions, view: CheckpointIndex, copier: Copier,
+                has_config: bool) -> SideFiles:
+    """The config and tokenizer files an export carries; the config's dtype is the one its floating tensors
+    all have (None when they differ)."""
+    floating = {copier.out_dtype(t, options.dtype) for t in view.tensors.values() if t.dtype in dtypes.FLOATING}
+    dtype = floating.pop() if len(floating) == 1 else None
+    return collect(source, options.config_from, dtype, frozenset({CONFIG}) if has_config else frozenset())
 
 
 def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: CheckpointIndex,

@@ -209,3 +209,95 @@ def test_hf_pytorch_model_bin_shards(fsdp2: dict[str, Sample], tmp_path: Path) -
     assert_same_tensors(load_export(tmp_path / "out"), ref)
     forced = ckptctl("inspect", folder, "--from", "dcp", check=False)
     assert forced.returncode == 2 and ".metadata" in forced.stderr
+
+
+def _tiny_llama_run(tmp_path: Path) -> tuple[object, Path]:
+    """A training run laid out as users save one: `run/step_100/` holds the DCP checkpoint of a tiny random
+    Llama (model and optimizer) with config.json, generation_config.json and a tokenizer beside it."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[1, 5, 9]]), labels=torch.tensor([[1, 5, 9]])).loss.backward()
+    optim.step()
+    step = tmp_path / "run" / "step_100"
+    dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    config.save_pretrained(step)
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(step)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 64)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>", pad_token="<pad>")
+    tokenizer.save_pretrained(step)
+    return model, step
+
+
+def test_export_of_a_training_checkpoint_serves_with_from_pretrained(tmp_path: Path) -> None:
+    """A newcomer's path: export a Hugging Face model's training checkpoint and load it with `from_pretrained`,
+    with no file copied by hand: config (its dtype set to the export's), generation config and tokenizer are
+    carried; the weights equal the source's exactly and greedy generation matches."""
+    transformers = pytest.importorskip("transformers")
+    model, step = _tiny_llama_run(tmp_path)
+    out = tmp_path / "export"
+    proc = ckptctl("export", step, out, "--json", "-q")
+    side = json.loads(proc.stdout)["side_files"]
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(side["carried"])
+    assert side["missing"] == []
+    assert any(line.startswith("carried side files: config.json, generation_config.json, tokenizer.json")
+               for line in json.loads(proc.stdout)["report"])
+    manifest = json.loads((out / "ckpt-manifest.json").read_text())
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(manifest["files"])
+
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] in (set(), []) and info["unexpected_keys"] in (set(), [])
+    assert_same_tensors(loaded.state_dict(), model.state_dict())  # fp32, bit for bit
+    prompt = torch.tensor([[1, 7, 11, 13]])
+    want = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(loaded.eval().generate(prompt, max_new_tokens=8, do_sample=False), want)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("w5 w9")["input_ids"] == [5, 9]
+
+    bf16 = tmp_path / "bf16"
+    said = ckptctl("export", step, bf16, "--dtype", "bfloat16", "-q")
+    assert "carried side files: config.json, generation_config.json" in said.stderr
+    config = json.loads((bf16 / "config.json").read_text())
+    assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16
+
+
+def test_export_side_files_from_the_run_folder_or_config_from(tmp_path: Path) -> None:
+    """Accelerate / HF Trainer keep config and tokenizer in the run folder above the weights; `--config-from`
+    names another folder; a config.json that is not a JSON object is refused in one line, nothing written."""
+    _model, step = _tiny_llama_run(tmp_path)
+    weights = step / "pytorch_model_fsdp_0"
+    weights.mkdir()
+    for item in list(step.iterdir()):
+        if item.name == ".metadata" or item.suffix == ".distcp":
+            item.rename(weights / item.name)
+    run = step.parent
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # the run folder holds these
+        (step / name).rename(run / name)
+    proc = ckptctl("export", weights, tmp_path / "a", "--json", "-q")
+    carried = json.loads(proc.stdout)["side_files"]["carried"]
+    assert carried["config.json"] == str(run / "config.json")
+    assert carried["generation_config.json"] == str(step / "generation_config.json")
+
+    elsewhere = tmp_path / "hf-config"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
+    proc = ckptctl("export", weights, tmp_path / "b", "--config-from", elsewhere, "--json", "-q")
+    side = json.loads(proc.stdout)["side_files"]
+    assert side["carried"] == {"config.json": str(elsewhere / "config.json")}
+    assert "generation_config.json" in side["missing"]
+
+    (run / "config.json").write_text("[1, 2]")
+    bad = ckptctl("export", weights, tmp_path / "c", check=False)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "config.json: not a JSON object" in bad.stderr and not (tmp_path / "c").exists()
