@@ -1,6 +1,6 @@
 """One exception tree for the engine and the service. Every message names the file or key and says what to do.
 
-    CkptError                (fields: `uri`, `key` where known; picklable with them)
+    CkptError                (fields: `uri`, `key`, `field` where known; picklable with them)
     ├── SourceError          the input is missing, unreadable or not what it claims to be
     │   ├── FormatError      no known layout, or the layout is damaged (bad metadata, truncated data)
     │   └── UnsafePickleError a pickle references a class outside the allow-list
@@ -11,10 +11,16 @@
 
 Exit codes are mapped in one table (`ckpt_service.errors.EXIT_CODES`), HTTP statuses in another
 (`api/errors.py`).
+
+`field` names the option or request field an error is about, as a path into the request (`options.overwrite`,
+`target`): data, not words. Each interface renders it in its own (`ckpt_service.errors.worded`): the CLI says
+`--overwrite`, REST keeps `options.overwrite` in the message and in its error body's `fields`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -32,11 +38,12 @@ def short(value: Any, limit: int = 60) -> str:
 
 
 class CkptError(Exception):
-    """Root of every error raised on purpose. `uri` and `key` name the file and the entry, where known."""
+    """Root of every error raised on purpose. `uri` and `key` name the file and the entry, `field` the option or
+    request field (`options.overwrite`), where known."""
 
-    def __init__(self, *args: Any, uri: str | None = None, key: str | None = None) -> None:
+    def __init__(self, *args: Any, uri: str | None = None, key: str | None = None, field: str | None = None) -> None:
         super().__init__(*args)
-        self.uri, self.key = uri, key
+        self.uri, self.key, self.field = uri, key, field
 
     def __reduce__(self) -> tuple[Any, ...]:
         # rebuilt without calling __init__, so subclasses with other constructors cross process boundaries too
@@ -69,3 +76,22 @@ class VerifyError(CkptError):
     def __init__(self, *args: Any, report: Any = None, uri: str | None = None, key: str | None = None) -> None:
         super().__init__(*args, uri=uri, key=key)
         self.report = report
+
+
+@contextmanager
+def reading(where: str) -> Iterator[None]:
+    """A reader's boundary: any exception that is not a CkptError (nor an OSError, which the commands translate)
+    becomes one FormatError naming `where`. The exception's own text is left out: it may quote the file's bytes."""
+    try:
+        yield
+    except (CkptError, OSError):
+        raise
+    except RecursionError:
+        raise FormatError(f"{where}: nested too deeply to read; the checkpoint is damaged or hostile",
+                          uri=where) from None
+    except MemoryError:
+        raise FormatError(f"{where}: reading its metadata needs more memory than this process may use; the "
+                          "checkpoint is damaged or hostile", uri=where) from None
+    except Exception as exc:
+        raise FormatError(f"{where}: cannot be read ({type(exc).__name__} in its metadata); the checkpoint is "
+                          "damaged or not in a layout this tool reads", uri=where) from None

@@ -116,11 +116,16 @@ class CheckpointIndex:
         return any(p.optimizer for p in index_kinds(self).values())
 
 
+#: the most corner updates the overlap check may make (chunks x 2 ** split dimensions)
+MAX_CORNERS = 1 << 22
+
+
 def check_tiling(entry: TensorEntry, where: str) -> None:
-    """Raise if the chunks of `entry` do not cover its shape exactly once (by element count and bounds)."""
+    """Raise unless the chunks of `entry` cover its shape exactly once: each inside the shape, their sizes adding
+    up to it, and no two overlapping (then no part is left uncovered either)."""
     total = 0
     for chunk in entry.chunks:
-        if len(chunk.offsets) != len(entry.shape) or any(
+        if len(chunk.offsets) != len(entry.shape) or len(chunk.sizes) != len(entry.shape) or any(
                 o < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, entry.shape)):
             raise FormatError(f"{where}: chunk {chunk.offsets}+{chunk.sizes} of {entry.name!r} lies outside "
                               f"its shape {entry.shape}; the metadata is damaged", uri=where, key=entry.name)
@@ -128,6 +133,47 @@ def check_tiling(entry: TensorEntry, where: str) -> None:
     if total != entry.numel:
         raise FormatError(f"{where}: the chunks of {entry.name!r} cover {total} of {entry.numel} elements; "
                           "the checkpoint is missing ranks or is damaged", uri=where, key=entry.name)
+    if len(entry.chunks) < 2 or not entry.numel:
+        return
+    dims = _split_dims(entry)
+    if _corners(entry, dims, where) != _box_corners((0,) * len(entry.shape), entry.shape, dims):
+        raise FormatError(f"{where}: the chunks of {entry.name!r} overlap (some elements are stored twice, others "
+                          "not at all); the metadata is damaged", uri=where, key=entry.name)
+
+
+def _split_dims(entry: TensorEntry) -> list[int]:
+    """The dimensions along which some chunk does not span the whole tensor."""
+    return [d for d, size in enumerate(entry.shape)
+            if any(c.offsets[d] or c.sizes[d] != size for c in entry.chunks)]
+
+
+def _box_corners(offsets: tuple[int, ...], sizes: tuple[int, ...], dims: list[int]) -> dict[tuple[int, ...], int]:
+    """The signed corners of a box over `dims`: +1 or -1 at each corner, by the number of far ends it takes."""
+    corners: dict[tuple[int, ...], int] = {(): 1}
+    for d in dims:
+        lo, hi = offsets[d], offsets[d] + sizes[d]
+        grown: dict[tuple[int, ...], int] = {}
+        for corner, sign in corners.items():
+            grown[(*corner, lo)] = sign
+            grown[(*corner, hi)] = -sign
+        corners = grown
+    return corners
+
+
+def _corners(entry: TensorEntry, dims: list[int], where: str) -> dict[tuple[int, ...], int]:
+    """The sum of the chunks' signed corners, zeros left out. The count of chunks covering an element is the sum
+    of the signed corners at or below it, so the chunks tile the tensor exactly once if and only if this sum
+    is the tensor's own corners: an exact check in O(chunks x 2 ** split dimensions), for any number of dims."""
+    if len(entry.chunks) << len(dims) > MAX_CORNERS:
+        raise FormatError(f"{where}: {len(entry.chunks)} chunks of {entry.name!r} split {len(dims)} dimensions, too "
+                          "many to check that they do not overlap; the metadata is damaged or hostile",
+                          uri=where, key=entry.name)
+    total: dict[tuple[int, ...], int] = {}
+    for chunk in entry.chunks:
+        if chunk.numel:
+            for corner, sign in _box_corners(chunk.offsets, chunk.sizes, dims).items():
+                total[corner] = total.get(corner, 0) + sign
+    return {corner: sign for corner, sign in total.items() if sign}
 
 
 def _is_int(value: Any) -> bool:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
-from typing import Any
 
 from .. import storage
-from ..errors import FormatError, OptionError, SourceError
+from ..errors import FormatError, OptionError, SourceError, reading
 from ..index import CheckpointIndex
+from ..jsonsafe import read_json
 from ..names import MANIFEST, TORCH_SUFFIXES, WRITING
 from .base import BaseReader
 from .dcp import METADATA, dcp_subfolders
@@ -83,9 +82,10 @@ def detect(uri: str) -> str:
     if not storage.exists(uri):
         raise _missing(uri)
     names = storage.listdir(uri) if storage.isdir(uri) else None
-    for name, cls in _sniffers():
-        if cls.sniff(uri, names):
-            return name
+    with reading(uri):
+        for name, cls in _sniffers():
+            if cls.sniff(uri, names):
+                return name
     if names is None:
         if storage.basename(uri) == METADATA:
             raise FormatError(f"{uri}: point at the folder that holds .metadata, not the file itself", uri=uri)
@@ -102,14 +102,6 @@ def detect(uri: str) -> str:
                       "point at the checkpoint folder", uri=uri)
 
 
-def read_json(uri: str) -> Any:
-    """A JSON metadata file (size-capped), or a FormatError naming it."""
-    try:
-        return json.loads(storage.read_all(uri))
-    except (ValueError, RecursionError):
-        raise FormatError(f"{uri}: not valid JSON; the file is damaged (re-copy or re-export it)", uri=uri) from None
-
-
 def index_files(uri: str) -> list[str]:
     """The data files an HF index (`*.index.json`) names in its `weight_map`, each confined to its folder."""
     doc = read_json(uri)
@@ -124,7 +116,9 @@ def index_files(uri: str) -> list[str]:
 
 def open_reader(uri: str, fmt: str | None = None, reader: storage.RangeReader | None = None) -> BaseReader:
     name = fmt or detect(uri)
-    return reader_class(name)(uri, reader or storage.RangeReader())
+    cls = reader_class(name)
+    with reading(uri):
+        return cls(uri, reader or storage.RangeReader())
 
 
 def check_complete(uri: str) -> None:
@@ -155,11 +149,14 @@ def load_index(uri: str, fmt: str | None = None, locate: bool = True,
     """Read the index of the checkpoint at `uri` (metadata only; tensor bytes stay where they are)."""
     uri = uri.rstrip("/") if len(uri) > 1 else uri
     if complete:
-        check_complete(uri)
+        with reading(uri):
+            check_complete(uri)
     own = reader is None
     reader = reader or storage.RangeReader()
     try:
-        index = open_reader(uri, fmt, reader).index(locate=locate)
+        source = open_reader(uri, fmt, reader)
+        with reading(uri):
+            index = source.index(locate=locate)
     finally:
         if own:  # the index holds byte ranges, not descriptors: close what reading it opened
             reader.close()

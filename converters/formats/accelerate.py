@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import storage
 from ..errors import FormatError
-from ..index import CheckpointIndex
+from ..index import CheckpointIndex, short
 from .base import BaseReader
 from .dcp import DcpReader, dcp_subfolders
 
@@ -32,6 +32,10 @@ class AccelerateReader(BaseReader):
         optim = f"optimizer_{model.rsplit('_', 1)[-1]}"
         if optim in names and storage.exists(storage.join(self.uri, optim, ".metadata")):
             opt = DcpReader(storage.join(self.uri, optim), self.reader).read(locate)
+            both = sorted(set(index.names()) & set(opt.names()))
+            if both:
+                raise FormatError(f"{self.uri}: entry {short(both[0])} is both in {model}/ and in {optim}/; the "
+                                  "checkpoint is damaged", uri=self.uri, key=both[0])
             index.tensors.update(opt.tensors)
             index.objects.update(opt.objects)
             index.files += [f"{optim}/{f}" for f in opt.files]

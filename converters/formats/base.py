@@ -7,6 +7,7 @@ from typing import ClassVar
 from .. import dtypes, storage
 from ..errors import FormatError
 from ..index import CheckpointIndex, TensorEntry, check_tiling
+from ..jsonsafe import check_strings
 
 
 class BaseReader:
@@ -35,12 +36,14 @@ class BaseReader:
 
 
 def check_index(index: CheckpointIndex, where: str, located: bool = True) -> None:
-    """Names are strings, no name is both a tensor and a value, every tensor's chunks tile its shape once and,
-    once located, each chunk's byte range is exactly the size its dtype and shape (and strides) need."""
+    """Names are strings, every string is valid text, no name is both a tensor and a value, every tensor's chunks
+    tile its shape once and, once located, each chunk's byte range is exactly the size its dtype and shape (and
+    strides) need."""
     for name in index.names():
         if not isinstance(name, str) or not name:
             raise FormatError(f"{where}: entry name {name!r} is not a non-empty string; the checkpoint is damaged",
                               uri=where)
+    check_text(index, where)
     both = sorted(set(index.tensors) & set(index.objects))
     if both:
         raise FormatError(f"{where}: {both[0]!r} is both a tensor and a value; the checkpoint is damaged",
@@ -49,6 +52,16 @@ def check_index(index: CheckpointIndex, where: str, located: bool = True) -> Non
         check_tiling(entry, where)
         if located:
             check_sizes(entry, where)
+
+
+def check_text(index: CheckpointIndex, where: str) -> None:
+    """Every name, key path, file name, note and value string of the index is valid UTF-8 text: a lone surrogate
+    (a pickle string or a JSON `\\ud800` escape) could be neither shown, stored nor written to any output."""
+    paths = [e.path for e in index.tensors.values()] + [e.path for e in index.objects.values()]
+    check_strings([index.names(), paths, index.files, index.notes, index.producer,
+                   dict(index.stacked)], where, "an entry name, key or file name")
+    for obj in index.objects.values():
+        check_strings(obj.value, where, f"the value of {obj.name!r}")
 
 
 def check_sizes(entry: TensorEntry, where: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from .. import dtypes, storage
 from ..errors import FormatError, OptionError
 from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
+from ..jsonsafe import read_text
 from ..torchzip import Archive, read_archive
 from ..unpickle import BASE_ALLOWED, Stub, TensorRef, Token, enum_int, stub_token
 from .base import BaseReader
@@ -53,9 +54,12 @@ WEIGHTS = ("fp32", "module")
 def read_latest(uri: str) -> str:
     """The tag named by `uri/latest` (a short text file), or "" when it is not one."""
     path = storage.join(uri, "latest")
-    if storage.isdir(path) or storage.size(path) > 1024:
+    if storage.isdir(path):
         return ""
-    return storage.read_all(path).decode("utf-8", "replace").strip()
+    try:
+        return read_text(path, "a tag folder name")
+    except FormatError:
+        return ""
 
 
 def is_deepspeed_folder(uri: str, names: list[str]) -> bool:
@@ -113,8 +117,9 @@ class DeepSpeedReader(BaseReader):
                 raise FormatError(f"{self.uri}: no 'latest' file and no DeepSpeed files here; point at a tag folder "
                                   f"({', '.join(tags[:5]) or 'none found'}) or pass --tag", uri=self.uri)
             tag = read_latest(self.uri)
-        if not _TAG.match(tag) or tag in (".", ".."):
-            raise FormatError(f"{self.uri}: tag {tag!r} is not a folder name; fix 'latest' or pass --tag", uri=self.uri)
+        if not _TAG.fullmatch(tag) or tag in (".", ".."):
+            raise FormatError(f"{storage.join(self.uri, 'latest')}: does not hold a tag folder name (up to 200 "
+                              "letters, digits, '_', '.' or '-'); fix 'latest' or pass --tag", uri=self.uri)
         folder = storage.join(self.uri, tag)
         if not storage.isdir(folder):
             raise FormatError(f"{folder}: the tag folder is missing; pass --tag with one that exists", uri=folder)
@@ -162,7 +167,7 @@ class DeepSpeedReader(BaseReader):
                 self._fp32_index(index, folder, optim_files, model3_files, model_file)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise FormatError(f"{folder}: not a DeepSpeed ZeRO checkpoint as DeepSpeed writes it "
-                              f"({type(exc).__name__}: {exc}); the files are damaged", uri=folder) from None
+                              f"({type(exc).__name__} in its fields); the files are damaged", uri=folder) from None
         return index
 
     def _archive(self, path: str) -> Archive:

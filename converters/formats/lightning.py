@@ -33,12 +33,7 @@ class LightningReader(DcpReader):
         archive = read_archive(self.reader, path)
         if not isinstance(archive.obj, dict):
             raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a dict", uri=path)
-        stored = set(index.names())
         added = add_entries(index, archive)
-        clash = sorted(stored & set(added))
-        if clash:
-            raise FormatError(f"{path}: entries {', '.join(clash[:3])} are also in the DCP part; the checkpoint "
-                              "is damaged", uri=path)
         index.training_state.update(added)
         index.files.append(META)
         return index

@@ -9,13 +9,13 @@ is read through the Megatron stand-ins of the allow-list unpickler and carried a
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from .. import storage
-from ..errors import FormatError
-from ..index import CheckpointIndex
+from ..errors import FormatError, reading
+from ..index import CheckpointIndex, short
+from ..jsonsafe import read_json, read_text
 from ..torchzip import read_archive
 from ..unpickle import MEGATRON_ALLOWED, Stub
 from .dcp import METADATA, DcpReader
@@ -23,6 +23,7 @@ from .torchsave import add_entries
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
+_ITERATION = re.compile(r"[0-9]{1,12}")
 _STACKED = re.compile(r"^((?:[^.]+\.)*?layers\.)(?!\d+\.)")
 _NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace",
                "megatron.core.optimizer.optimizer_config.OptimizerConfig")
@@ -43,11 +44,15 @@ def locate(uri: str) -> tuple[str, str | None, str]:
     if "weights" in names and "context" in names:
         return storage.join(uri, "weights"), storage.join(uri, "context"), "NeMo 2"
     if LATEST in names:
-        text = storage.read_all(storage.join(uri, LATEST)).decode("utf-8", "replace").strip()
-        sub = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-        if sub is None or sub not in names:
-            raise FormatError(f"{storage.join(uri, LATEST)}: names iteration {text[:40]!r} but there is no "
-                              f"{sub or 'such'} folder; point at one of the iter_NNNNNNN folders")
+        path = storage.join(uri, LATEST)
+        text = read_text(path, "'release' or an iteration number")
+        sub = "release" if text == "release" else f"iter_{int(text):07d}" if _ITERATION.fullmatch(text) else None
+        if sub is None:
+            raise FormatError(f"{path}: does not hold 'release' or an iteration number "
+                              "(up to 12 digits); point at one of the iter_NNNNNNN folders", uri=path)
+        if sub not in names:
+            raise FormatError(f"{path}: names iteration {text!r} but there is no {sub} folder; point at one of the "
+                              "iter_NNNNNNN folders", uri=path)
         return storage.join(uri, sub), None, f"Megatron-LM ({sub})"
     parent = storage.parent(uri)
     if storage.basename(uri) == "weights" and storage.exists(storage.join(parent, "context")):
@@ -84,13 +89,10 @@ class MegatronReader(DcpReader):
                                   "dist checkpoint; re-save it with --ckpt-format torch_dist", uri=self.uri)
             raise FormatError(f"{self.uri}: no metadata.json, so this is not a Megatron-core dist checkpoint",
                               uri=self.uri)
-        try:
-            meta = json.loads(storage.read_all(path))
-        except ValueError:
-            raise FormatError(f"{path}: not valid JSON; the checkpoint is damaged", uri=path) from None
+        meta = read_json(path)
         backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
         if backend != "torch_dist":
-            raise FormatError(f"{path}: sharded_backend {backend!r} is not supported (only torch_dist); "
+            raise FormatError(f"{path}: sharded_backend {short(backend)} is not supported (only torch_dist); "
                               "re-save the checkpoint with the torch_dist backend", uri=path)
 
     @classmethod
@@ -121,7 +123,8 @@ class MegatronReader(DcpReader):
     def model_config(self, index: CheckpointIndex) -> tuple[dict[str, Any], str]:
         """The model's Megatron config (TransformerConfig / Megatron-LM argument names) and where it came from."""
         if self.context is not None:
-            return _nemo_config(self.context), f"{self.context}/model.yaml"
+            with reading(f"{self.context}/model.yaml"):
+                return _nemo_config(self.context), f"{self.context}/model.yaml"
         args = {name[len("args."):]: e.value for name, e in index.objects.items()
                 if name.startswith("args.") and e.value is not None}
         if not args:
@@ -139,7 +142,9 @@ def _nemo_config(context: str) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(storage.read_all(path))
     except yaml.YAMLError as exc:
-        raise FormatError(f"{path}: not valid YAML ({str(exc)[:200]})", uri=path) from None
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise FormatError(f"{path}: not valid YAML{at}; the NeMo context is damaged", uri=path) from None
     config = doc.get("config") if isinstance(doc, dict) else None
     if not isinstance(config, dict):
         raise FormatError(f"{path}: no `config:` mapping with the model's settings", uri=path)

@@ -34,7 +34,7 @@ from ..unpickle import (
     stub_token,
 )
 from .base import BaseReader
-from .torchsave import flatten, tensor_entry
+from .torchsave import named, tensor_entry
 
 _SHARD = "torch.distributed._shard"
 _STUBS = [
@@ -158,7 +158,7 @@ class RankFilesReader(BaseReader):
                 except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
                     # the stand-ins hold what the pickle said; fields of the wrong shape end here, by file
                     raise FormatError(f"{path}: not a sharded state dict as torch writes it "
-                                      f"({type(exc).__name__}: {exc}); the file is damaged", uri=path) from None
+                                      f"({type(exc).__name__} in its fields); the file is damaged", uri=path) from None
         index.producer = " + ".join(sorted(kinds)) or "torch.save per rank"
         return index
 
@@ -166,9 +166,7 @@ class RankFilesReader(BaseReader):
                   prefix: tuple[str, ...], kinds: set[str]) -> None:
         if not isinstance(archive.obj, dict):
             raise FormatError(f"{archive.uri}: holds a {type(archive.obj).__name__}, not a state dict", uri=archive.uri)
-        for path, value in flatten(archive.obj).items():
-            path = (*prefix, *path)
-            name = ".".join(path)
+        for name, (path, value) in named(archive.obj, archive.uri, prefix).items():
             if isinstance(value, Wrapped):
                 chunks, dtype, shape = self._wrapped_chunks(archive, name, value, rank, world, kinds)
                 entry = index.tensors.get(name)

@@ -3,12 +3,12 @@ folder written by HuggingFaceStorageWriter (per-rank files whose header carries 
 
 from __future__ import annotations
 
-import json
 import struct
 
 from .. import dtypes, storage
 from ..errors import FormatError
 from ..index import ByteRange, CheckpointIndex, Chunk, TensorEntry, count, counts, short
+from ..jsonsafe import loads
 from ..names import SAFETENSORS_INDEX
 from . import index_files
 from .base import BaseReader
@@ -29,10 +29,7 @@ def read_header(reader: storage.RangeReader, uri: str) -> tuple[dict, int]:
     if 8 + length > size:
         raise FormatError(f"{uri}: header of {length} bytes runs past the end of the {size}-byte file; the file is "
                           "truncated (re-copy or re-upload it)", uri=uri)
-    try:
-        header = json.loads(reader.read(uri, 8, length))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise FormatError(f"{uri}: not a safetensors file (header is not JSON)", uri=uri) from None
+    header = loads(reader.read(uri, 8, length), uri, "the safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{uri}: safetensors header is a JSON {type(header).__name__}, expected an object", uri=uri)
     return header, 8 + length
@@ -65,10 +62,7 @@ def _metadata(path: str, header: dict) -> dict[str, tuple[int, ...]]:
     if SHARDING_KEY not in meta:
         return {}
     where = f"{path} (__metadata__.{SHARDING_KEY})"
-    try:
-        sharding = json.loads(meta[SHARDING_KEY])
-    except (ValueError, RecursionError):
-        raise FormatError(f"{where}: not valid JSON; the file is damaged") from None
+    sharding = loads(meta[SHARDING_KEY], where, SHARDING_KEY)
     if not isinstance(sharding, dict) or not all(isinstance(v, dict) for v in sharding.values()):
         raise FormatError(f"{where}: expected an object of tensor name -> {{saved_offsets}}; the file is damaged")
     return {name: counts(info.get("saved_offsets"), f"{where} ({name!r})", "saved_offsets")

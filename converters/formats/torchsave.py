@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import storage
 from ..errors import FormatError
-from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
+from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, short
 from ..names import RANK_FILE, TORCH_INDEX, TORCH_SUFFIXES
 from ..torchzip import Archive, read_archive, storage_range
 from ..unpickle import TensorRef
@@ -18,24 +18,46 @@ from . import index_files
 from .base import BaseReader
 
 
-def flatten(obj: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+def flatten(obj: Any, path: tuple[str, ...] = (), where: str = "the state dict") -> dict[tuple[str, ...], Any]:
     """Flatten nested dicts (and lists holding dicts or tensors) into key paths, like DCP does.
 
-    Iterative, so its cost is bounded by the unpickler's limits on objects, shared references and depth."""
+    Two entries whose keys read the same (`1` and `"1"`, two NaN keys) are refused, naming both (`where` names
+    the file). Iterative, so its cost is bounded by the unpickler's limits on objects, shared references and
+    depth."""
     structured = _structured_lists(obj)
     out: dict[tuple[str, ...], Any] = {}
-    todo: list[tuple[Any, tuple[str, ...]]] = [(obj, path)]
+    keys: dict[tuple[str, ...], tuple[Any, ...]] = {}  # path -> the keys it was made from
+    todo: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [(obj, path, path)]
     while todo:
-        node, at = todo.pop()
+        node, at, raw = todo.pop()
         if isinstance(node, dict):
             items: list[tuple[Any, Any]] = list(node.items())
         elif isinstance(node, list | tuple) and id(node) in structured:
             items = list(enumerate(node))
         else:
-            out[at] = node
+            if at in keys:
+                raise _collision(where, keys[at], raw, ".".join(at))
+            out[at], keys[at] = node, raw
             continue
-        todo.extend((value, (*at, str(key))) for key, value in reversed(items))
+        todo.extend((value, (*at, str(key)), (*raw, key)) for key, value in reversed(items))
     return out
+
+
+def named(obj: Any, where: str, prefix: tuple[str, ...] = ()) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """name -> (key path, value) of a flattened state dict; two paths that join to one dotted name
+    (`{"a.b": x, "a": {"b": y}}`) are refused, naming both."""
+    out: dict[str, tuple[tuple[str, ...], Any]] = {}
+    for path, value in flatten(obj, prefix, where).items():
+        name = ".".join(path)
+        if name in out:
+            raise _collision(where, out[name][0], path, name)
+        out[name] = (path, value)
+    return out
+
+
+def _collision(where: str, first: tuple[Any, ...], second: tuple[Any, ...], name: str) -> FormatError:
+    return FormatError(f"{where}: the entries at keys {short(list(first))} and {short(list(second))} both flatten "
+                       f"to the name {short(name)}; rename one of them and save again", uri=where, key=name)
 
 
 def _structured_lists(obj: Any) -> set[int]:
@@ -100,10 +122,13 @@ class TorchSaveReader(BaseReader):
 
 
 def add_entries(index: CheckpointIndex, archive: Archive, obj: Any = None) -> list[str]:
-    """Add the tensors and values of a torch.save archive (or of `obj`, a part of it) to `index`; their names."""
+    """Add the tensors and values of a torch.save archive (or of `obj`, a part of it) to `index`; their names.
+    A name the index already holds (from another file of the checkpoint) is refused, naming both files."""
     names = []
-    for path, value in flatten(archive.obj if obj is None else obj).items():
-        name = ".".join(path)
+    for name, (path, value) in named(archive.obj if obj is None else obj, archive.uri).items():
+        if name in index.tensors or name in index.objects:
+            raise FormatError(f"{archive.uri}: entry {short(name)} is also in another part of the checkpoint "
+                              f"({index.uri}); the checkpoint is damaged", uri=archive.uri, key=name)
         if isinstance(value, TensorRef):
             index.tensors[name] = tensor_entry(name, value, archive)
             index.tensors[name].path = path

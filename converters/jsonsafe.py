@@ -1,0 +1,86 @@
+"""JSON documents and short text fields read from checkpoints, parsed with limits on size, depth and text.
+
+Every JSON or text file a reader takes from a checkpoint comes through here, so a hostile one ends as one
+`FormatError` naming the file: too big (the metadata cap of `storage.read_all`), nested deeper than
+`MAX_DEPTH`, not UTF-8, or holding a string that is not valid text (a `\\ud800` escape decodes to a lone
+surrogate, which no output format can store). Errors describe what is wrong; they never quote the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import storage
+from .errors import FormatError
+
+#: the deepest nesting a checkpoint's JSON may use (safetensors headers and HF indexes use 3)
+MAX_DEPTH = 64
+#: the most a one-line text field (an iteration number, a tag) may hold
+MAX_TEXT_BYTES = 1024
+
+
+def is_text(value: str) -> bool:
+    """Whether `value` is valid Unicode text (encodes as UTF-8: no lone surrogates)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_strings(value: Any, where: str, what: str, max_depth: int | None = None) -> None:
+    """Refuse a value (nested dicts, lists, tuples, sets) that holds a string, or a key, that is not valid text,
+    or that nests deeper than `max_depth`. Iterative: its cost is the size of `value`, whatever its depth."""
+    todo: list[tuple[Any, int]] = [(value, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, str):
+            if not is_text(node):
+                raise FormatError(f"{where}: {what} holds a string that is not valid UTF-8 text (a lone surrogate); "
+                                  "the file is damaged or hostile", uri=where)
+        elif isinstance(node, dict | list | tuple | set | frozenset):
+            if max_depth is not None and depth >= max_depth:
+                raise FormatError(f"{where}: {what} is nested more than {max_depth} levels deep; the file is "
+                                  "damaged or hostile", uri=where)
+            items = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+            todo.extend((item, depth + 1) for item in items)
+
+
+def loads(data: bytes | memoryview | str, where: str, what: str = "the JSON document") -> Any:
+    """A JSON document from a checkpoint, or a FormatError naming `where` (the file) that describes the fault."""
+    try:
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{where}: {what} is not UTF-8 text; the file is damaged", uri=where) from None
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise FormatError(f"{where}: {what} is nested more than {MAX_DEPTH} levels deep; the file is damaged or "
+                          "hostile", uri=where) from None
+    except ValueError:
+        raise FormatError(f"{where}: {what} is not valid JSON ({len(text)} characters); the file is damaged "
+                          "(re-copy or re-export it)", uri=where) from None
+    check_strings(doc, where, what, MAX_DEPTH)
+    return doc
+
+
+def read_json(uri: str) -> Any:
+    """A JSON metadata file (size-capped, depth-limited, valid text), or a FormatError naming it."""
+    return loads(storage.read_all(uri), uri)
+
+
+def read_text(uri: str, what: str) -> str:
+    """A one-line text file (`latest`, `latest_checkpointed_iteration.txt`): at most MAX_TEXT_BYTES of UTF-8,
+    stripped, or a FormatError naming the file and saying what it should hold (`what`)."""
+    size = storage.size(uri)
+    if size > MAX_TEXT_BYTES:
+        raise FormatError(f"{uri}: {size} bytes, but it should hold {what}; the file is damaged", uri=uri)
+    data = storage.read_all(uri, cap=MAX_TEXT_BYTES)
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise FormatError(f"{uri}: {len(data)} bytes that are not UTF-8 text; it should hold {what}",
+                          uri=uri) from None
