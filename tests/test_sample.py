@@ -403,3 +403,23 @@ def test_untrained_sample_is_a_valid_fsdp2_checkpoint(tmp_path: Path) -> None:
     assert "tok_emb.weight" in full and full["tok_emb.weight"].std() > 0
     with pytest.raises(ValueError, match="train=False"):
         make_sample(tmp_path / "bad", layout="fsdp2-dcp", size="tiny", train=False)
+
+
+def test_sample_over_one_made_with_other_options_is_refused_or_remade(tmp_path: Path) -> None:
+    """`ckptctl sample DIR --world-size 4` over a world-size-2 sample: refused in one line naming --overwrite
+    (the folder untouched); with --overwrite it is remade; the same options again keep it."""
+    from .conftest import ckptctl
+
+    target = tmp_path / "demo"
+    ckptctl("sample", target, "--world-size", "2", "--size", "tiny")
+    again = ckptctl("sample", target, "--world-size", "2", "--size", "tiny")
+    assert "keeping it" in again.stdout
+    before = sorted(p.name for p in target.iterdir())
+    other = ckptctl("sample", target, "--world-size", "4", "--size", "tiny", check=False)
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
+    assert "world size 2 (asked: 4)" in other.stderr and "--overwrite" in other.stderr
+    assert sorted(p.name for p in target.iterdir()) == before
+    ckptctl("sample", target, "--world-size", "4", "--size", "tiny", "--overwrite")
+    info = json.loads(ckptctl("inspect", target, "--json").stdout)
+    assert info["world_size"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no staging folder left beside it

@@ -121,28 +121,39 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
            model_only: Annotated[bool, typer.Option("--model-only", help="No optimizer state.")] = False,
            no_train: Annotated[bool, typer.Option("--no-train", help="Initialise each rank's shards in place and "
                                                   "skip the step (FSDP2, model only): for large checkpoints "
-                                                  "without the memory of a full model per rank.")] = False) -> None:
+                                                  "without the memory of a full model per rank.")] = False,
+           overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a sample made with other "
+                                                   "options.")] = False) -> None:
     """Train a small model one step with real FSDP on CPU (gloo) and save its checkpoint.
 
-    A TARGET that already holds a checkpoint is kept as it is (so the command can be re-run)."""
-    import os
+    A TARGET that already holds a sample made with the same options is kept as it is (so the command can be
+    re-run); one made with other options is refused unless --overwrite."""
+    from ..sample import make_recorded_sample, recorded_options
 
-    from ..sample import make_sample
-
-    if os.path.isdir(target) and os.listdir(target):
+    options: dict[str, object] = {"world_size": world_size, "layout": layout, "size": size, "dtype": dtype,
+                                  "tie_embeddings": tie_embeddings, "with_optim": not (model_only or no_train),
+                                  "train": not no_train}
+    present = os.path.isdir(target) and bool(os.listdir(target))
+    if present:
         from converters import CkptError, detect
 
         try:
             detect(target)
         except CkptError:
             fail(f"{target}: exists and is not a checkpoint; choose an empty or new folder")
-        out.print(f"{target} already holds a checkpoint; keeping it", highlight=False)
-        return
+        recorded = recorded_options(target)
+        if recorded == options:
+            out.print(f"{target} already holds this sample; keeping it", highlight=False)
+            return
+        if not overwrite:
+            made = ("with " + ", ".join(f"{k.replace('_', ' ')} {recorded.get(k)} (asked: {options[k]})"
+                                        for k in options if recorded.get(k) != options[k])
+                    if recorded else "by other means or an older version")
+            fail(f"{target}: holds a checkpoint made {made}; pass --overwrite to remake it, or choose another "
+                 "folder")
     with errors():
         try:
-            make_sample(target, world_size=world_size, layout=layout, size=size, dtype=dtype,
-                        tie_embeddings=tie_embeddings, with_optim=not (model_only or no_train), train=not no_train)
+            make_recorded_sample(target, options, replace_existing=present)
         except ValueError as exc:
             fail(str(exc))
     out.print(f"wrote {layout} sample at world size {world_size}: {target}", highlight=False)
-

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+
+from converters.output import remove_tree
 
 from .launch import run_staged
 from .layouts import ENGINE, LAYOUTS, check_layout, expected_files
@@ -136,6 +140,38 @@ def make_sample(
     )
 
 
+#: The options a `ckptctl sample` folder was made with (a JSON object), so a re-run with others is noticed.
+RECORD = ".ckpt-sample.json"
+
+
+def recorded_options(folder: PathLike) -> dict[str, object] | None:
+    """The options `folder`'s sample was made with, or None when it has no readable record."""
+    path = Path(folder) / RECORD
+    try:
+        if path.is_file() and path.stat().st_size < 64 * 1024:
+            doc = json.loads(path.read_text())
+            return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError, RecursionError):
+        pass
+    return None
+
+
+def make_recorded_sample(out: PathLike, options: dict[str, object], replace_existing: bool = False) -> None:
+    """`make_sample(out, **options)` with the options recorded in the folder; with `replace_existing`, the
+    new sample is made beside `out` and swapped in only once it is complete."""
+    final = Path(out)
+    staged = final.with_name(f".{final.name}.sample-{uuid.uuid4().hex[:8]}") if replace_existing else final
+    try:
+        make_sample(staged, **options)  # type: ignore[arg-type]
+        (staged / RECORD).write_text(json.dumps(options, sort_keys=True))
+        if staged != final:
+            remove_tree(final)
+            staged.rename(final)
+    finally:
+        if staged != final:
+            remove_tree(staged)
+
+
 def load_and_step(
     ckpt_dir: PathLike,
     *,
@@ -169,4 +205,5 @@ def load_and_step(
     run_staged(job, finals, set_paths, lambda staged: list(staged.values()))
 
 
-__all__ = ["LAYOUTS", "load_and_step", "make_sample", "make_samples"]
+__all__ = ["LAYOUTS", "RECORD", "load_and_step", "make_recorded_sample", "make_sample", "make_samples",
+           "recorded_options"]
