@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from converters.errors import CkptError
 
-from . import logs, roots
+from . import logs, roots, sandbox
 from .auth import Principal
 from .catalog import NAME, when
 from .errors import Conflict, InvalidRequest, NotFound, ServiceError
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 STALE_CLAIM_SECONDS = 300.0
 HELD_BACK_SECONDS = 2.0  # with polling off: how often checkpoints held back by max_concurrent are retried
+MAX_SKIPPED = 100  # candidates shown per rule as left by its last look
 _GLOB = set("*?[")
 
 
@@ -78,6 +79,10 @@ class RuleView(BaseModel):
     created_by: str
     created_at: datetime
     triggers: dict[str, int] = Field(default_factory=dict, description="Trigger counts by state.")
+    skipped: dict[str, str] = Field(default_factory=dict, description="Candidates the last look of this server's "
+                                    f"discovery left, and why: not complete yet, unreadable or refused (first "
+                                    f"{MAX_SKIPPED}).")
+    last_error: str | None = Field(None, description="What stopped this rule's last discovery pass, if anything.")
 
 
 class TriggerView(BaseModel):
@@ -130,26 +135,14 @@ def expand(pattern: str) -> list[str]:
     return sorted(p for p in found if not p.rstrip("/").rsplit("/", 1)[-1].startswith("."))
 
 
-def complete(uri: str) -> tuple[dict[str, Any] | None, str]:
-    """(summary, "") for a complete checkpoint; (None, why not) for anything else."""
-    from converters import storage
-    from converters.formats import load_index
-
-    from .summary import summarize
-
-    try:
-        if storage.is_incomplete(uri):
-            return None, "an upload started and did not finish"
-        return summarize(load_index(uri, locate=True)), ""
-    except (CkptError, OSError, ValueError) as exc:
-        return None, str(exc)[:300]
-
-
 class Rules:
     def __init__(self, service: CkptService) -> None:
         self.service = service
         self.store = service.store
         self._scan_lock = threading.Lock()
+        #: per rule: the candidates its last look left (uri -> why), and what stopped its last pass
+        self._skipped: dict[str, dict[str, str]] = {}
+        self._failed: dict[str, str] = {}
 
     # -- managing rules ----------------------------------------------------------------------------
 
@@ -188,7 +181,8 @@ class Rules:
             "SELECT state, COUNT(*) AS n FROM rule_triggers WHERE rule_id = ? GROUP BY state", (row["id"],))}
         return RuleView(id=row["id"], spec=RuleSpec.model_validate_json(row["spec"]), paused=bool(row["paused"]),
                         created_by=row["created_by"], created_at=when(row["created_at"]),  # type: ignore[arg-type]
-                        triggers=counts)
+                        triggers=counts, skipped=self._skipped.get(row["id"], {}),
+                        last_error=self._failed.get(row["id"]))
 
     def all(self) -> list[RuleView]:
         return [self._view(r) for r in self.store.query("SELECT * FROM rules ORDER BY name")]
@@ -212,6 +206,13 @@ class Rules:
             "SELECT * FROM rule_triggers WHERE rule_id = ? ORDER BY claimed_at, uri", (view.id,))]
 
     # -- discovery ---------------------------------------------------------------------------------
+
+    def complete(self, uri: str) -> tuple[dict[str, Any] | None, str]:
+        """(summary, "") for a complete checkpoint; (None, why not) for anything else. Read in a job process."""
+        try:
+            return sandbox.inspect(uri, self.service.settings, complete=True), ""
+        except CkptError as exc:
+            return None, str(exc)[:300]
 
     def _registered(self, uri: str, summary_of: Any, by: str) -> tuple[str, str | None, int | None] | None:
         """(checkpoint id, run, step) of a complete checkpoint, registering it first if it is new; None while
@@ -239,34 +240,31 @@ class Rules:
     def scan(self, by: str = "discovery", look: bool = True) -> int:
         """One pass over every active rule; returns the number of jobs submitted. It fires on registered
         checkpoints the rule matches and has not fired on (e.g. held back by max_concurrent) and, with `look`,
-        on new complete checkpoints its pattern finds."""
+        on new complete checkpoints its pattern finds. A rule that fails is logged and shown on the rule
+        (`last_error`); the others go on."""
         with self._scan_lock:
             self.link_outputs()
             submitted = 0
             for row in self.store.query("SELECT * FROM rules WHERE paused = 0 ORDER BY name"):
                 try:
                     submitted += self._scan_rule(row["id"], RuleSpec.model_validate_json(row["spec"]), by, look)
-                except (ServiceError, CkptError, OSError) as exc:
-                    logs.event("rules.scan_failed", rule=row["name"], error=str(exc)[:300])
+                    self._failed.pop(row["id"], None)
+                except Exception as exc:  # one rule never stops the others
+                    self._failed[row["id"]] = _one_line(exc)
+                    logs.event("rules.scan_failed", rule=row["name"], error=_one_line(exc),
+                               exc_info=not isinstance(exc, CkptError))
             return submitted
 
     def _scan_rule(self, rule_id: str, spec: RuleSpec, by: str, look: bool) -> int:
         seen = {r["uri"]: r for r in self.store.query(
             "SELECT uri, state, claimed_at FROM rule_triggers WHERE rule_id = ?", (rule_id,))}
-        fresh: list[tuple[str, str, str | None, int | None]] = []
         registered = [r["uri"] for r in self.store.query(
             "SELECT c.uri FROM checkpoints c LEFT JOIN checkpoint_runs r ON r.checkpoint_id = c.id "
             "WHERE c.made_by_job IS NULL AND r.deleted_at IS NULL") if matches(spec.pattern, r["uri"])]
-        for uri in sorted(set(registered) | set(expand(spec.pattern) if look else ())):
-            if uri in seen:
-                continue
-            try:
-                uri = roots.check(uri, self.service.settings.read_locations, field="source", purpose="read")
-            except ServiceError:
-                continue  # e.g. a symlink out of the roots
-            found = self._registered(uri, complete, by)
-            if found is not None:
-                fresh.append((uri, *found))
+        candidates = sorted(set(registered) | set(expand(spec.pattern) if look else ()))
+        fresh, skipped = self._candidates(spec, candidates, seen, by)
+        if look:
+            self._skipped[rule_id] = dict(list(skipped.items())[:MAX_SKIPPED])
         stale = [u for u, r in seen.items() if r["state"] == "claimed"
                  and r["claimed_at"] < time.time() - STALE_CLAIM_SECONDS]
         if spec.latest_only:
@@ -280,6 +278,34 @@ class Rules:
                 break  # the rest waits for the next scan
             submitted += self._fire(rule_id, spec, uri, checkpoint_id=checkpoint_id)
         return submitted
+
+    def _candidates(self, spec: RuleSpec, uris: list[str], seen: dict[str, Any], by: str
+                    ) -> tuple[list[tuple[str, str, str | None, int | None]], dict[str, str]]:
+        """(the complete checkpoints among `uris` the rule has not fired on, registered now if new; the others
+        and why). Each is handled on its own: one that cannot be read or breaks is logged and left."""
+        fresh: list[tuple[str, str, str | None, int | None]] = []
+        skipped: dict[str, str] = {}
+
+        def summary_of(uri: str) -> tuple[dict[str, Any] | None, str]:
+            summary, why = self.complete(uri)
+            if summary is None:
+                skipped[uri] = why
+            return summary, why
+
+        for uri in uris:
+            if uri in seen:
+                continue
+            try:
+                uri = roots.check(uri, self.service.settings.read_locations, field="source", purpose="read")
+                found = self._registered(uri, summary_of, by)
+            except Exception as exc:  # e.g. a symlink out of the roots; the others go on
+                skipped[uri] = _one_line(exc)
+                logs.event("rules.candidate_failed", rule=spec.name, uri=uri, error=skipped[uri],
+                           exc_info=not isinstance(exc, CkptError))
+                continue
+            if found is not None:
+                fresh.append((uri, *found))
+        return fresh, skipped
 
     def _supersede(self, rule_id: str, fresh: list[tuple[str, str, str | None, int | None]]
                    ) -> list[tuple[str, str, str | None, int | None]]:
@@ -379,7 +405,7 @@ class Rules:
         reasons: list[str] = []
 
         def summary_of(u: str) -> tuple[dict[str, Any] | None, str]:
-            summary, why = complete(u)
+            summary, why = self.complete(u)
             reasons.append(why)
             return summary, why
 
@@ -402,6 +428,12 @@ class Rules:
                 fired.extend(_trigger(t) for t in self.store.query(
                     "SELECT * FROM rule_triggers WHERE rule_id = ? AND uri = ?", (row["id"], uri)))
         return NotifyResult(uri=uri, checkpoint_id=checkpoint_id, run=run, step=step, triggers=fired)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one short line (its class when it has no message of ours)."""
+    text = " ".join(str(exc).split()) if isinstance(exc, CkptError) else ""
+    return (text or f"{type(exc).__name__} (see the log)")[:300]
 
 
 def _fixed_part(pattern: str) -> str:

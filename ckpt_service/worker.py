@@ -51,6 +51,42 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def confine(settings: Settings) -> None:
+    """Confine this service process's reads (API, scheduler, worker) to its read and write roots, as its
+    job processes are: defence in depth, since they leave reading checkpoints to job processes."""
+    from converters import storage
+
+    storage.confine_reads([str(r) for r in (*settings.read_locations, *settings.write_locations)])
+
+
+def process_command(settings: Settings, mode: str, *args: str) -> list[str]:
+    """The command line of a job process (`worker_main MODE ARGS…`): a job, or an inspection (sandbox.py).
+
+    -P: the working directory is not put on sys.path (nothing a checkpoint names can import from it)."""
+    s = settings
+    return [sys.executable, "-P", "-m", "ckpt_service.worker_main", "--parent", str(os.getpid()), "--nice",
+            str(s.job_nice), "--read-roots", json.dumps([str(r) for r in s.read_locations]),
+            "--write-roots", json.dumps([str(r) for r in s.write_locations]), "--log-level", s.log_level,
+            mode, *args]
+
+
+def process_env(settings: Settings) -> dict[str, str]:
+    """The environment of a job process; a PostgreSQL URL travels here, not on the command line."""
+    url = settings.database_url
+    return {**os.environ, "PYTHONSAFEPATH": "1", **({worker_main.URL_ENV: url} if url else {}),
+            "CKPT_EXECUTOR": settings.executor, "CKPT_RAY_ADDRESS": settings.ray_address}
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a job process and everything it started (its own session), and reap it."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_WAIT)
+
+
 class JobRunner(threading.Thread):
     """Runs and watches one attempt of one job. Lives as long as the job process (see PR_SET_PDEATHSIG)."""
 
@@ -62,18 +98,10 @@ class JobRunner(threading.Thread):
 
     def command(self) -> list[str]:
         s = self.pool.settings
-        # -P: the working directory is not put on sys.path (nothing a checkpoint names can import from it)
         # a PostgreSQL URL (it may hold a password) goes through the environment, not the command line
         store = worker_main.FROM_ENV if s.database_url else str(s.db_path)
-        return [sys.executable, "-P", "-m", "ckpt_service.worker_main", store, self.job.id, str(self.attempt),
-                "--parent", str(os.getpid()), "--nice", str(s.job_nice), "--progress-seconds",
-                str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second),
-                "--read-roots", json.dumps([str(r) for r in s.read_locations]),
-                "--write-roots", json.dumps([str(r) for r in s.write_locations]), "--log-level", s.log_level]
-
-    def store_env(self) -> dict[str, str]:
-        url = self.pool.settings.database_url
-        return {worker_main.URL_ENV: url} if url else {}
+        return process_command(s, "job", store, self.job.id, str(self.attempt), "--progress-seconds",
+                               str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second))
 
     def run(self) -> None:
         try:
@@ -87,9 +115,7 @@ class JobRunner(threading.Thread):
     def _run(self) -> None:
         store, s, job = self.pool.store, self.pool.settings, self.job
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1", **self.store_env(),
-                                          "CKPT_EXECUTOR": s.executor, "CKPT_RAY_ADDRESS": s.ray_address})
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=process_env(s))
         joblogs.LogCapture(s.data_dir, job.id, self.attempt, self.proc.stdout).start()  # type: ignore[arg-type]
         store.set_pid(job.id, self.attempt, self.proc.pid)
         logs.event("job.process_started", job_id=job.id, attempt=self.attempt, pid=self.proc.pid,
@@ -154,12 +180,8 @@ class JobRunner(threading.Thread):
         logs.event("job.process_died", job_id=job.id, attempt=self.attempt, reason=reason, now=state, removed=removed)
 
     def _kill(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=KILL_WAIT)
+        if self.proc is not None:
+            kill_group(self.proc)
 
 
 class WorkerPool:

@@ -240,14 +240,14 @@ def test_two_replicas_scanning_together_fire_each_checkpoint_once(svc: CkptServi
 
 
 def test_a_claim_left_by_a_crash_is_finished_without_a_second_job(svc: CkptService, tmp_path: Path) -> None:
-    from ckpt_service.rules import STALE_CLAIM_SECONDS, Rules, RuleSpec, complete, trigger_key
+    from ckpt_service.rules import STALE_CLAIM_SECONDS, Rules, RuleSpec, trigger_key
 
     runs = tmp_path / "runs"
     source = save(runs / "r" / "step_1", 1)
     rules = Rules(svc)
     rule = rules.add(RuleSpec.model_validate({"name": "ex", "pattern": f"{runs}/r/step_*",
                                               "job": {"kind": "export", "target": f"{runs}/out/{{step}}"}}), "t")
-    checkpoint_id, _, _ = rules._registered(source, complete, "t")  # type: ignore[misc]
+    checkpoint_id, _, _ = rules._registered(source, rules.complete, "t")  # type: ignore[misc]
     claimed_at = time.time() - STALE_CLAIM_SECONDS - 1
     with svc.store.transaction() as conn:  # the crash came after the claim and after the job was queued
         conn.execute("INSERT INTO rule_triggers (rule_id, uri, checkpoint_id, state, claimed_at) "

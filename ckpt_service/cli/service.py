@@ -75,10 +75,11 @@ def serve(host: Host = None, port: Port = None, workers: Workers = None, data_di
     from api.app import create_app
 
     from .. import logs
-    from ..worker import WorkerPool
+    from ..worker import WorkerPool, confine
 
     logs.setup(settings.log_level)
     store = open_store(settings)
+    confine(settings)  # the API and its scheduler read nothing outside the roots (checkpoints: not at all)
     pool = WorkerPool(settings, store) if settings.workers else None
     server_config = uvicorn.Config(create_app(settings, pool, store=store), host=settings.host, port=settings.port,
                                    log_config=None, log_level=settings.log_level, timeout_graceful_shutdown=5,
@@ -93,10 +94,11 @@ def worker(workers: Workers = None, data_dir: DataDir = None, database_url: Data
     settings = load_settings(config, workers=workers, data_dir=data_dir, database_url=database_url,
                              log_level=log_level)
     from .. import logs
-    from ..worker import WorkerPool
+    from ..worker import WorkerPool, confine
 
     logs.setup(settings.log_level)
     store = open_store(settings)
+    confine(settings)
     if settings.workers < 1:
         fail("--workers must be at least 1 for a worker")
     stop = threading.Event()
