@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -265,7 +266,7 @@ def test_export_from_the_form_runs_live_and_lands_in_the_lineage(tab: Tab, site:
 def test_invalid_form_shows_the_error_next_to_the_field(tab: Tab, site: Site) -> None:
     page = tab.page
     sign_in(tab, site.tokens.write, "write")
-    for _ in range(10):  # by keyboard: Tab to the "New job" link, Enter; then type and press Enter to submit
+    for _ in range(20):  # by keyboard: Tab to the "New job" link, Enter; then type and press Enter to submit
         page.keyboard.press("Tab")
         if page.evaluate("document.activeElement.id") == "nav-new":
             break
@@ -357,7 +358,15 @@ def test_without_tokens_the_page_opens_signed_in(browser: object, tmp_path: Path
         page.wait_for_selector("#view-jobs:not([hidden])")
         assert page.text_content("#who") == "anonymous · admin"
         assert page.is_hidden("#sign-out") and page.is_visible("a[data-nav=new]")
-        assert page.text_content("#jobs-body") == "No jobs."
+        # an empty Jobs page says what to do next: a link to the form, and the CLI command
+        assert page.text_content("#jobs-body") == "No jobs yet: New job (or ckptctl export SOURCE TARGET)."
+        page.click("#jobs-next-step")
+        page.wait_for_selector("#view-new:not([hidden])")
+        # the header fits a 420 px wide screen: nothing scrolls sideways, and every link is on screen
+        page.set_viewport_size({"width": 420, "height": 800})
+        assert page.evaluate("document.documentElement.scrollWidth") <= 420
+        rights = page.eval_on_selector_all(".top a, .top span", "es => es.map(e => e.getBoundingClientRect().right)")
+        assert rights and max(rights) <= 420, rights
     finally:
         context.close()
         server.stop()
@@ -420,7 +429,7 @@ def test_lineage_graph_over_two_hops(tab: Tab, site: Site) -> None:
     page.wait_for_selector(f"{rows}[data-job='{failed['id']}']")
     page.select_option("#filter-kind", "export")
     page.wait_for_selector("#jobs-body td.empty")
-    assert page.text_content("#jobs-body") == "No jobs."
+    assert page.text_content("#jobs-body") == "No jobs match these filters."
     assert page.url.endswith("#/jobs?state=failed&kind=export")
     assert tab.errors == []
 
@@ -471,3 +480,204 @@ def test_wheel_ships_the_dashboard(tmp_path: Path) -> None:
     assert wanted <= shipped
     assert {"api/dashboard/templates/index.html", "api/dashboard/static/dashboard.css",
             "api/dashboard/static/js/app.js"} <= shipped
+
+
+def _dcp(path: Path, world: int = 2) -> Path:
+    """A DCP checkpoint written by `world` ranks' worth of files (.metadata plus one file per rank)."""
+    plain = _save(path.parent / f"{path.name}-src.pt", {f"w{i}": torch.ones(64, 32) * i for i in range(3)})
+    subprocess.run([sys.executable, "-m", "ckpt_service.cli", "reshard", str(plain), str(path), "--world-size",
+                    str(world)], check=True, capture_output=True, timeout=120)
+    return path
+
+
+@pytest.mark.slow
+def test_checkpoint_page_lists_every_file_and_manages_aliases_and_tags(tab: Tab, site: Site) -> None:
+    dcp = _dcp(site.data / "manage" / "dcp")
+    on_disk = {p.name: p.stat().st_size for p in dcp.iterdir() if p.name != "ckpt-manifest.json"}
+    assert sorted(on_disk) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    with site.server.client(site.tokens.write) as client:
+        ckpt = client.register(str(dcp), name="sharded", tags=["stage=dev"], metadata={"run": "manage", "step": 7})
+    page = tab.page
+    sign_in(tab, site.tokens.write, "write")
+    page.goto(f"{site.server.url}/#/checkpoints/{ckpt['id']}")
+    page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+    files = page.eval_on_selector_all("#ckpt-files tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+    assert files == [[name, f"{size} B" if size < 1024 else f"{size / 1024:.1f} KiB"]
+                     for name, size in sorted(on_disk.items())]  # all three, with their sizes on disk
+    assert page.text_content("#ckpt-made-by") == "registered in run manage, step 7"
+    # set an alias, set and remove tags (`latest@manage` is the run's own alias)
+    assert page.eval_on_selector_all("#ckpt-aliases tbody tr", "rs => rs.map(r => r.dataset.alias)") == \
+        ["latest@manage"]
+    page.fill("#alias-name", "prod")
+    page.click("#alias-form button[type=submit]")
+    page.wait_for_selector("#ckpt-aliases tr[data-alias='prod@manage']")
+    page.fill("#tag-key", "pin")
+    page.click("#tag-form button[type=submit]")
+    page.wait_for_selector("#ckpt-tags tr[data-tag=pin]")
+    page.click("#ckpt-tags button[data-remove-tag='stage=dev']")
+    page.wait_for_selector("#ckpt-tags tr[data-tag='stage=dev']", state="detached")
+    with site.server.http(site.tokens.read) as http:
+        assert http.get(f"/v1/checkpoints/{ckpt['id']}/tags").json()["tags"] == ["pin"]
+        assert http.get("/v1/aliases/manage/prod").json()["checkpoint"]["id"] == ckpt["id"]
+    page.fill("#alias-name", "bad name")
+    page.click("#alias-form button[type=submit]")
+    assert "422" not in page.wait_for_selector("#alias-error:not(:empty)").text_content()
+    page.click("#ckpt-aliases button[data-remove-alias='prod@manage']")
+    page.wait_for_selector("#ckpt-aliases tr[data-alias='prod@manage']", state="detached")
+    with site.server.http(site.tokens.read) as http:
+        assert http.get("/v1/aliases/manage/prod").status_code == 404
+    tab.shot("checkpoint-manage")
+    # a read token sees the aliases and tags, and no action
+    page.click("#sign-out")
+    sign_in(tab, site.tokens.read, "read", view="checkpoint")
+    page.wait_for_selector("#ckpt-tags tr[data-tag=pin]")
+    assert page.locator("#ckpt-manage button").count() == 0 and page.locator("#ckpt-manage form").count() == 0
+    assert page.locator("#view-checkpoint button:visible").all_text_contents() == ["Read the tensor table"]
+
+
+@pytest.mark.slow
+def test_sign_out_only_when_signed_in(tab: Tab, site: Site) -> None:
+    page = tab.page
+    page.wait_for_selector("#view-signin:not([hidden])")
+    assert page.is_hidden("#sign-out")
+    page.fill("#token", "ckpt_not_a_token")
+    page.press("#token", "Enter")
+    page.wait_for_selector("#token-error:not(:empty)")
+    assert page.is_hidden("#sign-out") and page.text_content("#who") == ""  # a refused token is not signed in
+
+
+@pytest.mark.slow
+def test_runs_rules_and_retention(tab: Tab, site: Site) -> None:
+    run = site.data / "steps" / "r1"
+    steps = {step: _save(run / f"step_{step}.pt", {"w": torch.ones(8, 8) * step}) for step in (100, 200)}
+    with site.server.client(site.tokens.write) as client:
+        ids = {step: client.register(str(path), metadata={"run": "r1", "step": step})["id"]
+               for step, path in steps.items()}
+    with site.server.http(site.tokens.write) as http:
+        out = str(site.data / "rule-out" / "{name}")
+        rule = http.post("/v1/rules", json={"name": "exports", "pattern": str(site.data / "rulerun" / "*.pt"),
+                                            "job": {"kind": "export", "target": out}})
+        assert rule.status_code == 201, rule.text
+        rule = rule.json()
+        fired = _save(site.data / "rulerun" / "step_1.pt", {"w": torch.ones(4)})
+        notified = http.post("/v1/notify", json={"uri": str(fired)}).json()
+        assert [t["state"] for t in notified["triggers"]] == ["submitted"]
+    with site.server.http(site.tokens.admin) as http:
+        policy = http.post("/v1/policies", json={"name": "keep1", "run": "r1", "keep_last": 1})
+        assert policy.status_code == 201, policy.text
+    page = tab.page
+    sign_in(tab, site.tokens.write, "write")
+    page.click("a[data-nav=runs]")
+    row = page.wait_for_selector("#runs tr[data-run=r1]")
+    assert [c.text_content() for c in row.query_selector_all("td")][:4] == ["r1", "2", "200", ids[200]]
+    page.click("#runs tr[data-run=r1] a")
+    page.wait_for_selector("#steps")
+    assert page.eval_on_selector_all("#steps tbody tr", "rs => rs.map(r => r.cells[1].textContent)") == \
+        ["step_100.pt", "step_200.pt"]
+    assert page.text_content("#run-title") == "Run r1"
+
+    page.click("a[data-nav=rules]")
+    cells = page.wait_for_selector(f"#rules tr[data-rule={rule['id']}]").query_selector_all("td")
+    assert [c.text_content() for c in cells[:5]] == ["exports", rule["spec"]["pattern"], "export",
+                                                     rule["spec"]["job"]["target"], "active"]
+    page.click(f"#rules button[data-toggle={rule['id']}]")  # pause
+    page.wait_for_selector(f"#rules tr[data-rule={rule['id']}] button:text('Resume')")
+    assert page.text_content(f"#rules tr[data-rule={rule['id']}] td:nth-child(5)") == "paused"
+    with site.server.http(site.tokens.read) as http:
+        assert http.get(f"/v1/rules/{rule['id']}").json()["paused"] is True
+    page.click(f"#rules button[data-toggle={rule['id']}]")  # resume
+    page.wait_for_selector(f"#rules tr[data-rule={rule['id']}] button:text('Pause')")
+    page.click(f"#rules tr[data-rule={rule['id']}] a")
+    trigger = page.wait_for_selector(f"#triggers tr[data-trigger={notified['checkpoint_id']}]")
+    texts = [c.text_content() for c in trigger.query_selector_all("td")]
+    assert texts[0] == str(fired) and texts[1] in ("submitted", "done")
+    assert texts[2] == notified["triggers"][0]["job_id"]
+
+    page.click("a[data-nav=retention]")
+    page.wait_for_selector("#policies tr")
+    assert page.eval_on_selector_all("#policies tbody tr", "rs => rs.map(r => r.cells[0].textContent)") == ["keep1"]
+    assert "keep the last 1 steps" in page.text_content("#policies")
+    plan = page.eval_on_selector_all("#gc tbody tr", "rs => rs.map(r => r.dataset.plan)")
+    assert plan == [ids[100]]  # the older step goes, the newest stays
+    assert page.text_content("#gc-total").startswith("1 checkpoint(s)")
+    assert page.text_content("#deletions-body") == "No deletions yet."
+    with site.server.http(site.tokens.admin) as http:
+        assert http.post("/v1/gc", json={"dry_run": False}).json()["plan"][0]["checkpoint_id"] == ids[100]
+    page.reload()
+    row = page.wait_for_selector("#deletions tbody tr")
+    assert row.query_selector("td").text_content() == str(steps[100])
+    assert "done" in row.text_content() and "keep1" in row.text_content()
+    assert page.text_content("#gc-total") == "Nothing would be deleted now."
+    tab.shot("retention")
+    assert tab.errors == []
+
+
+@pytest.mark.slow
+def test_job_pages_show_reason_log_fields_and_files(tab: Tab, site: Site) -> None:
+    source = _save(site.data / "jobpage" / "step_5.pt", {f"w{i}": torch.ones(32, 32) for i in range(2)})
+    target = site.data / "jobpage" / "export"
+    with site.server.client(site.tokens.write) as client:
+        export = site.server.wait_job(client.submit(job_spec("export", source, target, dtype="bfloat16"))["id"],
+                                      ("succeeded", "failed"), token=site.tokens.write)
+        failed = site.server.wait_job(client.submit(job_spec("verify", source, site.small))["id"],
+                                      ("failed", "succeeded"), token=site.tokens.write)
+    assert export["state"] == "succeeded" and failed["state"] == "failed"
+    page = tab.page
+    sign_in(tab, site.tokens.read, "read")
+    reason = page.wait_for_selector(f"#jobs-body tr[data-job={failed['id']}] .reason")
+    assert reason.text_content() == f"{failed['error']['type']}: {failed['error']['message']}"
+    assert page.locator(f"#jobs-body tr[data-job={export['id']}] .reason").count() == 0
+
+    page.goto(f"{site.server.url}/#/jobs/{export['id']}")
+    page.wait_for_selector("#job-log")
+    log = page.text_content("#job-log")
+    assert log.startswith("--- attempt 1 ---") and '"event": "job.succeeded"' in log and export["id"] in log
+    spec = page.eval_on_selector_all("#job-spec dt", "ds => ds.map(d => [d.textContent, "
+                                                     "d.nextElementSibling.textContent])")
+    assert spec[:2] == [["source", str(source)], ["target", str(target)]]
+    assert ["dtype", "bfloat16"] in spec and ["max shard size", "4.7 GiB"] in spec
+    assert not {"world size", "layout", "rtol", "to"} & {k for k, _ in spec}  # not export's options
+    files = page.eval_on_selector_all("#job-files tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+    on_disk = {o["name"]: o["bytes"] for o in export["result"]["outputs"]}
+    assert files == [[n, f"{b / 1024:.1f} KiB"] for n, b in sorted(on_disk.items())]
+    assert {"model.safetensors"} <= set(on_disk)
+    assert "total bytes" in page.text_content("#job-result") and page.locator("#job-body pre.spec").count() == 0
+    tab.shot("job-export-fields")
+    with site.server.http(site.tokens.read) as http:
+        body = http.get(f"/v1/jobs/{export['id']}/logs").json()
+        assert body["text"] == log and body["truncated"] is False
+        assert http.get("/v1/jobs/job_unknown/logs").status_code == 404
+        assert httpx.get(f"{site.server.url}/v1/jobs/{export['id']}/logs", timeout=10).status_code == 401
+
+    # the source, registered when the export finished, says so
+    ckpt = next(c for c in site.server.client(site.tokens.read).checkpoints(limit=200)["items"]
+                if c["uri"] == str(source))
+    page.goto(f"{site.server.url}/#/checkpoints/{ckpt['id']}")
+    page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+    assert page.text_content("#ckpt-made-by") == f"registered as the source of job {export['id']}"
+    assert tab.errors == []
+
+
+@pytest.mark.slow
+def test_form_errors_beside_their_fields_and_reshard_sends_no_only(tab: Tab, site: Site) -> None:
+    page = tab.page
+    sign_in(tab, site.tokens.write, "write")
+    bodies: list[str] = []
+    page.on("request", lambda r: bodies.append(r.post_data or "") if r.method == "POST" else None)
+    page.goto(f"{site.server.url}/#/new")
+    page.wait_for_selector("#view-new:not([hidden])")
+    page.select_option("#f-kind", "export")
+    page.fill("#f-source", str(site.source))
+    page.fill("#f-target", str(site.evil))  # exists already
+    page.click("#job-submit")
+    slot = page.wait_for_selector(".field-error:not(:empty)")
+    assert slot.get_attribute("id") in ("error-options.overwrite", "error-target"), slot.get_attribute("id")
+    assert page.text_content("#error-form") == ""
+    page.select_option("#f-kind", "reshard")
+    page.fill("#f-source", str(site.data / "missing.pt"))
+    page.fill("#f-target", str(site.data / "reshard-never"))
+    page.fill("#f-world_size", "2")
+    page.click("#job-submit")
+    page.wait_for_selector(".field-error:not(:empty)")
+    sent = json.loads(bodies[-1])
+    assert sent["kind"] == "reshard" and "only" not in sent["options"], sent

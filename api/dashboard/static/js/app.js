@@ -1,4 +1,5 @@
-// The dashboard: sign-in, a hash router (#/jobs, #/jobs/ID, #/checkpoints, #/checkpoints/ID, #/new, #/health)
+// The dashboard: sign-in, a hash router (#/jobs, #/jobs/ID, #/checkpoints, #/checkpoints/ID, #/runs, #/runs/RUN,
+// #/rules, #/rules/ID, #/retention, #/new, #/health)
 // and the views. Data comes only from the public REST API; every value is put in the page as text.
 
 import { api, ApiError, setToken, token } from "./api.js";
@@ -6,6 +7,7 @@ import { showCheckpoint, showCheckpoints } from "./checkpoints.js";
 import { el } from "./dom.js";
 import { showHealth } from "./health.js";
 import { showJob, showJobs } from "./jobs.js";
+import { showRetention, showRule, showRules, showRun, showRuns } from "./manage.js";
 import { setupForm } from "./newjob.js";
 import { canWrite, session } from "./session.js";
 
@@ -20,7 +22,7 @@ function notify(message) {
 function showView(name) {
   for (const view of document.querySelectorAll(".view")) view.hidden = view.id !== `view-${name}`;
   for (const a of document.querySelectorAll("[data-nav]")) {
-    if (a.dataset.nav === name.replace(/^job$/, "jobs").replace(/^checkpoint$/, "checkpoints")) {
+    if (a.dataset.nav === name.replace(/^(job|checkpoint|run|rule)$/, "$1s")) {
       a.setAttribute("aria-current", "page");
     } else {
       a.removeAttribute("aria-current");
@@ -33,7 +35,8 @@ function showWho() {
   const signedIn = Boolean(session.who);
   who.textContent = signedIn ? `${session.who.name} · ${session.who.scope}${session.who.scope === "read"
     ? " (read-only)" : ""}` : "";
-  document.getElementById("sign-out").hidden = !token();
+  // only a token that was accepted can be signed out of (not a refused one, not a server without tokens)
+  document.getElementById("sign-out").hidden = !(signedIn && token());
   document.getElementById("nav-new").hidden = !canWrite();
 }
 
@@ -84,6 +87,21 @@ async function route() {
     } else if (section === "checkpoints") {
       showView("checkpoints");
       await showCheckpoints(params, signal);
+    } else if (section === "runs" && id) {
+      showView("run");
+      await showRun(id, signal);
+    } else if (section === "runs") {
+      showView("runs");
+      await showRuns(signal);
+    } else if (section === "rules" && id) {
+      showView("rule");
+      await showRule(id, signal);
+    } else if (section === "rules") {
+      showView("rules");
+      await showRules(signal, route);
+    } else if (section === "retention") {
+      showView("retention");
+      await showRetention(signal);
     } else if (section === "new") {
       showView("new");
       if (!canWrite()) notify("This token is read-only: it cannot submit jobs.");
@@ -142,7 +160,10 @@ function setup() {
     input.value = "";
     try {
       if (await whoami()) route();
-      else signIn("That token was not accepted (unknown or revoked).");
+      else {
+        setToken("");
+        signIn("That token was not accepted (unknown or revoked).");
+      }
     } catch (error) {
       signIn(error.message);
     }

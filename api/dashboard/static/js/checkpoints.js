@@ -1,9 +1,9 @@
 // The checkpoint registry, one checkpoint's page, its tensor table and its lineage graph.
 
 import { api, query } from "./api.js";
-import { bytes, clear, el, facts, when } from "./dom.js";
+import { actionButton, bytes, clear, el, facts, jobLink, table, when } from "./dom.js";
 import { drawGraph, lineageGraph } from "./lineage.js";
-import { pageSize } from "./session.js";
+import { canWrite, pageSize } from "./session.js";
 
 const MAX_LINEAGE_JOBS = 40;
 
@@ -15,8 +15,7 @@ function ckptRow(c) {
     el("td", {}, bytes(c.total_bytes)),
     el("td", {}, c.world_size ?? "–"),
     el("td", {}, c.tags.map((t) => el("span", { class: "tag" }, t))),
-    el("td", {}, c.made_by_job ? el("a", { href: `#/jobs/${encodeURIComponent(c.made_by_job)}` }, c.made_by_job)
-      : "registered"),
+    el("td", {}, c.made_by_job ? jobLink(c.made_by_job) : "registered"),
     el("td", { class: "path" }, c.uri));
 }
 
@@ -35,36 +34,112 @@ export async function showCheckpoints(params, signal) {
   document.getElementById("ckpts-first").disabled = !cursor;
 }
 
-function table(headers, rows, attrs = {}) {
-  return el("div", { class: "table-wrap" }, el("table", attrs,
-    el("thead", {}, el("tr", {}, headers.map((h) => el("th", { scope: "col" }, h)))),
-    el("tbody", {}, rows.map((r) => el("tr", {}, r.map((v) => el("td", {}, v)))))));
+// Who made it: a job (and the rule that submitted it), or registered as a job's source (at the moment that
+// job finished), or discovered in a run, or registered.
+function madeBy(c, managed, lineage, jobs) {
+  if (c.made_by_job) {
+    return [jobLink(c.made_by_job), managed && managed.rule_id ? ` (submitted by rule ${managed.rule_id})` : ""];
+  }
+  const registered = Date.parse(c.created_at);
+  for (const e of lineage ? lineage.descendants.filter((d) => d.depth === 1 && d.job_id) : []) {
+    const job = jobs.get(e.job_id);
+    if (job && job.finished_at && Math.abs(Date.parse(job.finished_at) - registered) < 2000) {
+      return ["registered as the source of job ", jobLink(job.id)];
+    }
+  }
+  if (managed && managed.run) {
+    return `registered in run ${managed.run}${managed.step !== null ? `, step ${managed.step}` : ""}`;
+  }
+  return "registered";
+}
+
+// Every file with its size on disk (`file_bytes`); older summaries have only the tensor bytes of data files.
+function filesTable(s) {
+  const sizes = s.file_bytes || s.bytes_per_file;
+  if (!sizes || !Object.keys(sizes).length) return [];
+  const head = s.file_bytes ? "Size" : "Tensor bytes";
+  return [el("h2", {}, "Files"), table(["File", head], Object.entries(sizes).map(([f, b]) => ({
+    attrs: { "data-file": f }, cells: [el("span", { class: "path" }, f), bytes(b)] })), { id: "ckpt-files" })];
 }
 
 function renderCheckpoint(c, box) {
   const s = c.summary || {};
+  const onDisk = s.file_bytes ? Object.values(s.file_bytes).reduce((a, b) => a + (b || 0), 0) : null;
   const parts = [facts([
     ["Id", c.id], ["Name", c.name], ["URI", el("span", { class: "path" }, c.uri)], ["Format", c.format || "–"],
     ["Producer", s.producer || "–"], ["World size", c.world_size ?? "–"], ["Tensors", c.tensors ?? "–"],
-    ["Size", bytes(c.total_bytes)], ["Files", s.files ?? "–"],
+    ["Tensor bytes", bytes(c.total_bytes)], ["Size on disk", onDisk === null ? "–" : bytes(onDisk)],
+    ["Files", s.files ?? "–"],
     ["Dtypes", Object.entries(c.dtypes).map(([k, v]) => `${k}: ${v}`).join(", ") || "–"],
     ["Optimizer state", c.has_optimizer === null ? "–" : c.has_optimizer ? "yes" : "no"],
     ["Shard balance", s.balance ?? "–"],
     ["Tags", c.tags.join(", ") || "–"],
-    ["Made by", c.made_by_job ? el("a", { href: `#/jobs/${encodeURIComponent(c.made_by_job)}` }, c.made_by_job)
-      : "registered by hand"],
+    ["Made by", el("span", { id: "ckpt-made-by" }, c.made_by_job ? jobLink(c.made_by_job) : "registered")],
     ["Registered", when(c.created_at)],
   ])];
-  if (s.bytes_per_file) {
-    parts.push(el("h2", {}, "Files"), table(["File", "Bytes"],
-      Object.entries(s.bytes_per_file).map(([f, b]) => [el("span", { class: "path" }, f), bytes(b)])));
-  }
+  parts.push(...filesTable(s));
   if (Object.keys(c.metadata).length) {
     parts.push(el("h2", {}, "Metadata"), facts(Object.entries(c.metadata).map(([k, v]) => [k, String(v)])));
   }
   parts.push(el("details", {}, el("summary", {}, "inspect summary"),
     el("pre", { id: "ckpt-summary" }, JSON.stringify(s, null, 2))));
   clear(box).append(...parts);
+}
+
+// Aliases and tags, with actions to set, move and remove them for a token that may write.
+function renderManage(c, managed, reload) {
+  const box = clear(document.getElementById("ckpt-manage"));
+  const write = canWrite();
+  const enc = encodeURIComponent;
+  const aliasRows = managed.aliases.map((a) => {
+    const [name, namespace] = a.split("@");
+    return { attrs: { "data-alias": a }, cells: [name, namespace, write ? actionButton("Remove", async () => {
+      await api(`/v1/aliases/${enc(namespace)}/${enc(name)}`, { method: "DELETE" });
+      await reload();
+    }, { "data-remove-alias": a }) : ""] };
+  });
+  const tagRows = c.tags.map((t) => ({ attrs: { "data-tag": t }, cells: [t, write ? actionButton("Remove", async () => {
+    await api(`/v1/checkpoints/${enc(c.id)}/tags`, { method: "POST", body: { remove: [t.split("=")[0]] } });
+    await reload();
+  }, { "data-remove-tag": t }) : ""] }));
+  box.append(facts([["Run", managed.run || "–"], ["Step", managed.step ?? "–"]]));
+  box.append(aliasRows.length ? table(["Alias", "Namespace", ""], aliasRows, { id: "ckpt-aliases" })
+    : el("p", { class: "empty-note" }, "No aliases."));
+  box.append(tagRows.length ? table(["Tag", ""], tagRows, { id: "ckpt-tags" }) : el("p", { class: "empty-note" },
+    "No tags."));
+  if (!write) return;
+  const namespace = managed.run || "default";
+  box.append(inlineForm("alias", "Set or move an alias here", [["alias-name", "Alias", "e.g. prod"],
+    ["alias-namespace", "Namespace", namespace]], async (v) => {
+    await api(`/v1/aliases/${enc(v["alias-namespace"] || namespace)}/${enc(v["alias-name"])}`,
+      { method: "PUT", body: { checkpoint_id: c.id } });
+    await reload();
+  }));
+  box.append(inlineForm("tag", "Set a tag", [["tag-key", "Key", "e.g. pin or stage"], ["tag-value", "Value",
+    "optional"]], async (v) => {
+    await api(`/v1/checkpoints/${enc(c.id)}/tags`, { method: "POST", body: { set: { [v["tag-key"]]: v["tag-value"] } } });
+    await reload();
+  }));
+}
+
+// A one-line form (inputs and a submit button) whose error shows in the form itself.
+function inlineForm(name, label, inputs, submit) {
+  const error = el("p", { class: "field-error", role: "alert", id: `${name}-error` });
+  const form = el("form", { class: "inline-form", id: `${name}-form`, "aria-label": label },
+    inputs.flatMap(([id, text, placeholder]) => [el("label", { for: id }, text),
+      el("input", { id, name: id, type: "text", spellcheck: "false", placeholder })]),
+    el("button", { type: "submit" }, label), error);
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    error.textContent = "";
+    const values = Object.fromEntries(inputs.map(([id]) => [id, form.elements[id].value.trim()]));
+    try {
+      await submit(values);
+    } catch (e) {
+      error.textContent = e.message;
+    }
+  });
+  return form;
 }
 
 async function drawLineage(id, signal) {
@@ -78,12 +153,16 @@ async function drawLineage(id, signal) {
     box.append(el("p", {}, "No lineage: this checkpoint was registered by hand and nothing was made from it yet."));
   }
   box.append(drawGraph(lineageGraph(lineage, jobs)));
+  return { lineage, jobs };
 }
 
 export async function showCheckpoint(id, signal) {
   const c = await api(`/v1/checkpoints/${encodeURIComponent(id)}`, { signal });
   document.getElementById("ckpt-title").textContent = `Checkpoint ${c.name}`;
   renderCheckpoint(c, document.getElementById("ckpt-body"));
+  const managed = await api(`/v1/checkpoints/${encodeURIComponent(id)}/managed`, { signal });
+  const reload = () => showCheckpoint(id, signal);
+  renderManage(c, managed, reload);
   const tensors = clear(document.getElementById("tensor-table"));
   const button = document.getElementById("ckpt-tensors");
   button.disabled = false;
@@ -99,5 +178,6 @@ export async function showCheckpoint(id, signal) {
       button.disabled = false;
     }
   };
-  await drawLineage(id, signal);
+  const { lineage, jobs } = await drawLineage(id, signal);
+  clear(document.getElementById("ckpt-made-by")).append(...[madeBy(c, managed, lineage, jobs)].flat());
 }

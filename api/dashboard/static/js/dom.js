@@ -71,3 +71,37 @@ export function facts(pairs) {
   for (const [k, v] of pairs) dl.append(el("dt", {}, k), el("dd", {}, v));
   return dl;
 }
+
+// A table; `rows` are arrays of cell values (text or nodes), or {attrs, cells} for a row with attributes.
+export function table(headers, rows, attrs = {}) {
+  return el("div", { class: "table-wrap" }, el("table", attrs,
+    el("thead", {}, el("tr", {}, headers.map((h) => el("th", { scope: "col" }, h)))),
+    el("tbody", {}, rows.map((r) => Array.isArray(r) ? el("tr", {}, r.map((v) => el("td", {}, v)))
+      : el("tr", r.attrs, r.cells.map((v) => el("td", {}, v)))))));
+}
+
+export function jobLink(id) {
+  return el("a", { href: `#/jobs/${encodeURIComponent(id)}` }, id);
+}
+
+export function checkpointLink(id, label) {
+  return el("a", { href: `#/checkpoints/${encodeURIComponent(id)}` }, label || id);
+}
+
+// A button that calls `action` and shows its error beside it (an <output> after the button).
+export function actionButton(label, action, attrs = {}) {
+  const message = el("span", { class: "field-error", role: "alert" });
+  const button = el("button", { type: "button", ...attrs }, label);
+  button.addEventListener("click", async () => {
+    button.disabled = true;
+    message.textContent = "";
+    try {
+      await action();
+    } catch (error) {
+      message.textContent = error.message;
+    } finally {
+      button.disabled = false;
+    }
+  });
+  return el("span", { class: "action" }, button, message);
+}

@@ -1,7 +1,7 @@
 // The jobs table (live) and one job's page.
 
 import { api, follow, query } from "./api.js";
-import { age, bytes, clear, duration, el, facts, progressCell, stateBadge, when } from "./dom.js";
+import { age, bytes, checkpointLink, clear, duration, el, facts, progressCell, stateBadge, table, when } from "./dom.js";
 import { appliesTo, canCancel, canWrite, pageSize, TERMINAL } from "./session.js";
 
 const MAX_STREAMS = 5; // the API caps streams per token (10 by default); leave room for other tabs
@@ -28,13 +28,22 @@ function jobRow(job) {
     el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, title: job.id }, shortId(job.id))),
     el("td", {}, job.kind),
     el("td", { class: "paths" }, shortPath(spec.source), spec.target ? shortPath(spec.target, "→ ") : ""),
-    el("td", {}, stateBadge(job)),
+    el("td", {}, stateBadge(job), job.error ? el("div", { class: "reason", title: job.error.message },
+      `${job.error.type}: ${job.error.message}`) : ""),
     el("td", {}, progressCell(job)),
     el("td", {}, throughput(job.progress)),
     el("td", {}, job.progress && job.progress.eta_seconds !== null ? duration(job.progress.eta_seconds) : "–"),
     el("td", {}, `${job.attempt}/${job.max_attempts}`),
     el("td", {}, job.submitted_by || "–"),
     el("td", { title: job.created_at, class: "nowrap" }, age(job.created_at)));
+}
+
+// An empty table says what to do next: submit a job (in the page, or with the CLI), or widen the filters.
+function noJobs(state, kind, cursor) {
+  if (state || kind || cursor) return "No jobs match these filters.";
+  const cli = el("code", {}, "ckptctl export SOURCE TARGET");
+  return canWrite() ? ["No jobs yet: ", el("a", { href: "#/new", id: "jobs-next-step" }, "New job"), " (or ", cli, ")."]
+    : ["No jobs yet. Someone with a write token submits them (", cli, ")."];
 }
 
 // Apply an SSE event to a job document: `state`/`end` carry the whole document, `progress` a part of it.
@@ -70,7 +79,8 @@ export async function showJobs(params, signal) {
   const load = async () => {
     const page = await api(`/v1/jobs${query({ state, kind, cursor, limit })}`, { signal });
     clear(body);
-    if (!page.items.length) body.append(el("tr", {}, el("td", { colspan: "10", class: "empty" }, "No jobs.")));
+    if (!page.items.length) body.append(el("tr", {}, el("td", { colspan: "10", class: "empty" }, noJobs(state, kind,
+      cursor))));
     for (const job of page.items) {
       jobs.set(job.id, job);
       body.append(jobRow(job));
@@ -105,22 +115,64 @@ function renderJob(job, box) {
     parts.push(el("div", { class: "error-box", role: "alert" }, el("h2", {}, "Error"),
       el("p", {}, el("strong", {}, job.error.type), ": ", el("span", { class: "error-message" }, job.error.message))));
   }
-  if (job.result) {
-    const output = [el("h2", {}, "Output")];
-    if (job.result.checkpoint_id) {
-      output.push(el("p", {}, "Registered as checkpoint ",
-        el("a", { href: `#/checkpoints/${encodeURIComponent(job.result.checkpoint_id)}`, id: "job-output" },
-          job.result.checkpoint_id), job.result.target ? [" at ", el("span", { class: "path" }, job.result.target)]
-          : ""));
-    }
-    output.push(el("details", {}, el("summary", {}, "Result"), el("pre", {}, JSON.stringify(job.result, null, 2))));
-    parts.push(...output);
-  }
+  if (job.result) parts.push(...renderResult(job.result));
   clear(box).append(...parts);
 }
 
+// A value as text: lists joined, objects as `key: value` pairs, booleans as yes/no.
+function text(value) {
+  if (value === null || value === undefined || value === "") return "–";
+  if (typeof value === "boolean") return value ? "yes" : "no";
+  if (Array.isArray(value)) return value.length ? value.map(text).join(", ") : "–";
+  if (typeof value === "object") return Object.entries(value).map(([k, v]) => `${k}: ${text(v)}`).join("; ") || "–";
+  return String(value);
+}
+
+const BYTE_FIELDS = new Set(["max_shard_size", "memory_limit", "total_bytes", "compared_bytes"]);
+const RESULT_SKIP = new Set(["checkpoint_id", "outputs", "summary", "verify_summary", "bytes_per_file", "file_bytes",
+  "tensor_table"]);
+
+function field(key, value) {
+  return [key.replace(/_/g, " "), BYTE_FIELDS.has(key) && typeof value === "number" ? bytes(value) : text(value)];
+}
+
+function renderResult(result) {
+  const output = [el("h2", {}, "Output")];
+  if (result.checkpoint_id) {
+    output.push(el("p", {}, "Registered as checkpoint ",
+      el("a", { href: `#/checkpoints/${encodeURIComponent(result.checkpoint_id)}`, id: "job-output" },
+        result.checkpoint_id), result.target ? [" at ", el("span", { class: "path" }, result.target)] : ""));
+  }
+  const summary = result.verify_summary || (typeof result.summary === "string" ? result.summary : "");
+  if (summary) output.push(el("p", { class: "result-summary" }, summary));
+  const pairs = Object.entries(result).filter(([k, v]) => !RESULT_SKIP.has(k) && !(Array.isArray(v) && !v.length)
+    && v !== null).map(([k, v]) => field(k, v));
+  output.push(el("div", { id: "job-result" }, facts(pairs)));
+  if (Array.isArray(result.outputs) && result.outputs.length) {
+    const files = [...result.outputs].sort((a, b) => a.name.localeCompare(b.name));
+    output.push(el("h2", {}, "Files"), table(["File", "Size"], files.map((f) => ({
+      attrs: { "data-file": f.name }, cells: [el("span", { class: "path" }, f.name), bytes(f.bytes)] })),
+    { id: "job-files" }));
+  }
+  return output;
+}
+
+// The spec as fields: source, target and the options that apply to the job's kind (unset ones left out).
 function renderSpec(job) {
-  return [el("h2", {}, "Spec"), el("pre", { class: "spec" }, JSON.stringify(job.spec, null, 2))];
+  const applies = appliesTo(job.kind);
+  const pairs = [["source", el("span", { class: "path" }, job.spec.source)]];
+  if (job.spec.target) pairs.push(["target", el("span", { class: "path" }, job.spec.target)]);
+  for (const [k, v] of Object.entries(job.spec.options || {})) {
+    if (applies.has(k) && v !== null && !(Array.isArray(v) && !v.length)) pairs.push(field(k, v));
+  }
+  if (job.spec.callback_url) pairs.push(["callback url", job.spec.callback_url]);
+  return [el("h2", {}, "Spec"), el("div", { id: "job-spec" }, facts(pairs))];
+}
+
+function renderLogs(logs) {
+  const body = logs.text ? el("pre", { id: "job-log" }, logs.text)
+    : el("p", { id: "job-log-empty" }, "Nothing yet: the job's process has not printed anything.");
+  return [el("h2", {}, "Log"), logs.truncated ? el("p", { class: "help" }, "Older lines were left out.") : "", body];
 }
 
 function retrySpec(job) {
@@ -152,10 +204,20 @@ export async function showJob(id, signal, notify) {
     cancel.disabled = job.cancel_requested;
     retry.hidden = !(canWrite() && TERMINAL.has(job.state) && job.state !== "succeeded");
   };
+  let logs = { text: "", truncated: false };
   const show = () => {
     renderJob(job, box);
-    box.append(el("h2", {}, "Timeline"), timeline, ...renderSpec(job));
+    box.append(el("h2", {}, "Timeline"), timeline, ...renderSpec(job), ...renderLogs(logs));
     buttons();
+  };
+  const readLogs = async () => {
+    try {
+      logs = await api(`/v1/jobs/${encodeURIComponent(job.id)}/logs`, { signal });
+    } catch (error) {
+      if (error.name === "AbortError") return;
+      logs = { text: `(the log could not be read: ${error.message})`, truncated: false };
+    }
+    show();
   };
   cancel.onclick = async () => {
     try {
@@ -172,9 +234,10 @@ export async function showJob(id, signal, notify) {
   show();
   if (TERMINAL.has(job.state)) {
     if (job.finished_at) timeline.append(timelineItem(`finished: ${job.state}`, job.finished_at));
-    show();
+    await readLogs();
     return;
   }
+  readLogs(); // what it printed so far; read again when it ends
   let last = job.state;
   await follow(job.id, (name, data) => {
     job = apply(job, name, data);
@@ -192,4 +255,5 @@ export async function showJob(id, signal, notify) {
     }
     show();
   }, signal);
+  await readLogs();
 }

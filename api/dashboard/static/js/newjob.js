@@ -52,8 +52,16 @@ function errorSlot(field) {
   return document.getElementById("error-form");
 }
 
+// Without a `fields` list, a message that starts with a field path (`target: …`, `options.overwrite: …`) still
+// goes next to that field; anything else goes at the top of the form.
+function fieldsOf(error) {
+  if (error.fields.length) return error.fields;
+  const named = /^([a-z_]+(?:\.[a-z_]+)*): /.exec(error.message);
+  return [{ field: named ? named[1] : "form", message: error.message }];
+}
+
 function showErrors(error) {
-  const fields = error.fields.length ? error.fields : [{ field: "form", message: error.message }];
+  const fields = fieldsOf(error);
   for (const { field, message } of fields) {
     const slot = errorSlot(field);
     slot.textContent = slot.textContent ? `${slot.textContent}; ${message}` : message;
