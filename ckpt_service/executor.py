@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # the job-side modules (pydantic job models, the store) load 
     from .jobs import JobSpec
     from .store import JobStore
 
+#: The key options of a keyed request (left at their defaults, a verify compares an export as it was made).
+KEY_FIELDS = ("only", "clean_keys", "rename", "include", "exclude")
 EngineCall = Callable[[Callable[[Any], None] | None], Any]
 
 
@@ -67,9 +69,12 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
 
         keys.nest = False
         vr = request
+        # the default selection: the engine compares an export as it was made (its manifest says how)
+        defaults = VerifyRequest()
+        chosen = None if all(getattr(vr, n) == getattr(defaults, n) for n in KEY_FIELDS) else keys
 
         def run_verify(_progress: Callable[[Any], None] | None) -> Any:
-            report = verify(source, out, keys=keys, atol=vr.atol, rtol=vr.rtol, a_format=vr.source_format,
+            report = verify(source, out, keys=chosen, atol=vr.atol, rtol=vr.rtol, a_format=vr.source_format,
                             b_format=vr.target_format, memory_limit=int(vr.memory_limit))
             if not report.ok:
                 raise VerifyError(report.summary(), report=report)

@@ -13,9 +13,10 @@ from typing import Literal
 from . import dtypes, storage
 from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
-from .errors import OptionError
-from .formats import load_index
+from .errors import FormatError, OptionError
+from .formats import load_index, read_json
 from .index import CheckpointIndex
+from .names import MANIFEST
 from .output import open_output
 from .plan import Execution, PartResult, execute
 from .sidefiles import CONFIG, SideFiles, collect
@@ -131,6 +132,7 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
                             total_tensors=len(view.tensors), callback=on_progress)
         copier = Copier(reader, options.memory_limit, progress)
         metadata: dict[str, str] = {}
+        ties: dict[str, str] = {}
         if options.drop_tied:
             ties = _drop_tied(view, options.drop_tied, copier)
             metadata["tied_weights"] = json.dumps(ties)
@@ -141,6 +143,8 @@ def convert(source: str, target: str, options: ConvertOptions | None = None,
         if side is not None:
             report.append(side.report())
         with open_output(target, options.overwrite, options.to, single_file=single) as out:
+            if options.export:
+                out.about["export"] = _export_record(options, list(ties))
             plan = WRITERS[options.to](view, out, copier, cast_to=options.dtype, max_shard_size=options.max_shard_size,
                                        metadata=metadata)
             execute(plan, out, copier, options.execution)
@@ -171,6 +175,35 @@ def _side_files(source: str, options: ConvertOptions, view: CheckpointIndex, cop
     return collect(source, options.config_from, dtype, frozenset({CONFIG}) if has_config else frozenset())
 
 
+def _export_record(options: ConvertOptions, dropped: list[str]) -> dict:
+    """What an export holds, for its manifest: the key mapping, cast and dropped ties that `verify` re-applies
+    to the source to compare it with the export."""
+    keys = options.keys
+    return {"only": keys.only, "clean": keys.clean, "renames": [list(r) for r in keys.renames],
+            "include": keys.include, "exclude": keys.exclude, "dtype": options.dtype, "dropped_tied": dropped,
+            "to_hf": options.to_hf}
+
+
+def _export_of(uri: str) -> tuple[str, dict] | None:
+    """(manifest URI, its `export` record) when `uri` is a folder an export of ours wrote, else None."""
+    where = storage.join(uri, MANIFEST)
+    if not storage.isdir(uri) or not storage.exists(where):
+        return None
+    doc = read_json(where)
+    record = doc.get("export") if isinstance(doc, dict) else None
+    return (where, record) if isinstance(record, dict) else None
+
+
+def _export_keys(where: str, record: dict) -> KeyOptions:
+    try:
+        return KeyOptions(only=record["only"], clean=bool(record["clean"]), nest=False,
+                          renames=[(str(p), str(r)) for p, r in record["renames"]],
+                          include=[str(x) for x in record["include"]], exclude=[str(x) for x in record["exclude"]])
+    except (KeyError, TypeError, ValueError, OptionError):
+        raise FormatError(f"{where}: its export record (only, clean, renames, include, exclude) is damaged; "
+                          "re-export, or compare with --only/--rename as the export was made", uri=where) from None
+
+
 def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: CheckpointIndex,
            reader: storage.RangeReader) -> tuple[CheckpointIndex, dict, list[str]]:
     from .formats import open_reader
@@ -190,15 +223,34 @@ def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0,
            a_format: str | None = None, b_format: str | None = None,
            memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
     """Compare two checkpoints tensor by tensor after the same key clean-up; then `b` (a DCP folder, a
-    safetensors or torch file) read by its consumer's own loader must hold the same values as we read."""
-    keys = keys or KeyOptions(only="all", clean=True, nest=False)
+    safetensors or torch file) read by its consumer's own loader must hold the same values as we read.
+
+    Without `keys`, when `b` is an export of ours (its manifest says so), `a` is compared as the export saw
+    it: its model weights under the export's names, cast as the export cast them, tied copies dropped."""
     reader = storage.RangeReader()
     try:
-        left = apply(load_index(a, a_format, reader=reader), keys, reader).index
+        a_index = load_index(a, a_format, reader=reader)
         b_index = load_index(b, b_format, reader=reader)
-        right = apply(b_index, keys, reader).index
-        report = verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=atol > 0 or rtol > 0,
+        export = _export_of(b_index.uri) if keys is None else None
+        notes, cast_ok = [], atol > 0 or rtol > 0
+        if export is None:
+            keys = keys or KeyOptions(only="all", clean=True, nest=False)
+            left, right = apply(a_index, keys, reader).index, apply(b_index, keys, reader).index
+        else:
+            where, record = export
+            left = apply(a_index, _export_keys(where, record), reader).index
+            right = apply(b_index, KeyOptions(only="all", clean=False, nest=False), reader).index
+            if record.get("to_hf"):
+                left = _to_hf(a, ConvertOptions(export=True, to_hf="llama", source_format=a_format), a_index, left,
+                              reader)[0]
+            for name in record.get("dropped_tied") or []:
+                left.tensors.pop(str(name), None)
+            cast_ok = cast_ok or bool(record.get("dtype"))
+            notes.append(f"{b} is an export (model weights only): compared what it holds, {a}'s model weights "
+                         "under the export's names" + (f", cast to {record['dtype']}" if record.get("dtype") else ""))
+        report = verify_indexes(left, right, reader, atol=atol, rtol=rtol, cast_ok=cast_ok,
                                 memory_limit=memory_limit)
+        report.notes = notes
         if report.ok:  # `b` is usually an output: its consumer must load it, with the same values
             report.consumer = check(b_index, b_index.uri, b_index.format, reader, memory_limit // 4)
         return report

@@ -55,6 +55,7 @@ class Output:
         self.single_file = single_file
         self.local = storage.is_local(uri)
         self.files: dict[str, dict[str, Any]] = {}
+        self.about: dict[str, Any] = {}  # more for the manifest: what the output is (`export`: its key mapping)
         self.root = ""  # where files go now: a temp path locally, the final prefix remotely
         # S3 parts in flight, shared by every upload of this output (memory: slots + open files, in parts)
         self.slots = None if self.local else upload.Slots(upload.parallel())
@@ -102,7 +103,7 @@ class Output:
     def manifest(self, kind: str) -> bytes:
         doc = {"format": kind, "created_by": "ckpt-service", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                          time.gmtime()),
-               "files": {name: info for name, info in sorted(self.files.items())}}
+               **self.about, "files": {name: info for name, info in sorted(self.files.items())}}
         return json.dumps(doc, indent=2).encode()
 
 

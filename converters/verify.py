@@ -26,6 +26,11 @@ class VerifyReport:
     different: list[str] = field(default_factory=list)  # values differ
     max_abs_diff: dict[str, float] = field(default_factory=dict)
     consumer: ConsumerResult | None = None  # the output read back with its consumer's own loader
+    notes: list[str] = field(default_factory=list)  # how the comparison was made (an export's own view)
+    tolerance: tuple[float, float] | None = None  # (atol, rtol) when values were compared within them
+    max_diff: float = 0.0  # largest |a-b| over the tensors compared within the tolerance
+    cast: int = 0  # tensors compared bit for bit after casting the first side to the second's dtype
+    shapes_differ: int = 0  # of the mismatched: those whose shapes differ (the rest differ in dtype only)
 
     @property
     def ok(self) -> bool:
@@ -35,10 +40,18 @@ class VerifyReport:
     def summary(self) -> str:
         c = self.consumer
         if self.ok:
-            line = f"identical: {self.compared} entries, {self.compared_bytes} bytes compared"
+            compared = f"{self.compared} entries, {self.compared_bytes} bytes compared"
+            if self.tolerance is not None:
+                atol, rtol = self.tolerance
+                line = f"equal within rtol={rtol:g}, atol={atol:g}, max difference {self.max_diff:g}: {compared}"
+            else:
+                line = f"identical: {compared}"
+                if self.cast:
+                    line += f" ({self.cast} after casting to the second's dtype)"
             if c is not None:
                 line += f"; {c.note}" if c.note else (
-                    f"; {c.loader} loads it: {c.compared} entries identical"
+                    f"; {c.loader} loads it: {c.compared} entries "
+                    + ("with the values read here" if self.tolerance else "identical")
                     + (f" (a sample of {c.sampled_from} tensors)" if c.sampled_from else ""))
             return line
         parts = []
@@ -48,13 +61,18 @@ class VerifyReport:
                              (f"{c.loader if c else ''} reads different values", c.different if c else [])):
             if names:
                 parts.append(f"{label}: {', '.join(names[:8])}" + (f" (+{len(names) - 8})" if len(names) > 8 else ""))
+        if self.mismatched and not self.shapes_differ:
+            parts.append("only dtypes differ: to compare the values, pass a tolerance such as --rtol 1e-2 "
+                         "(bfloat16) or --rtol 1e-3 (float16)")
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "compared": self.compared, "compared_bytes": self.compared_bytes,
                 "missing": self.missing, "extra": self.extra, "mismatched": self.mismatched,
                 "different": self.different, "max_abs_diff": self.max_abs_diff,
-                "consumer": asdict(self.consumer) if self.consumer else None}
+                "consumer": asdict(self.consumer) if self.consumer else None, "notes": self.notes,
+                "tolerance": ({"atol": self.tolerance[0], "rtol": self.tolerance[1], "max_diff": self.max_diff}
+                              if self.tolerance is not None else None)}
 
 
 def _compare(reader: RangeReader, a: TensorEntry, b: TensorEntry, budget: int, atol: float, rtol: float,
@@ -116,7 +134,7 @@ def _close(buf_a: memoryview, buf_b: memoryview, da: str, db: str, atol: float, 
 def verify_indexes(a: CheckpointIndex, b: CheckpointIndex, reader: RangeReader, *, atol: float = 0.0,
                    rtol: float = 0.0, cast_ok: bool = False,
                    memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
-    report = VerifyReport()
+    report = VerifyReport(tolerance=(atol, rtol) if atol > 0 or rtol > 0 else None)
     budget = compare_slab(memory_limit)
     report.missing = sorted(set(a.tensors) - set(b.tensors))
     report.extra = sorted(set(b.tensors) - set(a.tensors))
@@ -126,10 +144,13 @@ def verify_indexes(a: CheckpointIndex, b: CheckpointIndex, reader: RangeReader, 
             continue
         if ta.shape != tb.shape or (ta.dtype != tb.dtype and not cast_ok):
             report.mismatched.append(f"{name} ({ta.dtype}{list(ta.shape)} vs {tb.dtype}{list(tb.shape)})")
+            report.shapes_differ += ta.shape != tb.shape
             continue
         equal, diff = _compare(reader, ta, tb, budget, atol, rtol, cast_ok)
         report.compared += 1
         report.compared_bytes += ta.nbytes
+        report.max_diff = max(report.max_diff, diff)
+        report.cast += ta.dtype != tb.dtype and report.tolerance is None
         if not equal:
             report.different.append(name)
             report.max_abs_diff[name] = diff

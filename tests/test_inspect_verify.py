@@ -64,3 +64,28 @@ def test_verify_identical_and_different(fsdp2: dict[str, Sample], tmp_path: Path
     ckptctl("export", src, tmp_path / "bf16", "--dtype", "bfloat16")
     assert ckptctl("verify", src, tmp_path / "bf16", "--only", "model", check=False).returncode == 1
     assert ckptctl("verify", src, tmp_path / "bf16", "--only", "model", "--atol", "0.05").stdout.startswith("OK")
+
+
+def test_verify_against_an_export_compares_what_it_holds(fsdp2: dict[str, Sample], tmp_path: Path) -> None:
+    """`verify SOURCE EXPORT` with no options: the export's manifest says it holds the model alone (under its
+    names, cast as it was): that is what is compared, and the output says so."""
+    src = fsdp2["fsdp2-dcp"].path
+    out = tmp_path / "export"
+    ckptctl("export", src, out, "--rename", r"^lm_head\.=head.")
+    proc = ckptctl("verify", src, out)
+    assert proc.stdout.startswith("OK identical: ")
+    assert f"{out} is an export (model weights only): compared what it holds" in proc.stderr
+    ckptctl("export", src, tmp_path / "bf16", "--dtype", "bfloat16")
+    cast = ckptctl("verify", src, tmp_path / "bf16", "--json")
+    report = json.loads(cast.stdout)
+    assert report["ok"] and report["compared"] > 0 and report["missing"] == report["extra"] == []
+    assert "cast to bfloat16" in report["notes"][0]
+    # asked for another selection, the export is compared as asked: dtypes differ, and --rtol is the way
+    asked = ckptctl("verify", src, tmp_path / "bf16", "--only", "model", check=False)
+    assert asked.returncode == 1 and "only dtypes differ" in asked.stdout and "--rtol" in asked.stdout
+    within = ckptctl("verify", src, tmp_path / "bf16", "--only", "model", "--rtol", "1e-2")
+    assert within.stdout.startswith("OK equal within rtol=0.01, atol=0, max difference ")
+    assert "identical" not in within.stdout
+    tolerant = json.loads(ckptctl("verify", src, tmp_path / "bf16", "--only", "model", "--rtol", "1e-2",
+                                  "--json").stdout)
+    assert 0 < tolerant["tolerance"]["max_diff"] < 0.05 and tolerant["tolerance"]["rtol"] == 0.01

@@ -88,6 +88,8 @@ def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> No
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
     else:
+        for note in report.notes:
+            err.print(f"[dim]{note}[/]", highlight=False)
         out.print(("OK " if report.ok else "DIFFERENT ") + report.summary(), highlight=False)
         for name, diff in list(report.max_abs_diff.items())[:20]:
             out.print(f"  {name}: max |a-b| = {diff:g}", highlight=False)
