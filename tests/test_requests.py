@@ -34,6 +34,7 @@ WIRE = {
 }
 for _kind in ("convert", "export", "reshard", "inspect"):  # added with the DeepSpeed reader
     WIRE[_kind] |= {"tag", "weights"}
+WIRE["export"] |= {"config_from"}  # added with the side files an export carries (config, tokenizer)
 EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token",
           "ray"}  # offline --ray ADDRESS: the Ray executor for this run
 
