@@ -24,6 +24,7 @@ from ckpt_service.store_check import StoreHealth
 
 from . import errors
 from .dashboard import mount as mount_dashboard
+from .docs import mount as mount_docs
 from .events import StreamSlots
 from .limits import BodyLimit
 from .metrics import Metrics, RequestMetrics
@@ -66,7 +67,8 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
                 await anyio.to_thread.run_sync(pool.stop)
             logs.event("api.stopped")
 
-    app = FastAPI(title="ckpt-service", version=_version(), description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="ckpt-service", version=_version(), description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # /docs is served from the package, below (no CDN)
     app.state.settings = settings
     app.state.service = service
     app.state.pool = pool
@@ -81,6 +83,7 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     app.include_router(health_router)
     app.include_router(session_router)
     mount_dashboard(app)
+    mount_docs(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

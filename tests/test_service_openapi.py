@@ -90,3 +90,25 @@ def test_schemathesis_finds_no_server_errors(served: tuple[Server, Tokens], tmp_
     assert " passed" in proc.stdout and "5xx" not in proc.stdout
     with server.http() as http:
         assert http.get("/healthz").status_code == 200  # still serving
+
+
+def test_docs_are_served_offline_under_a_strict_csp(served: tuple[Server, Tokens]) -> None:
+    """/docs loads nothing from another origin (a CDN is a blank page air-gapped): every script and stylesheet
+    it names is this server's and answers 200, the CSP allows no other origin, and no inline script is needed."""
+    import re
+
+    server, _ = served
+    page = httpx.get(f"{server.url}/docs", timeout=15)
+    assert page.status_code == 200
+    urls = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert len(urls) >= 3 and re.search(r"<script>|<script [^>]*>[^<]+</script>|<style", page.text) is None
+    for url in urls:
+        assert url.startswith("/") and not url.startswith("//"), url
+        asset = httpx.get(f"{server.url}{url}", timeout=15)
+        assert asset.status_code == 200 and asset.content, url
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "style-src 'self'" in csp
+    assert not re.search(r"https?:|\*|'unsafe-inline'", csp), csp
+    init = httpx.get(f"{server.url}/docs/init.js", timeout=15)
+    assert '"/openapi.json"' in init.text and init.headers["content-security-policy"] == csp
+    assert httpx.get(f"{server.url}/redoc", timeout=15).status_code == 404
