@@ -12,7 +12,8 @@ from .schemas import CheckpointPage, errors
 from .security import Reader, Writer
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
-CheckpointId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+# an id, or a name, NAME@RUN, ALIAS@RUN (`CkptService.checkpoint` resolves them)
+CheckpointId = Annotated[str, Path(min_length=1, max_length=130, pattern=r"^[A-Za-z0-9_.@-]+$")]
 
 
 @router.post("", status_code=201, response_model=CheckpointView,

@@ -229,6 +229,27 @@ class Catalog:
             raise NotFound(f"no alias {name}@{namespace}")
         return rows[0]["checkpoint_id"]
 
+    def checkpoint_id(self, ref: str) -> str:
+        """The checkpoint `ref` names: an id, `ALIAS@RUN` (`latest@run-7`), `NAME@RUN`, or a NAME only one listed
+        checkpoint has. NotFound when none does; InvalidRequest naming the candidates when several do."""
+        if self.store.query("SELECT 1 FROM checkpoints WHERE id = ?", (ref,)):
+            return ref
+        name, sep, run = ref.partition("@")
+        if sep and (aliased := self.store.query("SELECT checkpoint_id FROM aliases WHERE namespace = ? AND name = ?",
+                                                (run, name))):
+            return aliased[0]["checkpoint_id"]
+        sql = ("SELECT c.id, r.run FROM checkpoints c LEFT JOIN checkpoint_runs r ON r.checkpoint_id = c.id "
+               "WHERE c.name = ? AND r.deleted_at IS NULL")
+        rows = self.store.query(sql + (" AND r.run = ?" if sep else "") + " ORDER BY c.id LIMIT 11",
+                                (name, run) if sep else (name,))
+        if not rows:
+            raise NotFound(f"no checkpoint {ref} (an id, a name, NAME@RUN or ALIAS@RUN)")
+        if len(rows) > 1:
+            listed = ", ".join(r["id"] + (f" ({name}@{r['run']})" if r["run"] else "") for r in rows[:10])
+            count = len(rows) if len(rows) <= 10 else "more than 10"
+            raise InvalidRequest(f"{ref} names {count} checkpoints: {listed}; give an id or NAME@RUN", "checkpoint_id")
+        return rows[0]["id"]
+
     def history(self, namespace: str, name: str) -> list[AliasChange]:
         rows = self.store.query("SELECT * FROM alias_history WHERE namespace = ? AND name = ? "
                                 "ORDER BY changed_at, id", (namespace, name))

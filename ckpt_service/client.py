@@ -72,7 +72,8 @@ class ServiceClient:
         if response.status_code >= 400:
             try:
                 error = response.json()["error"]
-                raise ClientError(response.status_code, error.get("type", "error"), error.get("message", ""))
+                raise ClientError(response.status_code, error.get("type", "error"), error.get("message", ""),
+                                  (error.get("fields") or [{}])[0].get("field"))
             except (ValueError, KeyError, TypeError):
                 raise ClientError(response.status_code, "error", response.text[:200] or "request failed") from None
         return response.json() if response.content else None

@@ -38,8 +38,7 @@ class ServiceError(CkptError):
 
 class InvalidRequest(ServiceError):
     def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+        super().__init__(message, field=field)
 
 
 class Unauthorized(ServiceError):
@@ -52,8 +51,7 @@ class Forbidden(ServiceError):
 
 class OutsideRoots(Forbidden):
     def __init__(self, message: str, field: str | None = None, uri: str | None = None) -> None:
-        super().__init__(message)
-        self.field, self.uri = field, uri
+        super().__init__(message, field=field, uri=uri)
 
 
 class NotFound(ServiceError):
@@ -99,10 +97,11 @@ class SettingsError(ServiceError):
 
 
 class ClientError(CkptError):
-    """The server refused a request (`status` > 0) or could not be reached (`status` 0)."""
+    """The server refused a request (`status` > 0) or could not be reached (`status` 0); `field` is the request
+    field its error body names first."""
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, status: int, kind: str, message: str, field: str | None = None) -> None:
+        super().__init__(message, field=field)
         self.status, self.kind, self.message = status, kind, message
 
     def __str__(self) -> str:
@@ -120,6 +119,12 @@ EXIT_CODES: list[tuple[type[BaseException], int]] = [
     (CkptError, 2),  # VerifyError from --verify included: the output was removed, nothing was written
 ]
 DIFFERENT = 1  #: `ckptctl verify` found differences; `--wait`/`--follow` saw a job end other than succeeded
+
+
+def worded(message: str, field: str | None, name: str | None) -> str:
+    """`message` with the request field it names (`options.overwrite`, written as REST says it) put in another
+    interface's words (`--overwrite`); unchanged when there is no field or no other name for it."""
+    return message.replace(field, name) if field and name else message
 
 
 def exit_code(exc: BaseException) -> int:

@@ -157,7 +157,7 @@ class CkptService:
         return view
 
     def checkpoint(self, checkpoint_id: str, tensors: bool = False) -> CheckpointView:
-        view = self.registry.get(checkpoint_id)
+        view = self.registry.get(self.catalog.checkpoint_id(checkpoint_id))  # or a name, NAME@RUN, ALIAS@RUN
         if tensors:
             uri = roots.check(view.uri, self.settings.read_locations, field="uri", purpose="read")
             view.summary = sandbox.inspect(uri, self.settings, tensors=True)
@@ -168,7 +168,7 @@ class CkptService:
         return self.registry.list(name, tag, format, limit, cursor)
 
     def lineage(self, checkpoint_id: str) -> LineageView:
-        return self.registry.lineage(checkpoint_id)
+        return self.registry.lineage(self.catalog.checkpoint_id(checkpoint_id))
 
     def delete(self, checkpoint_id: str, purge: bool = False, principal: Principal | None = None) -> CheckpointView:
         """Unregister (the owner or an admin); with `purge` (admin), delete the data too, through the deletion

@@ -101,3 +101,159 @@ def test_register_cancel_and_errors(api_only: tuple[Server, Tokens, Path, Path],
     assert outside.returncode == 2 and "outside the storage roots" in outside.stderr
     made = ckptctl(server, None, "token", "create", "--scope", "write", "--name", "ci")
     assert made.stdout.startswith("ckpt_") and "ci:write:sha256:" in made.stderr
+
+
+# -- each interface in its own words (issue 27) -------------------------------------------------------
+
+
+def piped(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`ckptctl ARGS` with stdout and stderr piped, as a script or `| grep` sees it (no COLUMNS set)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_") and k != "COLUMNS"}
+    clean.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=clean)
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path, Path]]:
+    """A token-checking API-only server over four tiny one-file checkpoints, `<root>/run-N/step_10`, with a
+    deep root so paths are longer than a terminal line."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("words") / ("a-long-folder-name-" * 4).strip("-")
+    for run in ("run-1", "run-2", "run-3", "run-4"):
+        (root / run / "step_10").mkdir(parents=True)
+        save_file({"layer.weight": torch.ones(4, 4)}, str(root / run / "step_10" / "model.safetensors"))
+    out = tmp_path_factory.mktemp("words-out")
+    tokens = Tokens.make()
+    server = make_server(tmp_path_factory.mktemp("words-data"), read_roots=[root, out], write_roots=[out], workers=0,
+                         tokens=tokens.entries)
+    yield server.start(), tokens, root, out
+    server.stop()
+
+
+def test_a_refusal_names_the_flag_on_the_cli_and_the_field_in_rest(words: tuple[Server, Tokens, Path, Path]) -> None:
+    server, tokens, root, out = words
+    (out / "taken").mkdir()
+    (out / "taken" / "x").write_text("x")
+    proc = ckptctl(server, tokens.write, "submit", "export", str(root / "run-1" / "step_10"), str(out / "taken"),
+                   check=False)
+    assert proc.returncode == 2
+    assert "replace it with --overwrite" in proc.stderr and "options.overwrite" not in proc.stderr
+    with server.http(tokens.write) as http:
+        r = http.post("/v1/jobs", json={"kind": "export", "source": str(root / "run-1" / "step_10"),
+                                        "target": str(out / "taken"), "options": {}})
+    assert r.status_code == 409
+    error = r.json()["error"]
+    assert "options.overwrite" in error["message"]
+    assert error["fields"][0]["field"] == "options.overwrite"  # where a form puts the message
+
+
+def test_a_missing_token_says_ckpt_token_or_token(words: tuple[Server, Tokens, Path, Path]) -> None:
+    server, _, _, _ = words
+    proc = piped("jobs", env={"CKPT_SERVER": server.url})
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "set CKPT_TOKEN or pass --token" in proc.stderr
+    assert "Authorization" not in proc.stderr
+
+
+def test_checkpoints_by_name_name_at_run_and_alias(words: tuple[Server, Tokens, Path, Path]) -> None:
+    server, tokens, root, _ = words
+    made = {}
+    for run, name in (("run-1", "demo"), ("run-2", "demo"), ("run-3", "solo")):
+        registered = ckptctl(server, tokens.write, "checkpoints", "register", str(root / run / "step_10"), "--name",
+                             name, "--json")
+        made[run] = json.loads(registered.stdout)["id"]
+    shown = ckptctl(server, tokens.read, "checkpoints", "show", "solo", "--json")
+    assert json.loads(shown.stdout)["id"] == made["run-3"]
+    shown = ckptctl(server, tokens.read, "checkpoints", "show", "demo@run-2", "--json")
+    assert json.loads(shown.stdout)["id"] == made["run-2"]
+    ckptctl(server, tokens.write, "checkpoints", "alias", "solo", "best")
+    shown = ckptctl(server, tokens.read, "checkpoints", "show", "best@run-3", "--json")
+    assert json.loads(shown.stdout)["id"] == made["run-3"]
+    lineage = ckptctl(server, tokens.read, "checkpoints", "lineage", "solo", "--json")
+    assert json.loads(lineage.stdout)["checkpoint"]["id"] == made["run-3"]
+    ambiguous = ckptctl(server, tokens.read, "checkpoints", "show", "demo", check=False)
+    assert ambiguous.returncode == 2 and ambiguous.stderr.count("\n") == 1
+    assert made["run-1"] in ambiguous.stderr and made["run-2"] in ambiguous.stderr and "demo@run-1" in ambiguous.stderr
+    with server.http(tokens.read) as http:
+        assert http.get("/v1/checkpoints/solo").json()["id"] == made["run-3"]
+        assert http.get("/v1/checkpoints/demo@run-1/lineage").json()["checkpoint"]["id"] == made["run-1"]
+        refused = http.get("/v1/checkpoints/demo")
+        assert refused.status_code == 422 and made["run-2"] in refused.json()["error"]["message"]
+        assert http.get("/v1/checkpoints/nothing-here").status_code == 404
+
+
+def test_piped_output_is_whole_one_record_per_line(words: tuple[Server, Tokens, Path, Path]) -> None:
+    server, tokens, root, out = words
+    source = root / "run-4" / "step_10"
+    ckptctl(server, tokens.write, "checkpoints", "register", str(source), "--name", "piped")
+    env = {"CKPT_SERVER": server.url, "CKPT_TOKEN": tokens.read}
+    listed = piped("checkpoints", "list", "--name", "piped", env=env)
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split("\t")[0] == "id" and len(rows) == 1
+    cells = rows[0].split("\t")
+    assert cells[0].startswith("ckpt_") and "…" not in listed.stdout and cells[-1] == str(source)
+    assert "None" not in listed.stdout
+    job_id = ckptctl(server, tokens.write, "submit", "export", str(source), str(out / "piped-export"),
+                     "--quiet").stdout.strip()
+    status = piped("status", job_id, env=env)
+    lines = status.stdout.splitlines()
+    assert lines[0].startswith(f"{job_id}  export  queued  attempt ")
+    assert lines[1] == f"  {source} -> {out / 'piped-export'}"
+
+
+def test_dtype_aliases_on_the_cli_and_in_rest(words: tuple[Server, Tokens, Path, Path]) -> None:
+    server, tokens, root, out = words
+    source = root / "run-1" / "step_10"
+    proc = ckptctl(server, tokens.write, "submit", "export", str(source), str(out / "bf16"), "--dtype", "bf16",
+                   "--json")
+    assert json.loads(proc.stdout)["spec"]["options"]["dtype"] == "bfloat16"
+    with server.http(tokens.write) as http:
+        r = http.post("/v1/jobs", json={"kind": "export", "source": str(source), "target": str(out / "fp16"),
+                                        "options": {"dtype": "fp16"}})
+    assert r.status_code == 202 and r.json()["spec"]["options"]["dtype"] == "float16"
+    local = piped("export", str(source), str(out / "half"), "--dtype", "half", "--quiet")
+    assert local.returncode == 0, local.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(next((out / "half").glob("*.safetensors"))), "pt") as f:
+        assert str(f.get_tensor("layer.weight").dtype) == "torch.float16"
+
+
+def test_help_reads_like_a_command_line() -> None:
+    text = piped("export", "--help", env={"COLUMNS": "200"}).stdout
+    assert "Usage: ckptctl export [OPTIONS] SOURCE TARGET" in text
+    for typed in ("<bool>", "<list[str]>", "<str>", "{source}", "null:"):
+        assert typed not in text, typed
+    include = next(line for line in text.splitlines() if "--include" in line)
+    assert "GLOB" in include and "Repeatable" in include
+    assert "[float32|bfloat16|float16]" in text and "Default: 5GB." in text
+    assert "--clean-keys" in text and "Default: --clean-keys." in text
+    for group in ("rules", "policies", "checkpoints", "runs", "token", "store", "submit"):
+        for line in piped(group, "--help", env={"COLUMNS": "200"}).stdout.splitlines():
+            cells = line.strip("│ ").split(None, 1)  # every command row: its name, then its description
+            if cells and cells[0] in ("list", "remove", "pause", "resume", "add", "show", "triggers"):
+                assert len(cells) == 2 and cells[1].strip(), f"{group} {cells[0]} has no description"
+
+
+def test_a_missing_required_option_is_one_line() -> None:
+    proc = piped("reshard", "a", "b")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: Missing option '--world-size'. (see: ckptctl reshard --help)"]
+
+
+def test_serve_on_a_busy_port_refuses_before_starting(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = piped("serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--host", "127.0.0.1")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already "
+                                        "in use); choose another with --port or CKPT_PORT, or stop what holds it"]
+    assert proc.stdout == "" and not (tmp_path / "data").exists()  # no store opened, no worker started

@@ -14,6 +14,9 @@ import sys
 from importlib import import_module
 from typing import Any
 
+import typer
+from typer._click import exceptions as click  # typer vendors click
+
 from ..job_requests import REQUESTS
 from . import common
 
@@ -28,6 +31,7 @@ OFFLINE_COMMANDS = frozenset({*REQUESTS, "sample"})
 def load(names: tuple[str, ...] = MODULES) -> None:
     for name in names:
         import_module(f"{__name__}.{name}")
+    common.plain_commands(common.app)
 
 
 def __getattr__(name: str) -> Any:
@@ -40,4 +44,16 @@ def __getattr__(name: str) -> Any:
 def main() -> None:
     args = sys.argv[1:]
     load(("offline",) if args and args[0] in OFFLINE_COMMANDS else MODULES)
-    common.app()
+    try:
+        code = common.app(standalone_mode=False, prog_name="ckptctl")
+    except click.NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+        code = 2
+    except click.UsageError as exc:  # a missing or malformed argument: one line, like every other refusal
+        hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx else ""
+        common.say_error(f"{exc.format_message()}{hint}")
+        code = 2
+    except typer.Abort:
+        common.say_error("interrupted; nothing was left behind")
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)

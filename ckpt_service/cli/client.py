@@ -20,13 +20,14 @@ from ..client import DEFAULT_SERVER, ServiceClient
 from ..errors import DIFFERENT, ClientError, exit_code
 from ..job_requests import REQUESTS, JobRequest
 from ..units import human
-from .common import AsJson, From, Quiet, app, err, fail, job_command, keyword, make_table, out
+from .common import AsJson, From, Quiet, app, err, fail, in_cli_words, job_command, keyword, make_table, out, shown
 
 Server = Annotated[str, typer.Option("--server", envvar="CKPT_SERVER", help="Service URL.")]
 Token = Annotated[str | None, typer.Option("--token", envvar="CKPT_TOKEN", show_default=False,
                                            help="Bearer token (prefer the CKPT_TOKEN variable).")]
 Wait = Annotated[bool, typer.Option("--wait", help="Follow the job until it ends; exit 1 unless it succeeds.")]
 Callback = Annotated[str | None, typer.Option("--callback-url", help="POSTed the final job document.")]
+Ref = Annotated[str, typer.Argument(metavar="CHECKPOINT", help="Checkpoint id, name, NAME@RUN or ALIAS@RUN.")]
 IdemKey = Annotated[str | None, typer.Option("--idempotency-key", help="Resubmitting with the same key returns "
                                              "the same job (default: a fresh key per command).")]
 
@@ -37,7 +38,10 @@ def connect(server: str, token: str | None) -> Iterator[ServiceClient]:
     try:
         yield client
     except ClientError as exc:
-        fail(str(exc), exit_code(exc))
+        if exc.status == 401:  # the server's words are about the header; here the token is a variable or a flag
+            fail(f"{exc.message.partition(':')[0]}: set CKPT_TOKEN or pass --token (a token comes from `ckptctl "
+                 "token create`) (HTTP 401)", exit_code(exc))
+        fail(in_cli_words(exc), exit_code(exc))
     finally:
         client.close()
 
@@ -71,7 +75,7 @@ def print_job(job: dict[str, Any]) -> None:
         out.print(f"  verify: {result.get('verify_summary') or result['summary']}", highlight=False)
     if job["kind"] == "inspect" and job["state"] == "succeeded":
         for key in ("format", "world_size", "tensors", "total_bytes", "has_optimizer"):
-            out.print(f"  {key}: {result.get(key)}", highlight=False)
+            out.print(f"  {key}: {shown(result.get(key))}", highlight=False)
 
 
 def follow(client: ServiceClient, job_id: str, quiet: bool) -> dict[str, Any]:
@@ -201,8 +205,8 @@ app.add_typer(checkpoints_app, name="checkpoints")
 
 
 def print_checkpoint(c: dict[str, Any]) -> None:
-    out.print(f"{c['id']}  {c['name']}  {c['format']}  world size {c['world_size']}  {c['tensors']} tensors  "
-              f"{human(c['total_bytes'] or 0)}", highlight=False)
+    out.print(f"{c['id']}  {c['name']}  {shown(c['format'])}  world size {shown(c['world_size'])}  "
+              f"{shown(c['tensors'])} tensors  {human(c['total_bytes'] or 0)}", highlight=False)
     out.print(f"  {c['uri']}", highlight=False)
     if c["tags"] or c["metadata"]:
         out.print(f"  tags: {', '.join(c['tags'])}  metadata: {json.dumps(c['metadata'])}", highlight=False)
@@ -224,20 +228,19 @@ def checkpoints_list(name: Annotated[str | None, typer.Option("--name")] = None,
         return
     table = make_table("id", "name", "format", "world size", "size", "tags", "uri")
     for c in page["items"]:
-        table.add_row(c["id"], c["name"], str(c["format"]), str(c["world_size"]), human(c["total_bytes"] or 0),
+        table.add_row(c["id"], c["name"], shown(c["format"]), shown(c["world_size"]), human(c["total_bytes"] or 0),
                       ",".join(c["tags"]), c["uri"])
     out.print(table)
 
 
 @checkpoints_app.command("show")
-def checkpoints_show(checkpoint_id: Annotated[str, typer.Argument(help="Checkpoint id or ALIAS@RUN.")],
-                     tensors: Annotated[bool, typer.Option("--tensors")] = False,
+def checkpoints_show(ref: Ref, tensors: Annotated[bool, typer.Option("--tensors")] = False,
                      as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Show a registered checkpoint (with --tensors, its tensor table)."""
-    from .manage import print_managed, resolve_ref
+    from .manage import print_managed
 
     with connect(server, token) as client:
-        c = client.checkpoint(resolve_ref(client, checkpoint_id), tensors)
+        c = client.checkpoint(ref, tensors)
         if as_json:
             out.print_json(json.dumps(c))
             return
@@ -273,11 +276,11 @@ def checkpoints_register(uri: str, name: Annotated[str | None, typer.Option("--n
 
 
 @checkpoints_app.command("lineage")
-def checkpoints_lineage(checkpoint_id: str, as_json: AsJson = False, server: Server = DEFAULT_SERVER,
+def checkpoints_lineage(ref: Ref, as_json: AsJson = False, server: Server = DEFAULT_SERVER,
                         token: Token = None) -> None:
     """What a checkpoint was derived from, and what was derived from it."""
     with connect(server, token) as client:
-        view = client.lineage(checkpoint_id)
+        view = client.lineage(ref)
     if as_json:
         out.print_json(json.dumps(view))
         return
@@ -289,10 +292,12 @@ def checkpoints_lineage(checkpoint_id: str, as_json: AsJson = False, server: Ser
 
 
 @checkpoints_app.command("delete")
-def checkpoints_delete(checkpoint_id: str,
+def checkpoints_delete(ref: Ref,
                        purge: Annotated[bool, typer.Option("--purge", help="Delete the data too (admin).")] = False,
                        server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Unregister a checkpoint (with --purge, delete its data)."""
+    from .manage import resolve_ref
+
     with connect(server, token) as client:
-        c = client.delete(checkpoint_id, purge)
+        c = client.delete(resolve_ref(client, ref), purge)
     out.print(f"unregistered {c['id']} ({c['uri']})" + ("; data deleted" if purge else ""), highlight=False)

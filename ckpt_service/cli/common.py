@@ -1,5 +1,9 @@
 """What every `ckptctl` command shares: the app, the consoles, one-line errors with their exit codes, the
-progress bar, and the job commands' flags, generated from the request models (`job_requests`)."""
+progress bar, the job commands' flags, generated from the request models (`job_requests`), and the help and
+usage style of every command (`Command`: `SOURCE TARGET`, `--limit INTEGER`, switches without a type).
+
+Away from a terminal (a pipe, a file), output is never wrapped or cut: long lines stay whole and tables are
+one tab-separated record per line."""
 
 from __future__ import annotations
 
@@ -8,20 +12,20 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
 
 import typer
 from pydantic import ValidationError
+from typer.core import TyperArgument, TyperCommand
 
 from converters import CkptError
 
-from ..errors import exit_code
-from ..job_requests import JobRequest, build, default_of, flag_of, plain, problems
+from ..errors import exit_code, worded
+from ..job_requests import REQUESTS, JobRequest, build, default_of, flag_of, plain, problems
 from ..units import exact
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Convert, reshard, export and verify sharded PyTorch checkpoints, offline and streaming.")
@@ -40,21 +44,49 @@ class LazyConsole:
             from rich.console import Console
 
             self.made = Console(stderr=self.stderr)
+            self.made.soft_wrap = not self.made.is_terminal  # a pipe gets whole lines
         return self.made
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real(), name)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """Console.print; `Records` go out as they are (rich would expand their tabs)."""
+        if len(objects) == 1 and isinstance(objects[0], Records):
+            stream = sys.stderr if self.stderr else sys.stdout
+            stream.write("\n".join(objects[0].lines) + "\n")
+            return
+        self.real().print(*objects, **kwargs)
 
 
 out = LazyConsole()
 err = LazyConsole(stderr=True)
 
 
-def make_table(*headers: str) -> Table:
-    """A rich table with these column headers (rich.table loads only when a command prints one)."""
+class Records:
+    """A table away from a terminal: a header line, then one record per line, cells whole and tab-separated
+    (`LazyConsole.print` writes it)."""
+
+    def __init__(self, *headers: str) -> None:
+        self.lines = ["\t".join(headers)]
+
+    def add_row(self, *cells: str) -> None:
+        self.lines.append("\t".join(cell or "-" for cell in cells))
+
+
+def make_table(*headers: str) -> Any:
+    """A rich table with these column headers on a terminal, else `Records` (rich.table loads only when a
+    command prints one)."""
+    if not out.real().is_terminal:
+        return Records(*headers)
     from rich.table import Table
 
     return Table(*headers)
+
+
+def shown(value: Any) -> str:
+    """A value for a line of output: `-` where it is unknown (never `None`)."""
+    return "-" if value is None else str(value)
 
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
@@ -62,9 +94,30 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON document.")]
 From = Annotated[str | None, typer.Option("--from", help="Force the source format.")]
 
 
+def say_error(message: str) -> None:
+    """The one line every refusal prints on stderr."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    say_error(message)
     raise typer.Exit(code)
+
+
+def flag_name(field: str | None) -> str | None:
+    """The flag of a job option named as a request field (`options.overwrite` -> `--overwrite`), else None."""
+    name = (field or "").removeprefix("options.")
+    for model in REQUESTS.values():
+        if field and field.startswith("options.") and name in model.model_fields:
+            return flag_of(model, name).decls[0].split("/")[0]
+    return None
+
+
+def in_cli_words(exc: CkptError) -> str:
+    """An error's line as the command line says it: the field it names, as its flag."""
+    return worded(str(exc), exc.field, flag_name(exc.field))
 
 
 @contextmanager
@@ -73,7 +126,7 @@ def errors() -> Iterator[None]:
     try:
         yield
     except CkptError as exc:
-        fail(str(exc), exit_code(exc))
+        fail(in_cli_words(exc), exit_code(exc))
     except KeyboardInterrupt as exc:
         fail("interrupted; nothing was left behind", exit_code(exc))
 
@@ -114,22 +167,48 @@ def cli_type(annotation: Any) -> Any:
     return str
 
 
+def choices_of(annotation: Any) -> tuple[str, ...]:
+    """The values a Literal field takes (`Literal[...] | None` included), else ()."""
+    annotation = plain(annotation)
+    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return tuple(v for m in members if get_origin(m) is Literal for v in get_args(m))
+
+
+def default_words(model: type[JobRequest], name: str, kind: Any, default: Any) -> str:
+    """A field's default as help text: `Default: 5GB.`, `Default: --clean-keys.`; nothing for an off switch or
+    an empty list."""
+    decls = flag_of(model, name).decls[0].split("/")
+    if kind is bool:
+        if default is None:
+            unset = flag_of(model, name).unset
+            return f" Default: {unset}." if unset else ""
+        if len(decls) == 1:
+            return " Default: on." if default else ""
+        return f" Default: {decls[0] if default else decls[1]}."
+    if default in (None, []):
+        return ""
+    return f" Default: {exact(default) if isinstance(default, int) and kind is str else default}."
+
+
 def option_parameters(model: type[JobRequest]) -> list[inspect.Parameter]:
     """One keyword parameter per model field, with the field's flag, help and default. Options other than
-    flags default to None ("not given"), so the model's default applies; the help shows that default."""
+    flags default to None ("not given"), so the model's default applies; the help says that default in words.
+    Choices are listed as the value's placeholder, lists are repeatable flags."""
     params = []
     for name, info in model.model_fields.items():
         kind = cli_type(info.annotation)
         default = default_of(info)
         if info.is_required():
-            value, shown = inspect.Parameter.empty, False
+            value = inspect.Parameter.empty
         elif kind is bool:
-            value, shown = default, True
+            value = default
         else:
             value = None
-            shown = False if default in (None, []) else exact(default) if isinstance(default, int) and \
-                kind is str else str(default)
-        option = typer.Option(*flag_of(model, name).decls, help=info.description, show_default=shown)
+        choices = choices_of(info.annotation)
+        metavar = flag_of(model, name).metavar or ("[" + "|".join(choices) + "]" if choices else None)
+        text = (info.description or "") + (" Repeatable." if kind == list[str] else "") + \
+            ("" if info.is_required() else default_words(model, name, kind, default))
+        option = typer.Option(*flag_of(model, name).decls, help=text.strip(), show_default=False, metavar=metavar)
         annotation = Annotated[kind if value is inspect.Parameter.empty or kind is bool else kind | None, option]
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value, annotation=annotation))
     return params
@@ -170,3 +249,58 @@ def job_command(group: typer.Typer, model: type[JobRequest], arguments: list[tup
 def keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
     """An extra command parameter (e.g. `quiet: Quiet = False`) for `job_command`."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+# -- help and usage --------------------------------------------------------------------------------
+
+
+def plain_metavar(param: Any) -> str:
+    """How a parameter's value shows in help and usage, as most command lines write it: `SOURCE`, `INTEGER`,
+    `[read|write|admin]`; nothing for a switch."""
+    if param.metavar is not None:
+        return str(param.metavar)
+    if isinstance(param, TyperArgument):
+        return str(param.name or "").upper()
+    if param.is_flag:
+        return ""
+    described = param.type_descriptor
+    if described.is_choice:
+        return "[" + "|".join(map(str, described.choices or ())) + "]"
+    annotation = get_args(described.annotation)[0] if described.is_list else described.annotation
+    return {int: "INTEGER", float: "NUMBER"}.get(annotation, "PATH" if described.is_path else "TEXT")
+
+
+class Command(TyperCommand):
+    """A command whose help reads like a plain command line's: `Usage: ckptctl export [OPTIONS] SOURCE TARGET`,
+    `--limit INTEGER`, `--overwrite` with no type, `--include GLOB` (repeatable)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            param.metavar = plain_metavar(param)
+            if isinstance(param, TyperArgument):  # its name column says it all (typer would add `<str>`)
+                param.display_type_rich = lambda ctx: None  # type: ignore[method-assign]
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = f"{param.metavar}..." if param.nargs != 1 else str(param.metavar)
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
+def plain_commands(group: typer.Typer) -> None:
+    """Give every command of `group` and its sub-groups the `Command` style (those that chose none)."""
+    for info in group.registered_commands:
+        if info.cls in (None, TyperCommand):
+            info.cls = Command
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            plain_commands(sub.typer_instance)

@@ -1,5 +1,6 @@
 """Checkpoint management commands against a server: `checkpoints tag|alias`, `runs`, `aliases`, `rules`,
-`policies`, `gc`, `deletions` and `notify`. A checkpoint may be named by id or as `ALIAS@RUN`."""
+`policies`, `gc`, `deletions` and `notify`. A checkpoint may be named by id, by name, or as NAME@RUN or
+ALIAS@RUN."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import typer
 
 from ..client import DEFAULT_SERVER, ServiceClient
 from ..units import human
-from .client import Server, Token, as_uri, checkpoints_app, connect
-from .common import AsJson, app, fail, make_table, out
+from .client import Ref, Server, Token, as_uri, checkpoints_app, connect
+from .common import AsJson, app, fail, make_table, out, shown
 
 
 def get(client: ServiceClient, path: str, **params: Any) -> Any:
@@ -23,19 +24,14 @@ def send(client: ServiceClient, method: str, path: str, body: Any = None) -> Any
 
 
 def resolve_ref(client: ServiceClient, ref: str) -> str:
-    """A checkpoint id, or the id `ALIAS@RUN` names now."""
-    name, sep, namespace = ref.partition("@")
-    if not sep:
-        return ref
-    if not name or not namespace:
-        fail(f"{ref!r}: write ALIAS@RUN, e.g. prod@run-7")
-    return client._request("GET", f"/v1/aliases/{namespace}/{name}")["checkpoint"]["id"]
+    """The id of the checkpoint `ref` names: an id, a name, NAME@RUN or ALIAS@RUN (the server resolves them)."""
+    return str(client.checkpoint(ref)["id"])
 
 
 def print_managed(client: ServiceClient, checkpoint_id: str) -> None:
     m = client._request("GET", f"/v1/checkpoints/{checkpoint_id}/managed")
     if m["run"] is not None or m["aliases"] or m["rule_id"] or m["deleted_at"]:
-        out.print(f"  run {m['run']}  step {m['step']}  aliases: {', '.join(m['aliases']) or '-'}"
+        out.print(f"  run {shown(m['run'])}  step {shown(m['step'])}  aliases: {', '.join(m['aliases']) or '-'}"
                   + (f"  made by rule {m['rule_id']}" if m["rule_id"] else "")
                   + (f"  deleted {m['deleted_at']}" if m["deleted_at"] else ""), highlight=False)
 
@@ -59,7 +55,7 @@ def _emit(data: Any, as_json: bool) -> bool:
 # -- checkpoints tag | alias -----------------------------------------------------------------------
 
 @checkpoints_app.command("tag")
-def checkpoints_tag(ref: Annotated[str, typer.Argument(help="Checkpoint id or ALIAS@RUN.")],
+def checkpoints_tag(ref: Ref,
                     tags: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE or KEY (e.g. pin).")] = None,
                     remove: Annotated[list[str] | None, typer.Option("--remove", help="Remove the tag with this "
                                                                      "key (repeatable).")] = None,
@@ -74,7 +70,7 @@ def checkpoints_tag(ref: Annotated[str, typer.Argument(help="Checkpoint id or AL
 
 
 @checkpoints_app.command("alias")
-def checkpoints_alias(ref: Annotated[str, typer.Argument(help="Checkpoint id or ALIAS@RUN.")],
+def checkpoints_alias(ref: Ref,
                       name: Annotated[str, typer.Argument(help="The alias, e.g. prod.")],
                       namespace: Annotated[str | None, typer.Option("--run", help="Namespace (default: the "
                                                                     "checkpoint's run).")] = None,
@@ -102,7 +98,7 @@ def runs_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: T
     if not _emit(rows, as_json):
         table = make_table("run", "checkpoints", "latest step", "latest id")
         for r in rows:
-            table.add_row(r["run"], str(r["checkpoints"]), str(r["latest_step"]), str(r["latest_id"]))
+            table.add_row(r["run"], str(r["checkpoints"]), shown(r["latest_step"]), shown(r["latest_id"]))
         out.print(table)
 
 
@@ -115,7 +111,7 @@ def runs_show(run: str, latest: Annotated[bool, typer.Option("--latest", help="O
     if not _emit(rows[0] if latest else rows, as_json):
         table = make_table("step", "id", "aliases", "rule", "uri")
         for m in rows:
-            table.add_row(str(m["step"]), m["checkpoint"]["id"], ",".join(m["aliases"]), str(m["rule_id"] or ""),
+            table.add_row(shown(m["step"]), m["checkpoint"]["id"], ",".join(m["aliases"]), m["rule_id"] or "",
                           m["checkpoint"]["uri"])
         out.print(table)
 
@@ -167,6 +163,7 @@ def policies_add(name: str, run: Annotated[str | None, typer.Option("--run")] = 
 
 @policies_app.command("list")
 def policies_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """List retention policies with their specs."""
     with connect(server, token) as client:
         rows = get(client, "/v1/policies")
     if not _emit(rows, as_json):
@@ -176,6 +173,7 @@ def policies_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, toke
 
 @policies_app.command("remove")
 def policies_remove(policy: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Remove a retention policy (admin); what it kept is not deleted."""
     with connect(server, token) as client:
         result = send(client, "DELETE", f"/v1/policies/{policy}")
     out.print(f"removed policy {result['spec']['name']}", highlight=False)
@@ -245,6 +243,7 @@ def rules_add(name: str, pattern: Annotated[str, typer.Argument(help="e.g. '/dat
 
 @rules_app.command("list")
 def rules_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """List rules: pattern, job, paused or not, and how often each fired."""
     with connect(server, token) as client:
         rows = get(client, "/v1/rules")
     if not _emit(rows, as_json):
@@ -264,16 +263,19 @@ def _rule_action(method: str, path: str, server: str, token: str | None, done: s
 
 @rules_app.command("remove")
 def rules_remove(rule: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Remove a rule; the jobs it queued are kept."""
     _rule_action("DELETE", f"/v1/rules/{rule}", server, token, "removed")
 
 
 @rules_app.command("pause")
 def rules_pause(rule: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Pause a rule: new checkpoints get no job until it is resumed."""
     _rule_action("POST", f"/v1/rules/{rule}/pause", server, token, "paused")
 
 
 @rules_app.command("resume")
 def rules_resume(rule: str, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """Resume a paused rule."""
     _rule_action("POST", f"/v1/rules/{rule}/resume", server, token, "resumed")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Annotated, Any
@@ -59,6 +61,27 @@ def open_store(settings: Any) -> Any:
         fail(str(exc))
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse, in one line naming --port, a port this host cannot listen on, before anything starts (uvicorn
+    would log its failure only after the app, its job slots and the store were up)."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        fail(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); choose another with --port "
+             "or CKPT_PORT, or stop what holds it")
+
+
+def dashboard_url(host: str, port: int) -> str:
+    """Where a browser on this machine finds the dashboard of a server listening on `host`."""
+    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{local}]:{port}/" if ":" in local else f"http://{local}:{port}/"
+
+
 @app.command()
 def serve(host: Host = None, port: Port = None, workers: Workers = None, data_dir: DataDir = None,
           database_url: DatabaseUrl = None, config: Config = None, log_level: LogLevel = None,
@@ -70,6 +93,7 @@ def serve(host: Host = None, port: Port = None, workers: Workers = None, data_di
     if print_config:
         out.print_json(json.dumps(settings.masked()))
         return
+    check_port(settings.host, settings.port)
     import uvicorn
 
     from api.app import create_app
@@ -77,6 +101,8 @@ def serve(host: Host = None, port: Port = None, workers: Workers = None, data_di
     from .. import logs
     from ..worker import WorkerPool, confine
 
+    if sys.stdout.isatty():
+        out.print(f"Dashboard: {dashboard_url(settings.host, settings.port)}  (API docs: /docs)", highlight=False)
     logs.setup(settings.log_level)
     store = open_store(settings)
     confine(settings)  # the API and its scheduler read nothing outside the roots (checkpoints: not at all)
