@@ -257,3 +257,17 @@ def test_serve_on_a_busy_port_refuses_before_starting(tmp_path: Path) -> None:
     assert proc.stderr.splitlines() == [f"error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already "
                                         "in use); choose another with --port or CKPT_PORT, or stop what holds it"]
     assert proc.stdout == "" and not (tmp_path / "data").exists()  # no store opened, no worker started
+
+
+def test_the_readme_test_command_upgrades_pip_first_and_ci_runs_it() -> None:
+    """A fresh venv's stock pip 23 backtracks for 20+ minutes over the test extra: the README's one command line
+    upgrades pip before the install, and `.ci/run` runs that same line."""
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    section = readme.split("## Run the tests", 1)[1]
+    command = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert "\n" not in command
+    steps = [step.strip() for step in command.split("&&")]
+    assert steps[0] == "python -m pip install --upgrade pip"
+    assert steps[1].startswith("python -m pip install") and '-e ".[test]"' in steps[1]
+    assert command in (root / ".ci" / "run").read_text().splitlines()
