@@ -243,7 +243,8 @@ class Catalog:
         rows = self.store.query(sql + (" AND r.run = ?" if sep else "") + " ORDER BY c.id LIMIT 11",
                                 (name, run) if sep else (name,))
         if not rows:
-            raise NotFound(f"no checkpoint {ref} (an id, a name, NAME@RUN or ALIAS@RUN)")
+            raise NotFound(f"no alias {ref} and no checkpoint named {name} in run {run}" if sep else
+                           f"no checkpoint with the id or name {ref} (NAME@RUN and ALIAS@RUN name one in a run)")
         if len(rows) > 1:
             listed = ", ".join(r["id"] + (f" ({name}@{r['run']})" if r["run"] else "") for r in rows[:10])
             count = len(rows) if len(rows) <= 10 else "more than 10"
