@@ -11,10 +11,11 @@ Every byte the engine reads from a checkpoint goes through this module, which co
 - local files are opened only when they are regular files (never a FIFO, device or socket: checked
   before opening, and again on the open descriptor, which is opened non-blocking);
 - with read roots set (`confine_reads(roots)`, or the `CKPT_CONFINE_READS` environment variable: a JSON
-  list of roots, or one root; a job process sets it to its read roots plus its write roots, since
-  it reads back what it writes), every local file must resolve, symlinks followed, inside one
-  of them, checked before opening and again on the opened descriptor; remote URIs must lie below one
-  of the roots given as URIs. Without roots (offline), member symlinks are followed;
+  list of roots, or one root; every service process (API, scheduler, worker, job, inspection) sets it to
+  its read roots plus its write roots, since it reads back what it writes), every local file and every
+  folder listed must resolve, symlinks followed, inside one of them, files checked before opening and
+  again on the opened descriptor; remote URIs must lie below one of the roots given as URIs. Without
+  roots (offline), member symlinks are followed;
 - whole-file reads (`read_all`) stop at `max_metadata_bytes()` (`CKPT_MAX_METADATA_BYTES`), checked
   against the file's real size first; ranged reads are checked against the real size before any
   buffer is allocated.
@@ -109,7 +110,8 @@ def _check_roots(uri: str, real: str | None = None) -> None:
         return
     where = real if real is not None else (os.path.realpath(local_path(uri)) if is_local(uri) else uri)
     if not _inside(where, roots):
-        raise SourceError(f"{uri}: resolves outside the storage roots this job may read; refusing to open it", uri=uri)
+        raise SourceError(f"{uri}: resolves outside the storage roots this process may read; refusing to read it",
+                          uri=uri)
 
 
 def _bad_name(name: str) -> str | None:
@@ -358,7 +360,8 @@ def isdir(uri: str) -> bool:
 
 
 def listdir(uri: str) -> list[str]:
-    """Names (not paths) of the entries of a folder, sorted."""
+    """Names (not paths) of the entries of a folder (inside the read roots, symlinks resolved), sorted."""
+    _check_roots(uri)
     if is_local(uri):
         return sorted(os.listdir(local_path(uri)))
     listing = _listed(uri)
