@@ -18,9 +18,10 @@ CheckpointId = Annotated[str, Path(min_length=1, max_length=130, pattern=r"^[A-Z
 
 @router.post("", status_code=201, response_model=CheckpointView,
              responses=errors(400, 401, 403, 409, 413, 422, 503), summary="Register a checkpoint")
-def register(body: RegisterRequest, request: Request, _: Writer) -> CheckpointView:
-    """Inspect the URI (metadata only) and record it with a name, tags and metadata."""
-    return request.app.state.service.register(body)
+def register(body: RegisterRequest, request: Request, principal: Writer) -> CheckpointView:
+    """Inspect the URI (metadata only) and record it with a name, tags and metadata, owned by the caller."""
+    service = request.app.state.service
+    return service.registry.claim(service.register(body).id, principal.name)
 
 
 @router.get("", response_model=CheckpointPage, responses=errors(401, 403, 422, 503), summary="List checkpoints")
@@ -31,15 +32,17 @@ def list_checkpoints(request: Request, _: Reader,
                      limit: Annotated[int, Query(ge=1, le=200)] = 50,
                      cursor: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None
                      ) -> CheckpointPage:
-    items, next_cursor = request.app.state.service.checkpoints(name, tag, format, limit, cursor)
-    return CheckpointPage(items=items, next_cursor=next_cursor)
+    """Live checkpoints (not those GC or a purge deleted); `unreadable` names damaged entries left out."""
+    items, next_cursor, unreadable = request.app.state.service.checkpoints(name, tag, format, limit, cursor)
+    return CheckpointPage(items=items, next_cursor=next_cursor, unreadable=unreadable)
 
 
 @router.get("/{checkpoint_id}", response_model=CheckpointView, responses=errors(401, 403, 404, 422, 503),
             summary="Show a checkpoint")
 def show(checkpoint_id: CheckpointId, request: Request, _: Reader,
          tensors: bool = False) -> CheckpointView:
-    """The stored summary; `?tensors=true` re-reads the metadata and adds the tensor table."""
+    """The stored summary; `?tensors=true` re-reads the metadata and adds the tensor table. A checkpoint whose
+    data GC or a purge deleted is still shown, with `deleted_at` set."""
     return request.app.state.service.checkpoint(checkpoint_id, tensors)
 
 
@@ -55,6 +58,9 @@ def lineage(checkpoint_id: CheckpointId, request: Request, _: Reader) -> Lineage
 def delete(checkpoint_id: CheckpointId, request: Request, principal: Writer,
            purge: Annotated[bool, Query(description="Delete the data too (admin; only under a write root)")] = False
            ) -> CheckpointView:
+    """Unregister (the token that registered it, or an admin). With `purge` (admin) the data is deleted
+    through the deletion log like GC, and the entry stays with `deleted_at` (409 when the path is now a
+    symlink or another folder: nothing is deleted)."""
     if purge:
-        request.app.state.checker.require(request.headers.get("authorization"), "admin")
-    return request.app.state.service.delete(checkpoint_id, purge)
+        principal = request.app.state.checker.require(request.headers.get("authorization"), "admin")
+    return request.app.state.service.delete(checkpoint_id, purge, principal)

@@ -41,9 +41,9 @@ def list_jobs(request: Request, _: Reader, state: State | None = None,
               cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,18}$", description="next_cursor of the "
                                                                                        "previous page")] = None
               ) -> JobPage:
-    """Newest first."""
-    items, next_cursor = request.app.state.service.jobs(state, kind, limit, cursor)
-    return JobPage(items=items, next_cursor=next_cursor)
+    """Newest first; `unreadable` names damaged entries left out."""
+    items, next_cursor, unreadable = request.app.state.service.jobs(state, kind, limit, cursor)
+    return JobPage(items=items, next_cursor=next_cursor, unreadable=unreadable)
 
 
 @router.get("/{job_id}", response_model=JobView, responses=errors(401, 403, 404, 422, 503), summary="Read a job")

@@ -74,10 +74,11 @@ def get_tags(checkpoint_id: Id, request: Request, _: Reader) -> Tags:
 
 @router.post("/checkpoints/{checkpoint_id}/tags", response_model=Tags,
              responses=errors(400, 413, 401, 403, 404, 422, 503), summary="Set or remove tags")
-def set_tags(checkpoint_id: Id, body: TagUpdate, request: Request, _: Writer) -> Tags:
-    """`key=value` tags replace the tag with the same key; `pin` protects a checkpoint from GC."""
+def set_tags(checkpoint_id: Id, body: TagUpdate, request: Request, principal: Writer) -> Tags:
+    """`key=value` tags replace the tag with the same key; `pin` protects a checkpoint from GC. A tag key
+    belongs to the token that set it: changing or removing it is for that token or an admin (403)."""
     return Tags(checkpoint_id=checkpoint_id,
-                tags=request.app.state.service.catalog.set_tags(checkpoint_id, body.set, body.remove))
+                tags=request.app.state.service.catalog.set_tags(checkpoint_id, body.set, body.remove, principal))
 
 
 @router.get("/checkpoints/{checkpoint_id}/managed", response_model=ManagedView,
@@ -102,14 +103,16 @@ def get_alias(namespace: Id, name: Id, request: Request, _: Reader) -> ManagedVi
 @router.put("/aliases/{namespace}/{name}", response_model=ManagedView,
             responses=errors(400, 413, 401, 403, 404, 422, 503), summary="Point an alias at a checkpoint")
 def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, principal: Writer) -> ManagedView:
-    """Moves the alias atomically (its history keeps every move)."""
-    return request.app.state.service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name)
+    """Moves the alias atomically (its history keeps every move). An existing alias is moved by the token that
+    made it or an admin (403)."""
+    return request.app.state.service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name,
+                                                       principal)
 
 
 @router.delete("/aliases/{namespace}/{name}", status_code=204, responses=errors(401, 403, 404, 422, 503),
                summary="Remove an alias")
 def delete_alias(namespace: Id, name: Id, request: Request, principal: Writer) -> None:
-    request.app.state.service.catalog.remove_alias(namespace, name, principal.name)
+    request.app.state.service.catalog.remove_alias(namespace, name, principal.name, principal)
 
 
 @router.get("/aliases/{namespace}/{name}/history", response_model=list[AliasChange],
@@ -192,20 +195,23 @@ def get_rule(rule_id: Id, request: Request, _: Reader) -> RuleView:
 
 @router.delete("/rules/{rule_id}", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
                summary="Remove a rule")
-def remove_rule(rule_id: Id, request: Request, _: Writer) -> RuleView:
-    return _rules(request).remove(rule_id)
+def remove_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
+    """Its creator or an admin (403 otherwise)."""
+    return _rules(request).remove(rule_id, principal)
 
 
 @router.post("/rules/{rule_id}/pause", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
              summary="Pause a rule")
-def pause_rule(rule_id: Id, request: Request, _: Writer) -> RuleView:
-    return _rules(request).pause(rule_id, True)
+def pause_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
+    """Its creator or an admin (403 otherwise)."""
+    return _rules(request).pause(rule_id, True, principal)
 
 
 @router.post("/rules/{rule_id}/resume", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
              summary="Resume a rule")
-def resume_rule(rule_id: Id, request: Request, _: Writer) -> RuleView:
-    return _rules(request).pause(rule_id, False)
+def resume_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
+    """Its creator or an admin (403 otherwise)."""
+    return _rules(request).pause(rule_id, False, principal)
 
 
 @router.get("/rules/{rule_id}/triggers", response_model=list[TriggerView], responses=errors(401, 403, 404, 422, 503),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ckpt_service.jobs import JobView
 from ckpt_service.registry import CheckpointView
@@ -23,11 +23,15 @@ class ErrorBody(BaseModel):
 class JobPage(BaseModel):
     items: list[JobView]
     next_cursor: str | None = None
+    unreadable: list[str] = Field(default_factory=list, description="Ids of jobs on this page whose stored "
+                                  "entry cannot be read (damaged); they are left out of items.")
 
 
 class CheckpointPage(BaseModel):
     items: list[CheckpointView]
     next_cursor: str | None = None
+    unreadable: list[str] = Field(default_factory=list, description="Ids of checkpoints on this page whose stored "
+                                  "entry cannot be read (damaged); they are left out of items.")
 
 
 class Health(BaseModel):

@@ -20,7 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from .errors import InvalidRequest, NotFound
+from .auth import Principal
+from .errors import Forbidden, InvalidRequest, NotFound
 from .registry import CheckpointView, Registry, Tag
 from .store import JobStore, new_id
 
@@ -72,6 +73,17 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     body = "".join({"{run}": r"(?P<run>[A-Za-z0-9_.-]{1,64})", "{step}": r"(?P<step>\d{1,18})"}.get(p, re.escape(p))
                    for p in parts)
     return re.compile(rf"(?:^|/){body}/?$")
+
+
+def check_owner(principal: Principal | None, owner: str | None, what: str) -> None:
+    """Changing or removing a managed object (a rule, tag, alias or registered checkpoint) is for the token name
+    that made it and for admins; one with no owner (made by the service, or before owners were recorded) is for
+    admins only. `principal` None: an in-process caller (the service itself)."""
+    if principal is None or principal.scope == "admin":
+        return
+    if owner is None or principal.scope != "write" or principal.name != owner:
+        whose = f"belongs to {owner!r}" if owner is not None else "has no owner"
+        raise Forbidden(f"{what} {whose}; only {'that token or ' if owner is not None else ''}an admin may change it")
 
 
 def when(value: float | None) -> datetime | None:
@@ -159,8 +171,10 @@ class Catalog:
 
     # -- tags --------------------------------------------------------------------------------------
 
-    def set_tags(self, checkpoint_id: str, set_: dict[str, str], remove: list[str]) -> list[str]:
-        """Set `key=value` tags (replacing the same key) and remove tags by key; returns the tag list."""
+    def set_tags(self, checkpoint_id: str, set_: dict[str, str], remove: list[str],
+                 principal: Principal | None = None) -> list[str]:
+        """Set `key=value` tags (replacing the same key) and remove tags by key; returns the tag list. A new key
+        is owned by whoever sets it; changing or removing an existing one is for its owner or an admin."""
         new = []
         for key, value in set_.items():
             try:
@@ -170,32 +184,45 @@ class Catalog:
                                      f"tags.{key[:64]}") from None
         drop = set(remove) | set(set_)
         with self.store.transaction() as conn:
-            row = conn.execute("SELECT tags FROM checkpoints WHERE id = ?", (checkpoint_id,)).fetchone()
+            row = conn.execute("SELECT tags, tag_owners FROM checkpoints WHERE id = ?", (checkpoint_id,)).fetchone()
             if row is None:
                 raise NotFound(f"no checkpoint {checkpoint_id}")
+            owners: dict[str, str | None] = json.loads(row["tag_owners"])
+            for tag in json.loads(row["tags"]):
+                key = tag.partition("=")[0]
+                if key in drop:
+                    check_owner(principal, owners.get(key), f"tag {key} of checkpoint {checkpoint_id}")
             tags = [t for t in json.loads(row["tags"]) if t.partition("=")[0] not in drop] + new
             if len(tags) > 32:
                 raise InvalidRequest("tags: at most 32 tags per checkpoint", "tags")
-            conn.execute("UPDATE checkpoints SET tags = ?, updated_at = ? WHERE id = ?",
-                         (json.dumps(tags), time.time(), checkpoint_id))
+            owners = {k: v for k, v in owners.items() if k not in drop}
+            owners.update({t.partition("=")[0]: principal.name if principal else None for t in new})
+            conn.execute("UPDATE checkpoints SET tags = ?, tag_owners = ?, updated_at = ? WHERE id = ?",
+                         (json.dumps(tags), json.dumps(owners), time.time(), checkpoint_id))
         return tags
 
     # -- aliases -----------------------------------------------------------------------------------
 
-    def _move(self, conn: Any, namespace: str, name: str, checkpoint_id: str | None, by: str) -> None:
+    def _move(self, conn: Any, namespace: str, name: str, checkpoint_id: str | None, by: str,
+              principal: Principal | None = None) -> None:
+        """Inside a transaction: point (or with None, remove) an alias. An existing alias is moved or removed
+        by its owner or an admin only; a new one is owned by `principal` (None: the service, e.g. `latest`)."""
         now = time.time()
-        row = conn.execute("SELECT checkpoint_id FROM aliases WHERE namespace = ? AND name = ?",
+        row = conn.execute("SELECT checkpoint_id, owner FROM aliases WHERE namespace = ? AND name = ?",
                            (namespace, name)).fetchone()
         previous = row["checkpoint_id"] if row else None
         if previous == checkpoint_id:
             return
+        if row is not None:
+            check_owner(principal, row["owner"], f"alias {name}@{namespace}")
         if checkpoint_id is None:
             conn.execute("DELETE FROM aliases WHERE namespace = ? AND name = ?", (namespace, name))
         else:
-            conn.execute("INSERT INTO aliases (namespace, name, checkpoint_id, updated_by, updated_at) "
-                         "VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name) DO UPDATE SET "
+            conn.execute("INSERT INTO aliases (namespace, name, checkpoint_id, updated_by, updated_at, owner) "
+                         "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (namespace, name) DO UPDATE SET "
                          "checkpoint_id = excluded.checkpoint_id, updated_by = excluded.updated_by, "
-                         "updated_at = excluded.updated_at", (namespace, name, checkpoint_id, by, now))
+                         "updated_at = excluded.updated_at",
+                         (namespace, name, checkpoint_id, by, now, principal.name if principal else None))
         conn.execute("INSERT INTO alias_history (id, namespace, name, checkpoint_id, previous_id, changed_by, "
                      "changed_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                      (new_id("alh"), namespace, name, checkpoint_id, previous, by, now))
@@ -204,7 +231,8 @@ class Catalog:
         rows = self.store.query("SELECT run FROM checkpoint_runs WHERE checkpoint_id = ?", (checkpoint_id,))
         return rows[0]["run"] if rows and rows[0]["run"] else DEFAULT_NAMESPACE
 
-    def set_alias(self, namespace: str | None, name: str, checkpoint_id: str, by: str) -> ManagedView:
+    def set_alias(self, namespace: str | None, name: str, checkpoint_id: str, by: str,
+                  principal: Principal | None = None) -> ManagedView:
         """Point `name@namespace` (default: the checkpoint's run) at a checkpoint, atomically."""
         check_name(name, "alias")
         self.registry.get(checkpoint_id)
@@ -214,13 +242,13 @@ class Catalog:
                                 (checkpoint_id,)).fetchone()
             if gone is not None and gone["deleted_at"] is not None:
                 raise InvalidRequest(f"checkpoint {checkpoint_id} was deleted by garbage collection", "checkpoint_id")
-            self._move(conn, namespace, name, checkpoint_id, by)
+            self._move(conn, namespace, name, checkpoint_id, by, principal)
         return self.managed(checkpoint_id)
 
-    def remove_alias(self, namespace: str, name: str, by: str) -> None:
+    def remove_alias(self, namespace: str, name: str, by: str, principal: Principal | None = None) -> None:
         self.resolve(namespace, name)
         with self.store.transaction() as conn:
-            self._move(conn, namespace, name, None, by)
+            self._move(conn, namespace, name, None, by, principal)
 
     def resolve(self, namespace: str, name: str) -> str:
         rows = self.store.query("SELECT checkpoint_id FROM aliases WHERE namespace = ? AND name = ?",

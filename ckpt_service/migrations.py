@@ -163,7 +163,18 @@ V3_MANAGE = [
     "CREATE INDEX rule_triggers_by_job ON rule_triggers (job_id)",
 ]
 
-MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE]
+#: owners and deletion identities. Each managed object records the principal that owns it: a registered checkpoint
+#: (`owner`), each of its tags (`tag_owners`: tag key -> owner) and an alias (`owner`); rules and policies have
+#: `created_by` already. Rows from before this version have no owner and may be changed by admins only.
+#: A deletion records the (st_dev:st_ino) of the local path it plans to remove, checked again before removal.
+V4_OWNERS = [
+    "ALTER TABLE checkpoints ADD COLUMN owner TEXT",
+    "ALTER TABLE checkpoints ADD COLUMN tag_owners TEXT NOT NULL DEFAULT '{}'",
+    "ALTER TABLE aliases ADD COLUMN owner TEXT",
+    "ALTER TABLE deletions ADD COLUMN identity TEXT",
+]
+
+MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS]
 LATEST = len(MIGRATIONS)
 
 

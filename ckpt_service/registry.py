@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import Conflict, NotFound
 from .jobs import Format
-from .store import JobStore, new_id
+from .store import JobStore, dumps, new_id, views
 
 MAX_LINEAGE = 500
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:=/-]+$")]
@@ -47,6 +47,10 @@ class CheckpointView(BaseModel):
     made_by_job: str | None
     created_at: datetime
     updated_at: datetime
+    owner: str | None = Field(None, description="The token name that registered it (None: made by the service, "
+                              "or registered before owners were recorded; then only admins may change it).")
+    deleted_at: datetime | None = Field(None, description="When GC or a purge deleted its data (the entry stays "
+                                        "for lineage; it is not listed as a live checkpoint).")
     summary: dict[str, Any] = Field(description="What `ckptctl inspect --json` reports.")
 
 
@@ -62,15 +66,24 @@ class LineageView(BaseModel):
     descendants: list[LineageEdge]
 
 
+#: every query for views reads the entry with its deletion mark
+_SELECT = ("SELECT c.*, r.deleted_at AS deleted_at FROM checkpoints c "
+           "LEFT JOIN checkpoint_runs r ON r.checkpoint_id = c.id")
+
+
 def _view(row: Any) -> CheckpointView:
     summary = json.loads(row["summary"])
-    return CheckpointView(
+    deleted = row["deleted_at"]
+    view = CheckpointView(
         id=row["id"], name=row["name"], uri=row["uri"], format=row["format"], world_size=summary.get("world_size"),
         total_bytes=summary.get("total_bytes"), tensors=summary.get("tensors"),
         has_optimizer=summary.get("has_optimizer"), dtypes=summary.get("dtypes") or {}, tags=json.loads(row["tags"]),
         metadata=json.loads(row["metadata"]), made_by_job=row["made_by_job"],
         created_at=datetime.fromtimestamp(row["created_at"], tz=timezone.utc),
-        updated_at=datetime.fromtimestamp(row["updated_at"], tz=timezone.utc), summary=summary)
+        updated_at=datetime.fromtimestamp(row["updated_at"], tz=timezone.utc), owner=row["owner"],
+        deleted_at=None if deleted is None else datetime.fromtimestamp(deleted, tz=timezone.utc), summary=summary)
+    view.model_dump_json()  # a damaged row (text that is not UTF-8) fails here, not while a page is rendered
+    return view
 
 
 def default_name(uri: str) -> str:
@@ -82,24 +95,40 @@ class Registry:
         self.store = store
 
     def add(self, conn: Any, *, uri: str, name: str, summary: dict[str, Any], tags: list[str],
-            metadata: dict[str, Any], made_by_job: str | None = None) -> str:
-        """Inside a transaction: insert a checkpoint; Conflict if the URI is registered already."""
+            metadata: dict[str, Any], made_by_job: str | None = None, owner: str | None = None) -> str:
+        """Inside a transaction: insert a checkpoint (its text checked first); Conflict if the URI is registered
+        already."""
+        row_values = (dumps(uri, "uri"), dumps(name, "name"), dumps(summary, "summary"), json.dumps(tags),
+                      dumps(metadata, "metadata"))
         self.store.serialize(conn)
         row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (uri,)).fetchone()
         if row is not None:
             raise Conflict(f"{uri} is registered already as {row['id']}")
         now = time.time()
         checkpoint_id = new_id("ckpt")
+        tag_owners = {t.partition("=")[0]: owner for t in tags} if owner else {}
         conn.execute("INSERT INTO checkpoints (id, uri, name, format, summary, tags, metadata, made_by_job, "
-                     "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                     (checkpoint_id, uri, name, summary.get("format"), json.dumps(summary), json.dumps(tags),
-                      json.dumps(metadata), made_by_job, now, now))
+                     "created_at, updated_at, owner, tag_owners) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     (checkpoint_id, uri, name, summary.get("format"), *row_values[2:], made_by_job, now, now,
+                      owner, json.dumps(tag_owners)))
         return checkpoint_id
 
-    def register(self, request: RegisterRequest, uri: str, summary: dict[str, Any]) -> CheckpointView:
+    def register(self, request: RegisterRequest, uri: str, summary: dict[str, Any],
+                 owner: str | None = None) -> CheckpointView:
         with self.store.transaction() as conn:
             checkpoint_id = self.add(conn, uri=uri, name=request.name or default_name(uri), summary=summary,
-                                     tags=list(request.tags), metadata=dict(request.metadata))
+                                     tags=list(request.tags), metadata=dict(request.metadata), owner=owner)
+        return self.get(checkpoint_id)
+
+    def claim(self, checkpoint_id: str, owner: str) -> CheckpointView:
+        """Record `owner` for a checkpoint just registered without one, and for its tags."""
+        with self.store.transaction() as conn:
+            row = conn.execute("SELECT tags FROM checkpoints WHERE id = ? AND owner IS NULL",
+                               (checkpoint_id,)).fetchone()
+            if row is not None:
+                owners = {t.partition("=")[0]: owner for t in json.loads(row["tags"])}
+                conn.execute("UPDATE checkpoints SET owner = ?, tag_owners = ? WHERE id = ?",
+                             (owner, json.dumps(owners), checkpoint_id))
         return self.get(checkpoint_id)
 
     def record_output(self, conn: Any, *, uri: str, summary: dict[str, Any], job_id: str,
@@ -115,7 +144,7 @@ class Registry:
         else:
             child = row["id"]
             conn.execute("UPDATE checkpoints SET summary = ?, format = ?, made_by_job = ?, updated_at = ? "
-                         "WHERE id = ?", (json.dumps(summary), summary.get("format"), job_id, now, child))
+                         "WHERE id = ?", (dumps(summary, "summary"), summary.get("format"), job_id, now, child))
             conn.execute("DELETE FROM lineage WHERE child_id = ?", (child,))  # a new artifact at the same place
         parent_row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (source_uri,)).fetchone()
         if parent_row is not None:
@@ -132,20 +161,25 @@ class Registry:
         return child
 
     def get(self, checkpoint_id: str) -> CheckpointView:
-        rows = self.store.query("SELECT * FROM checkpoints WHERE id = ?", (checkpoint_id,))
+        rows = self.store.query(f"{_SELECT} WHERE c.id = ?", (checkpoint_id,))
         if not rows:
             raise NotFound(f"no checkpoint {checkpoint_id}")
-        return _view(rows[0])
+        try:
+            return _view(rows[0])
+        except (ValueError, TypeError, KeyError, OverflowError):
+            raise Conflict(f"checkpoint {checkpoint_id}: its stored entry cannot be read (damaged text or JSON); "
+                           "unregister it and register the checkpoint again") from None
 
     def find_uri(self, uri: str) -> CheckpointView | None:
-        rows = self.store.query("SELECT * FROM checkpoints WHERE uri = ?", (uri,))
+        rows = self.store.query(f"{_SELECT} WHERE c.uri = ?", (uri,))
         return _view(rows[0]) if rows else None
 
     def list(self, name: str | None = None, tag: str | None = None, format: str | None = None, limit: int = 50,
-             after: str | None = None) -> tuple[list[CheckpointView], str | None]:
-        """Ordered by id; returns (page, id to pass as `after` for the next page, or None)."""
-        where: list[str] = ["id NOT IN (SELECT checkpoint_id FROM checkpoint_runs WHERE deleted_at IS NOT NULL)"]
-        params: list[Any] = []  # ^ garbage-collected entries stay (for lineage) but are not listed
+             after: str | None = None) -> tuple[list[CheckpointView], str | None, list[str]]:
+        """Ordered by id; returns (page, id to pass as `after` for the next page or None, ids of entries on this
+        page that could not be read)."""
+        where: list[str] = ["r.deleted_at IS NULL"]  # collected entries stay (for lineage) but are not listed
+        params: list[Any] = []
         if name is not None:
             where.append("name = ?")
             params.append(name)
@@ -153,15 +187,14 @@ class Registry:
             where.append("format = ?")
             params.append(format)
         if tag is not None:
-            where.append("EXISTS (SELECT 1 FROM json_each(checkpoints.tags) WHERE value = ?)")
-            params.append(tag)
+            where.append("c.tags LIKE ? AND EXISTS (SELECT 1 FROM json_each(c.tags) WHERE value = ?)")
+            params.extend([f"%{json.dumps(tag)}%", tag])
         if after is not None:
-            where.append("id > ?")
+            where.append("c.id > ?")
             params.append(after)
-        rows = self.store.query(f"SELECT * FROM checkpoints WHERE {' AND '.join(where)} ORDER BY id LIMIT ?",
-                                (*params, limit + 1))
-        page = [_view(r) for r in rows[:limit]]
-        return page, (page[-1].id if len(rows) > limit else None)
+        rows = self.store.query(f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY c.id LIMIT ?", (*params, limit + 1))
+        page, unreadable = views(rows[:limit], _view)
+        return page, (rows[limit - 1]["id"] if len(rows) > limit else None), unreadable
 
     def delete(self, checkpoint_id: str) -> CheckpointView:
         view = self.get(checkpoint_id)

@@ -13,22 +13,34 @@ are ranked separately):
 - nothing outside the write roots is ever planned (and `roots.check` runs again before each removal).
 
 GC plans first (what, which policy and why, bytes). Executing marks the plan's entries deleted in the
-registry and appends them to the deletion log (`pending`) in batches, then removes the data, each only
-after `roots.check` places it under a write root, and marks the log entry `done`. An interrupted GC
-leaves `pending` entries, which the next run finishes first; data already gone counts as removed.
+registry and appends them to the deletion log (`pending`, with the device and inode of a local path) in
+batches, then removes the data, each only after `roots.check` places it under a write root, and marks the
+log entry `done`. An interrupted GC leaves `pending` entries, which the next run finishes first; data
+already gone counts as removed. `DELETE /v1/checkpoints/{id}?purge=true` goes through the same log.
+
+A deletion removes exactly the registered path (`remove_checkpoint`): every component of a local path is
+opened with O_NOFOLLOW from `/` down, and nothing is removed (`refused`) when a component is a symlink, the
+path is no longer what was planned (another device or inode), or it is the folder of a checkpoint that
+stays (aliased, pinned, kept, or any other live entry). Inside the tree a symlink is unlinked, never
+followed. Each item is handled on its own: one that fails is logged and the others go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
+import stat
 import time
 from collections import defaultdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from converters import CkptError
 
 from . import logs, roots
 from .catalog import NAME, when
@@ -130,13 +142,132 @@ def disk_bytes(uri: str) -> int:
             return os.lstat(path).st_size
         total = 0
         for folder, _, files in os.walk(path):
-            total += sum(os.lstat(os.path.join(folder, f)).st_size for f in files)
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(folder, name)).st_size
         return total
     try:
         fs, path = storage.filesystem(uri)
         return int(fs.du(path)) if fs.exists(path) else 0
     except (OSError, ValueError):
         return 0
+
+
+class DeletionRefused(Conflict):
+    """The data at a registered path is not what was registered (a symlink, a swapped or kept folder)."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def identity(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def local_identity(uri: str) -> str | None:
+    """`dev:ino` of a local path itself (a symlink is not followed); None when gone or not local."""
+    from converters import storage
+
+    if not storage.is_local(uri):
+        return None
+    try:
+        return identity(os.lstat(storage.local_path(uri)))
+    except (OSError, ValueError):
+        return None
+
+
+def remove_checkpoint(uri: str, write_roots: list[roots.Location], *, expected: str | None = None,
+                      protected: dict[str, str] | None = None) -> None:
+    """Delete exactly the data registered at `uri` (data already gone is fine). Local paths: nothing reached
+    through a symlink; refused (DeletionRefused) when a component of the path is a symlink, when its identity
+    is not `expected` (recorded at plan time), or when it is the folder of a `protected` checkpoint
+    (identity -> checkpoint id). Object-store prefixes go through fsspec (no symlinks there)."""
+    from converters import storage
+
+    checked = roots.check(uri, write_roots, field="uri", purpose="write")
+    if not storage.is_local(uri):
+        _remove_remote(checked)
+        return
+    path = roots.parse(uri, resolve=False).uri()
+    if checked != path and os.path.lexists(path):
+        raise DeletionRefused(f"{uri}: a component of the path is a symlink (it leads to {checked}); nothing deleted")
+    parent = _open_parent(uri, path)
+    try:
+        name = os.path.basename(path)
+        try:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise DeletionRefused(f"{uri} is a symlink now, not the data that was registered; nothing deleted")
+        if expected is not None and identity(st) != expected:
+            raise DeletionRefused(f"{uri} was replaced since the deletion was planned (another folder or file is "
+                                  "there now); nothing deleted")
+        _refuse_protected(uri, st, protected or {})
+        if stat.S_ISDIR(st.st_mode):
+            _remove_dir(uri, parent, name, st, protected or {})
+        else:
+            os.unlink(name, dir_fd=parent)
+    except OSError as exc:
+        raise ServiceError(f"could not delete {uri}: {type(exc).__name__} ({exc.strerror})") from None
+    finally:
+        os.close(parent)
+
+
+def _refuse_protected(uri: str, st: os.stat_result, protected: dict[str, str]) -> None:
+    owner = protected.get(identity(st))
+    if owner is not None:
+        raise DeletionRefused(f"{uri} holds the data of checkpoint {owner}, which stays; nothing deleted")
+
+
+def _open_parent(uri: str, path: str) -> int:
+    """An fd of the folder holding `path`, opened one component at a time from `/` without following links."""
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        for part in [p for p in os.path.dirname(path).split("/") if p]:
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise DeletionRefused(f"{uri}: path component {part!r} is a symlink or not a folder "
+                                      f"({exc.strerror}); nothing deleted") from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove_dir(uri: str, parent: int, name: str, st: os.stat_result, protected: dict[str, str]) -> None:
+    """Remove folder `name` under fd `parent` and everything in it; symlinks inside are unlinked, not followed."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        if identity(os.fstat(fd)) != identity(st):
+            raise DeletionRefused(f"{uri} changed while it was being deleted; stopped")
+        with os.scandir(fd) as entries:
+            found = [(e.name, e.stat(follow_symlinks=False)) for e in entries]
+        for child, child_st in found:
+            if stat.S_ISDIR(child_st.st_mode):
+                _refuse_protected(uri, child_st, protected)
+                _remove_dir(uri, fd, child, child_st, protected)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
+def _remove_remote(uri: str) -> None:
+    from converters import storage
+
+    try:
+        fs, path = storage.filesystem(uri)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        return
+    except (CkptError, OSError) as exc:
+        raise ServiceError(f"could not delete {uri}: {type(exc).__name__}") from None
 
 
 class Retention:
@@ -187,10 +318,23 @@ class Retention:
 
     def _busy(self) -> set[str]:
         busy: set[str] = set()
-        for row in self.store.query("SELECT spec FROM jobs WHERE state IN ('queued', 'running')"):
-            spec = json.loads(row["spec"])
-            busy.update(u for u in (spec.get("source"), spec.get("target")) if u)
+        for row in self.store.query("SELECT id, spec, target FROM jobs WHERE state IN ('queued', 'running')"):
+            busy.update(u for u in (row["target"],) if u)
+            try:
+                spec = json.loads(row["spec"])
+                busy.update(u for u in (spec.get("source"), spec.get("target")) if isinstance(u, str))
+            except (ValueError, AttributeError):
+                logs.event("gc.unreadable", job_id=row["id"], level=logging.WARNING)
         return busy
+
+    @staticmethod
+    def _pinned(c: dict[str, Any]) -> bool:
+        """An alias-free protection: a `pin` tag. A checkpoint whose tags cannot be read counts as pinned."""
+        try:
+            return any(t == "pin" or str(t).startswith("pin=") for t in json.loads(c["tags"]))
+        except (ValueError, TypeError):
+            logs.event("gc.unreadable", checkpoint_id=c["id"], level=logging.WARNING)
+            return True
 
     @staticmethod
     def _covers(spec: PolicySpec, c: dict[str, Any]) -> bool:
@@ -236,7 +380,11 @@ class Retention:
         fired = {(r["rule_id"], r["uri"]) for r in self.store.query("SELECT rule_id, uri FROM rule_triggers")}
         waiting = set()
         for row in self.store.query("SELECT id, spec FROM rules WHERE paused = 0"):
-            pattern = RuleSpec.model_validate_json(row["spec"]).pattern
+            try:
+                pattern = RuleSpec.model_validate_json(row["spec"]).pattern
+            except ValueError:
+                logs.event("gc.unreadable", rule_id=row["id"], level=logging.WARNING)
+                continue
             waiting |= {u for u in uris if matches(pattern, u) and (row["id"], u) not in fired}
         return waiting
 
@@ -257,8 +405,7 @@ class Retention:
         by_id = {c["id"]: c for c in live}
         for checkpoint_id in list(doomed):
             c = by_id[checkpoint_id]
-            pinned = any(t == "pin" or t.startswith("pin=") for t in json.loads(c["tags"]))
-            if (checkpoint_id in kept_by_some or checkpoint_id in aliased or pinned or c["uri"] in busy
+            if (checkpoint_id in kept_by_some or checkpoint_id in aliased or self._pinned(c) or c["uri"] in busy
                     or not self._writable(c["uri"])):
                 del doomed[checkpoint_id]
         waiting = self._unconverted({c["uri"] for i, c in by_id.items() if i in doomed})
@@ -295,9 +442,10 @@ class Retention:
                    bytes=report.bytes)
         return report
 
-    def _mark(self, items: list[PlanItem], by: str) -> None:
-        """One transaction: mark a batch deleted in the registry and log each deletion as pending."""
-        now = time.time()
+    def _mark(self, items: list[PlanItem], by: str) -> list[str]:
+        """One transaction: mark a batch deleted in the registry and log each deletion as pending (with the
+        identity of a local path, checked again before removal); returns the deletion ids."""
+        now, made = time.time(), []
         with self.store.transaction() as conn:
             for item in items:
                 if conn.execute("SELECT 1 FROM aliases WHERE checkpoint_id = ?", (item.checkpoint_id,)).fetchone():
@@ -308,33 +456,77 @@ class Retention:
                     "WHERE checkpoint_runs.deleted_at IS NULL", (item.checkpoint_id, item.run, item.step, now))
                 if cur.rowcount != 1:
                     continue  # another GC (another replica) took it
+                made.append(new_id("del"))
                 conn.execute("INSERT INTO deletions (id, checkpoint_id, uri, bytes, policy, reason, requested_by, "
-                             "state, planned_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
-                             (new_id("del"), item.checkpoint_id, item.uri, item.bytes, item.policy, item.reason, by,
-                              now))
+                             "state, planned_at, identity) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                             (made[-1], item.checkpoint_id, item.uri, item.bytes, item.policy, item.reason, by,
+                              now, local_identity(item.uri)))
+        return made
 
-    def finish_pending(self) -> tuple[list[str], list[str]]:
-        """Remove the data of every pending deletion (this run's and any an interrupted run left)."""
-        from .service import remove_data
-
+    def finish_pending(self, only: str | None = None) -> tuple[list[str], list[str]]:
+        """Remove the data of every pending deletion (this run's and any an interrupted run left), or of
+        deletion `only`; returns (done, not done) deletion ids. Each is handled on its own."""
+        protected = self._protected()
+        sql, params = "SELECT id, uri, identity FROM deletions WHERE state = 'pending'", ()
+        if only is not None:
+            sql, params = sql + " AND id = ?", (only,)
         done: list[str] = []
         failed: list[str] = []
-        for row in self.store.query("SELECT id, uri FROM deletions WHERE state = 'pending' ORDER BY planned_at, id"):
-            state, error = "done", None
-            try:
-                uri = roots.check(row["uri"], self.service.settings.write_locations, field="uri", purpose="write")
-                remove_data(uri)
-            except roots.OutsideRoots as exc:
-                state, error = "refused", str(exc)
-            except ServiceError as exc:
-                state, error = "pending", str(exc)
-            with self.store.transaction() as conn:
-                conn.execute("UPDATE deletions SET state = ?, error = ?, done_at = ? WHERE id = ?",
-                             (state, error, time.time() if state != "pending" else None, row["id"]))
+        for row in self.store.query(sql + " ORDER BY planned_at, id", params):
+            state = self._finish(row, protected)
             (done if state == "done" else failed).append(row["id"])
-            logs.event("gc.deleted" if state == "done" else "gc.not_deleted", deletion=row["id"], uri=row["uri"],
-                       state=state, error=error)
         return done, failed
+
+    def _protected(self) -> dict[str, str]:
+        """identity -> id of each live registered local checkpoint: its folder is never removed by another's
+        deletion (symlinks followed here: a checkpoint registered through a link protects what it names)."""
+        from converters import storage
+
+        found: dict[str, str] = {}
+        for row in self.store.query("SELECT c.id, c.uri FROM checkpoints c LEFT JOIN checkpoint_runs r ON "
+                                    "r.checkpoint_id = c.id WHERE r.deleted_at IS NULL"):
+            if storage.is_local(row["uri"]):
+                with contextlib.suppress(OSError, ValueError):
+                    found[identity(os.stat(storage.local_path(row["uri"])))] = row["id"]
+        return found
+
+    def _finish(self, row: Any, protected: dict[str, str]) -> str:
+        """Remove one pending deletion's data and record the outcome: done, refused, or still pending."""
+        state, error = "done", None
+        try:
+            remove_checkpoint(row["uri"], self.service.settings.write_locations, expected=row["identity"],
+                              protected=protected)
+        except (roots.OutsideRoots, DeletionRefused) as exc:
+            state, error = "refused", str(exc)
+        except ServiceError as exc:
+            state, error = "pending", str(exc)
+        except Exception as exc:  # one bad item is logged and left pending; the others go on
+            state, error = "pending", f"could not delete {row['uri']}: {type(exc).__name__}"
+            logs.event("gc.item_error", deletion=row["id"], exc_info=True)
+        with self.store.transaction() as conn:
+            conn.execute("UPDATE deletions SET state = ?, error = ?, done_at = ? WHERE id = ?",
+                         (state, error, time.time() if state != "pending" else None, row["id"]))
+        logs.event("gc.deleted" if state == "done" else "gc.not_deleted", deletion=row["id"], uri=row["uri"],
+                   state=state, error=error)
+        return state
+
+    def purge(self, checkpoint_id: str, uri: str, by: str) -> None:
+        """`DELETE /v1/checkpoints/{id}?purge=true`: the same log and removal as GC. The entry stays, marked
+        deleted; a refused removal (DeletionRefused, 409) leaves it live again."""
+        place = self.store.query("SELECT run, step FROM checkpoint_runs WHERE checkpoint_id = ?", (checkpoint_id,))
+        item = PlanItem(checkpoint_id=checkpoint_id, uri=uri, run=place[0]["run"] if place else None,
+                        step=place[0]["step"] if place else None, bytes=disk_bytes(uri), policy="purge",
+                        reason=f"purged by {by}")
+        made = self._mark([item], by)
+        if not made:
+            raise Conflict(f"checkpoint {checkpoint_id} has an alias or was deleted already; remove the alias first")
+        self.finish_pending(made[0])
+        row = self.store.query("SELECT state, error FROM deletions WHERE id = ?", (made[0],))[0]
+        if row["state"] != "done":  # not retried by GC later: the checkpoint is live again
+            with self.store.transaction() as conn:
+                conn.execute("UPDATE deletions SET state = 'refused', done_at = ? WHERE id = ?", (time.time(), made[0]))
+                conn.execute("UPDATE checkpoint_runs SET deleted_at = NULL WHERE checkpoint_id = ?", (checkpoint_id,))
+            raise (DeletionRefused if row["state"] == "refused" else ServiceError)(row["error"])
 
     def deletions(self, state: str | None = None, limit: int = 100) -> list[DeletionView]:
         sql = "SELECT * FROM deletions"

@@ -37,7 +37,7 @@ from converters.errors import CkptError
 
 from . import logs, roots, sandbox
 from .auth import Principal
-from .catalog import NAME, when
+from .catalog import NAME, check_owner, when
 from .errors import Conflict, InvalidRequest, NotFound, ServiceError
 from .jobs import JobOptions, JobSpec
 from .store import new_id
@@ -187,14 +187,16 @@ class Rules:
     def all(self) -> list[RuleView]:
         return [self._view(r) for r in self.store.query("SELECT * FROM rules ORDER BY name")]
 
-    def remove(self, rule_id: str) -> RuleView:
+    def remove(self, rule_id: str, principal: Principal | None = None) -> RuleView:
         view = self.get(rule_id)
+        check_owner(principal, view.created_by, f"rule {view.spec.name}")
         with self.store.transaction() as conn:
             conn.execute("DELETE FROM rules WHERE id = ?", (view.id,))
         return view
 
-    def pause(self, rule_id: str, paused: bool) -> RuleView:
+    def pause(self, rule_id: str, paused: bool, principal: Principal | None = None) -> RuleView:
         view = self.get(rule_id)
+        check_owner(principal, view.created_by, f"rule {view.spec.name}")
         with self.store.transaction() as conn:
             conn.execute("UPDATE rules SET paused = ? WHERE id = ?", (int(paused), view.id))
         return self.get(view.id)

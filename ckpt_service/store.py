@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -25,9 +26,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import migrations
+from . import logs, migrations
 from .dialect import SQLITE, Dialect, is_url
-from .errors import Conflict, NotFound, QueueFull, StoreError
+from .errors import Conflict, InvalidRequest, NotFound, QueueFull, StoreError
 from .jobs import TERMINAL, JobRecord
 from .store_check import as_store_error
 
@@ -37,6 +38,12 @@ _CALLBACK_PENDING = "callback_state = CASE WHEN callback_url IS NOT NULL THEN 'p
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def _text(value: bytes) -> str:
+    """SQLite TEXT as str; bytes that are not UTF-8 (a damaged row) become lone surrogates, which the row's
+    reader refuses for that row alone, instead of failing the whole query."""
+    return value.decode("utf-8", "surrogateescape")
 
 
 class SqliteConnections:
@@ -55,6 +62,7 @@ class SqliteConnections:
         except sqlite3.Error as exc:
             raise StoreError(f"job store {self.path}: cannot open ({exc})") from None
         conn.row_factory = sqlite3.Row
+        conn.text_factory = _text
         try:
             conn.execute("PRAGMA busy_timeout = 30000")
             conn.execute("PRAGMA foreign_keys = ON")
@@ -92,6 +100,42 @@ class SqliteConnections:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def views(rows: list[Any], render: Any) -> tuple[list[Any], list[str]]:
+    """Render each row on its own: (what rendered, ids of the rows that could not be read). One damaged row
+    never breaks a listing for the others."""
+    done, unreadable = [], []
+    for row in rows:
+        try:
+            done.append(render(row))
+        except (ValueError, TypeError, KeyError, OverflowError):  # bad JSON, bad text, out-of-range numbers
+            name = text(str(row["id"]))
+            unreadable.append(name)
+            logs.event("store.unreadable_row", id=name, level=logging.WARNING)
+    return done, unreadable
+
+
+def dumps(value: Any, field: str) -> str:
+    """JSON for the store; refuses (InvalidRequest) text that is not valid UTF-8 (lone surrogates) so that
+    nothing a listing could not render is ever committed."""
+    text = json.dumps(value)
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{field}: holds text that is not valid UTF-8 (a lone surrogate such as \\ud800); "
+                             "fix the name or value", field) from None
+    return text
+
+
+def text(value: str) -> str:
+    """`value` with anything that is not valid UTF-8 text (lone surrogates) escaped, for messages."""
+    return value.encode("utf-8", "backslashreplace").decode()
+
+
+def _checked(job: JobRecord) -> JobRecord:
+    job.view().model_dump_json()  # text that is not UTF-8 fails here, for this row alone
+    return job
 
 
 def connections(location: str) -> Any:
@@ -185,7 +229,7 @@ class JobStore:
                    idempotency: tuple[str, str] | None = None) -> tuple[JobRecord, bool]:
         """Queue a job; returns (job, created). With an idempotency (key, request hash) seen before, the
         earlier job comes back (created False); the same key with another request is a Conflict."""
-        now = time.time()
+        now, spec_text = time.time(), dumps(spec, "spec")
         with self.transaction() as conn:
             self.serialize(conn)  # one submission at a time: idempotency, queue depth and busy targets hold
             if idempotency:
@@ -207,7 +251,7 @@ class JobStore:
             conn.execute(
                 "INSERT INTO jobs (id, kind, state, spec, max_attempts, target, callback_url, submitted_by, "
                 "created_at, updated_at) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, kind, json.dumps(spec), max_attempts, target, callback_url, submitted_by, now, now))
+                (job_id, kind, spec_text, max_attempts, target, callback_url, submitted_by, now, now))
             if idempotency:
                 conn.execute("INSERT INTO idempotency (principal, key, request_hash, job_id, created_at) "
                              "VALUES (?, ?, ?, ?, ?)", (submitted_by, idempotency[0], idempotency[1], job_id, now))
@@ -228,8 +272,9 @@ class JobStore:
         return JobRecord.from_row(rows[0])
 
     def list_jobs(self, state: str | None = None, kind: str | None = None, limit: int = 50,
-                  before: int | None = None) -> tuple[list[JobRecord], int | None]:
-        """Newest first; returns (jobs, seq to pass as `before` for the next page, or None)."""
+                  before: int | None = None) -> tuple[list[JobRecord], int | None, list[str]]:
+        """Newest first; returns (jobs, seq to pass as `before` for the next page or None, ids of jobs on this
+        page whose stored rows cannot be read)."""
         where, params = ["1 = 1"], []
         for column, value in (("state", state), ("kind", kind)):
             if value is not None:
@@ -241,7 +286,8 @@ class JobStore:
         rows = self.query(f"SELECT * FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?",
                           (*params, limit + 1))
         next_before = rows[limit - 1]["seq"] if len(rows) > limit else None
-        return [JobRecord.from_row(r) for r in rows[:limit]], next_before
+        jobs, unreadable = views(rows[:limit], lambda row: _checked(JobRecord.from_row(row)))
+        return jobs, next_before, unreadable
 
     def request_cancel(self, job_id: str) -> JobRecord:
         """A queued job is cancelled at once; a running one is flagged (its worker stops it)."""
@@ -302,10 +348,14 @@ class JobStore:
             raise ValueError(f"finish: {state!r} is not a final state ({', '.join(sorted(TERMINAL))})")
         now = time.time()
         error_type, message = error or (None, None)
+        try:
+            result_text = dumps(result, "result") if result is not None else None
+        except InvalidRequest as exc:  # never stored: a listing could not render it
+            state, result_text, error_type, message = "failed", None, "FormatError", str(exc)
         return (f"UPDATE jobs SET state = ?, result = ?, error_type = ?, error_message = ?, finished_at = ?, "
                 f"updated_at = ?, lease_until = NULL, {_CALLBACK_PENDING} WHERE id = ? AND attempt = ? "
                 "AND state = 'running'",
-                (state, json.dumps(result) if result is not None else None, error_type, message, now, now, job_id,
+                (state, result_text, error_type, None if message is None else text(message), now, now, job_id,
                  attempt))
 
     def finish(self, conn: Any, job_id: str, attempt: int, state: str,

@@ -232,7 +232,7 @@ def test_two_replicas_scanning_together_fire_each_checkpoint_once(svc: CkptServi
         t.start()
     for t in threads:
         t.join(60)
-    jobs, _ = svc.store.list_jobs(kind="export", limit=100)
+    jobs = svc.store.list_jobs(kind="export", limit=100)[0]
     assert sum(counts) == len(jobs) == 6
     assert sorted(j.spec["source"] for j in jobs) == [str(runs / "r" / f"step_{n}") for n in range(1, 7)]
     assert Rules(svc).scan() == 0  # and again later: nothing new

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -403,3 +404,227 @@ def test_job_processes_never_import_from_the_working_directory(roots: tuple[Path
     assert done["state"] == "succeeded", done["error"]
     assert (write_root / "canary-export" / "model.safetensors").is_file()
     assert not marker.exists(), marker.read_text()
+
+
+# -- managed objects: deletions that follow no symlink, damaged rows, owners --------------------------------
+
+
+@dataclass
+class Managed:
+    server: Server
+    tokens: Tokens
+    alice: str
+    bob: str
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def managed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Managed]:
+    """A server whose one root is read and written (GC and purges delete there); tokens alice and bob write."""
+    base = tmp_path_factory.mktemp("managed")
+    (base / "out").mkdir()
+    tokens = Tokens.make()
+    alice, alice_entry = create("write", "alice")
+    bob, bob_entry = create("write", "bob")
+    server = make_server(base / "state", read_roots=[base / "out"], write_roots=[base / "out"], workers=0,
+                         tokens=[*tokens.entries, alice_entry.line(), bob_entry.line()])
+    yield Managed(server.start(), tokens, alice, bob, base / "out")
+    server.stop()
+
+
+def small_checkpoint(folder: Path, value: float) -> Path:
+    folder.mkdir(parents=True)
+    save_file({"w": torch.full((4,), value)}, folder / "model.safetensors")
+    return folder
+
+
+def registered(http: object, folder: Path) -> str:
+    made = http.post("/v1/checkpoints", json={"uri": str(folder)})  # type: ignore[attr-defined]
+    assert made.status_code == 201, made.text
+    return str(made.json()["id"])
+
+
+def deletion_states(http: object) -> dict[str, tuple[str, str | None]]:
+    """checkpoint id -> (state, error) of its newest deletion."""
+    rows = http.get("/v1/deletions", params={"limit": 1000}).json()  # type: ignore[attr-defined]
+    return {r["checkpoint_id"]: (r["state"], r["error"]) for r in reversed(rows)}
+
+
+@pytest.mark.slow  # a real server or a ckptctl subprocess
+def test_gc_deletes_the_registered_folder_never_a_swapped_symlinks_target(managed: Managed) -> None:
+    run = managed.out / "swap"
+    folders = [small_checkpoint(run / f"step_{n}", n) for n in (1, 2, 3, 4)]
+    with managed.server.http(managed.tokens.admin) as admin:
+        ids = [registered(admin, f) for f in folders]
+        assert admin.put("/v1/aliases/swap/prod", json={"checkpoint_id": ids[2]}).status_code == 200
+        assert admin.post("/v1/policies", json={"name": "swap", "run": "swap", "keep_last": 1}).status_code == 201
+        plan = admin.post("/v1/gc", json={"dry_run": True}).json()["plan"]
+        assert [p["checkpoint_id"] for p in plan] == ids[:2]  # step_3 is aliased (prod), step_4 kept
+        # the attack: a planned folder becomes a symlink to the aliased production checkpoint
+        shutil.rmtree(folders[1])
+        os.symlink(folders[2], folders[1])
+        report = admin.post("/v1/gc", json={"dry_run": False})
+        assert report.status_code == 200, report.text
+        assert (folders[2] / "model.safetensors").is_file()  # prod is untouched
+        assert folders[1].is_symlink() and not folders[0].exists()
+        states = deletion_states(admin)
+        assert states[ids[0]] == ("done", None)
+        assert states[ids[1]][0] == "refused" and "symlink" in (states[ids[1]][1] or "")
+        collected = admin.get(f"/v1/checkpoints/{ids[0]}")  # the entry says its data is gone
+        assert collected.status_code == 200 and collected.json()["deleted_at"] is not None
+        assert admin.get(f"/v1/checkpoints/{ids[2]}").json()["deleted_at"] is None
+        listed = {c["id"] for c in admin.get("/v1/checkpoints", params={"limit": 200}).json()["items"]}
+        assert ids[0] not in listed and ids[2] in listed
+
+
+@pytest.mark.slow  # a real server or a ckptctl subprocess
+def test_purge_deletes_the_registered_folder_never_a_swapped_symlinks_target(managed: Managed) -> None:
+    keep = small_checkpoint(managed.out / "purge" / "keep", 1)
+    doomed = small_checkpoint(managed.out / "purge" / "doomed", 2)
+    with managed.server.http(managed.tokens.admin) as admin:
+        keep_id, doomed_id = registered(admin, keep), registered(admin, doomed)
+        shutil.rmtree(doomed)
+        os.symlink(keep, doomed)
+        refused = admin.delete(f"/v1/checkpoints/{doomed_id}", params={"purge": "true"})
+        assert refused.status_code == 409, refused.text
+        message = refused.json()["error"]["message"]
+        assert "symlink" in message and "nothing deleted" in message
+        assert (keep / "model.safetensors").is_file() and doomed.is_symlink()
+        assert admin.get(f"/v1/checkpoints/{doomed_id}").json()["deleted_at"] is None  # still live
+        # inside the tree a symlink is unlinked, never followed
+        doomed.unlink()
+        small_checkpoint(doomed, 3)
+        os.symlink(keep, doomed / "folder-link")
+        os.symlink(keep / "model.safetensors", doomed / "file-link")
+        purged = admin.delete(f"/v1/checkpoints/{doomed_id}", params={"purge": "true"})
+        assert purged.status_code == 200, purged.text
+        assert purged.json()["deleted_at"] is not None and not os.path.lexists(doomed)
+        assert (keep / "model.safetensors").is_file()
+        assert admin.get(f"/v1/checkpoints/{doomed_id}").json()["deleted_at"] is not None
+        assert deletion_states(admin)[doomed_id][0] == "done"
+        assert admin.get(f"/v1/checkpoints/{keep_id}").json()["deleted_at"] is None
+
+
+def test_a_deletion_refuses_a_replaced_or_protected_folder(tmp_path: Path) -> None:
+    from ckpt_service import roots as service_roots
+    from ckpt_service.retention import DeletionRefused, local_identity, remove_checkpoint
+
+    write = [service_roots.parse_root(str(tmp_path))]
+    planned, kept = small_checkpoint(tmp_path / "planned", 1), small_checkpoint(tmp_path / "kept", 2)
+    identity, kept_identity = local_identity(str(planned)), local_identity(str(kept))
+    assert identity is not None and kept_identity is not None
+    shutil.rmtree(planned)
+    os.rename(kept, planned)  # the kept folder moved into the planned path: another inode than planned
+    with pytest.raises(DeletionRefused, match="replaced since the deletion was planned"):
+        remove_checkpoint(str(planned), write, expected=identity)
+    with pytest.raises(DeletionRefused, match="checkpoint ckpt_kept, which stays"):
+        remove_checkpoint(str(planned), write, protected={kept_identity: "ckpt_kept"})
+    assert (planned / "model.safetensors").is_file()
+    remove_checkpoint(str(planned), write, expected=kept_identity)
+    assert not planned.exists()
+    remove_checkpoint(str(planned), write)  # data already gone is fine
+
+
+@pytest.mark.slow  # a real server or a ckptctl subprocess
+def test_gc_skips_a_damaged_item_and_deletes_the_others(managed: Managed) -> None:
+    run = managed.out / "iso"
+    folders = [small_checkpoint(run / f"step_{n}", n) for n in (1, 2, 3)]
+    with managed.server.http(managed.tokens.admin) as admin:
+        ids = [registered(admin, f) for f in folders]
+        conn = sqlite3.connect(managed.server.data_dir / "ckpt.db")
+        with conn:  # an old or damaged entry in the same run: tags that are not JSON
+            conn.execute("INSERT INTO checkpoints (id, uri, name, summary, tags, metadata, created_at, updated_at) "
+                         "VALUES ('ckpt_damaged_tags', ?, 'step_0', '{}', '[not json', '{}', 0, 0)",
+                         (str(run / "step_0"),))
+            conn.execute("INSERT INTO checkpoint_runs (checkpoint_id, run, step) VALUES ('ckpt_damaged_tags', "
+                         "'iso', 0)")
+        conn.close()
+        assert admin.post("/v1/policies", json={"name": "iso", "run": "iso", "keep_last": 1}).status_code == 201
+        report = admin.post("/v1/gc", json={"dry_run": False})
+        assert report.status_code == 200, report.text
+        assert sorted(p["checkpoint_id"] for p in report.json()["plan"]) == sorted(ids[:2])
+        assert not folders[0].exists() and not folders[1].exists() and folders[2].exists()
+    assert any(e.get("event") == "gc.unreadable" and e.get("checkpoint_id") == "ckpt_damaged_tags"
+               for e in managed.server.log_events())
+
+
+@pytest.mark.slow  # a real server or a ckptctl subprocess
+def test_only_the_owner_or_an_admin_changes_a_managed_object(managed: Managed) -> None:
+    server = managed.server
+    folder = small_checkpoint(managed.out / "owned" / "step_1", 1)
+    with server.http(managed.alice) as alice, server.http(managed.bob) as bob, \
+            server.http(managed.tokens.admin) as admin, server.http(managed.tokens.read) as reader:
+        checkpoint_id = registered(alice, folder)
+        assert alice.get(f"/v1/checkpoints/{checkpoint_id}").json()["owner"] == "alice"
+        assert alice.post(f"/v1/checkpoints/{checkpoint_id}/tags", json={"set": {"pin": ""}}).status_code == 200
+        assert alice.put("/v1/aliases/owned/prod", json={"checkpoint_id": checkpoint_id}).status_code == 200
+        rule = {"name": "owned", "pattern": str(managed.out / "owned" / "step_*"),
+                "job": {"kind": "export", "target": str(managed.out / "owned-out" / "{step}")}}
+        made = alice.post("/v1/rules", json=rule)
+        assert made.status_code == 201, made.text
+        attempts = {
+            "untag": lambda c: c.post(f"/v1/checkpoints/{checkpoint_id}/tags", json={"remove": ["pin"]}),
+            "retag": lambda c: c.post(f"/v1/checkpoints/{checkpoint_id}/tags", json={"set": {"pin": "x"}}),
+            "unalias": lambda c: c.delete("/v1/aliases/owned/prod"),
+            "pause": lambda c: c.post("/v1/rules/owned/pause"),
+            "unrule": lambda c: c.delete("/v1/rules/owned"),
+            "unregister": lambda c: c.delete(f"/v1/checkpoints/{checkpoint_id}"),
+        }
+        for what, attempt in attempts.items():
+            refused = attempt(bob)
+            assert refused.status_code == 403, (what, refused.text)
+            message = refused.json()["error"]["message"]
+            assert "alice" in message and "\n" not in message, (what, message)
+            assert attempt(reader).status_code == 403, what  # a read token never
+        assert alice.get(f"/v1/checkpoints/{checkpoint_id}/tags").json()["tags"] == ["pin"]
+        assert alice.get("/v1/aliases/owned/prod").status_code == 200
+        assert alice.get("/v1/rules/owned").json()["paused"] is False
+        # a new tag key is bob's; the owner (or an admin) changes what they own
+        assert bob.post(f"/v1/checkpoints/{checkpoint_id}/tags", json={"set": {"bob": "1"}}).status_code == 200
+        assert alice.post(f"/v1/checkpoints/{checkpoint_id}/tags", json={"remove": ["bob"]}).status_code == 403
+        assert bob.post(f"/v1/checkpoints/{checkpoint_id}/tags", json={"remove": ["bob"]}).status_code == 200
+        assert alice.post("/v1/rules/owned/pause").json()["paused"] is True
+        assert admin.post("/v1/rules/owned/resume").json()["paused"] is False
+        assert admin.delete("/v1/aliases/owned/prod").status_code == 204
+        assert alice.delete("/v1/rules/owned").status_code == 200
+        assert alice.delete(f"/v1/checkpoints/{checkpoint_id}").status_code == 200
+    # rows from before owners were recorded have none: admins only
+    conn = sqlite3.connect(server.data_dir / "ckpt.db")
+    with conn:
+        conn.execute("INSERT INTO checkpoints (id, uri, name, summary, tags, metadata, created_at, updated_at) "
+                     "VALUES ('ckpt_ownerless', '/old/ckpt', 'old', '{}', '[\"pin\"]', '{}', 0, 0)")
+    conn.close()
+    with server.http(managed.alice) as alice, server.http(managed.tokens.admin) as admin:
+        refused = alice.post("/v1/checkpoints/ckpt_ownerless/tags", json={"remove": ["pin"]})
+        assert refused.status_code == 403 and "an admin" in refused.json()["error"]["message"]
+        assert alice.delete("/v1/checkpoints/ckpt_ownerless").status_code == 403
+        assert admin.delete("/v1/checkpoints/ckpt_ownerless").status_code == 200
+
+
+@pytest.mark.slow  # a real server or a ckptctl subprocess
+def test_a_damaged_row_never_breaks_a_listing(managed: Managed) -> None:
+    folder = small_checkpoint(managed.out / "listing" / "good", 1)
+    with managed.server.http(managed.tokens.admin) as admin:
+        good = registered(admin, folder)
+        conn = sqlite3.connect(managed.server.data_dir / "ckpt.db")
+        with conn:  # rows an older version or a damaged disk left: a lone surrogate, bad JSON, bytes not UTF-8
+            for row_id, summary in (("ckpt_bad_surrogate", '{"keys": ["\\ud800"]}'), ("ckpt_bad_json", "{no")):
+                conn.execute("INSERT INTO checkpoints (id, uri, name, summary, tags, metadata, created_at, "
+                             "updated_at) VALUES (?, ?, 'bad', ?, '[]', '{}', 0, 0)", (row_id, f"/x/{row_id}", summary))
+            conn.execute("INSERT INTO checkpoints (id, uri, name, summary, tags, metadata, created_at, updated_at) "
+                         "VALUES ('ckpt_bad_bytes', '/x/bytes', CAST(X'66FF' AS TEXT), '{}', '[]', '{}', 0, 0)")
+            spec = json.dumps(job_spec("inspect", "/x/\ud800"))
+            for job_id, text in (("job_bad_surrogate", spec), ("job_bad_json", "{no")):
+                conn.execute("INSERT INTO jobs (id, kind, state, spec, max_attempts, submitted_by, created_at, "
+                             "updated_at) VALUES (?, 'inspect', 'failed', ?, 1, 'x', 0, 0)", (job_id, text))
+        conn.close()
+        checkpoints = admin.get("/v1/checkpoints", params={"limit": 200})
+        assert checkpoints.status_code == 200, checkpoints.text
+        assert good in {c["id"] for c in checkpoints.json()["items"]}
+        bad = {"ckpt_bad_bytes", "ckpt_bad_json", "ckpt_bad_surrogate"}  # (and what other tests here damaged)
+        assert bad <= set(checkpoints.json()["unreadable"]) and not bad & {c["id"] for c in checkpoints.json()["items"]}
+        jobs = admin.get("/v1/jobs", params={"limit": 200})
+        assert jobs.status_code == 200, jobs.text
+        assert sorted(jobs.json()["unreadable"]) == ["job_bad_json", "job_bad_surrogate"]
+        one = admin.get("/v1/checkpoints/ckpt_bad_surrogate")
+        assert one.status_code == 409 and "cannot be read" in one.json()["error"]["message"]
