@@ -3,14 +3,20 @@
 Allow-listed globals are pushed as inert `Token`s; APPEND/SETITEM/ADDITEMS only fill a list/dict/set
 that was never fetched from the memo, BUILD only sets the state of a fresh stand-in once, REDUCE and
 NEWOBJ only call a token's checked handler. Every resource is bounded by `PickleLimits` (pickle bytes,
-memo entries, objects built, elements reached again through shared references, nesting depth), so
+memo entries, objects built, elements reached again through shared references, nesting depth, memory), so
 hostile pickles fail quickly with a `FormatError` and any later walk over the result is bounded.
+
+Memory: every opcode is charged what it can allocate at most (`_COSTS`: the object it builds, its stack
+slot, the interpreter's bookkeeping of it), containers and handler results what they really grew by; the
+total may not pass a budget that the pickle's size justifies (`memory_budget`), so a megabyte of empty sets
+(about 340 bytes of memory per byte of pickle) is refused at once instead of taking hundreds of megabytes.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,11 +44,12 @@ class PickleLimits:
     max_objects: int = 100_000_000  # CKPT_MAX_PICKLE_OBJECTS: objects built
     max_shared: int = 10_000_000  # CKPT_MAX_PICKLE_SHARED: elements reached again through shared references
     max_depth: int = 100  # CKPT_MAX_PICKLE_DEPTH: nesting depth of containers and MARKs
+    max_memory: int | None = None  # CKPT_MAX_PICKLE_MEMORY: bytes of objects built (None: `memory_budget`)
 
 
 _ENV = {"max_bytes": "CKPT_MAX_PICKLE_BYTES", "max_memo": "CKPT_MAX_PICKLE_MEMO",
         "max_objects": "CKPT_MAX_PICKLE_OBJECTS", "max_shared": "CKPT_MAX_PICKLE_SHARED",
-        "max_depth": "CKPT_MAX_PICKLE_DEPTH"}
+        "max_depth": "CKPT_MAX_PICKLE_DEPTH", "max_memory": "CKPT_MAX_PICKLE_MEMORY"}
 _overrides: dict[str, int] = {}
 
 
@@ -67,6 +74,16 @@ def limits() -> PickleLimits:
                 raise FormatError(f"{var}={raw!r}: not an integer") from None
     values.update(_overrides)
     return replace(PickleLimits(), **values)
+
+
+MEMORY_FLOOR = 64 << 20  # any pickle may build this much
+MEMORY_PER_BYTE = 80  # ... and this much more per byte of pickle (honest ones are charged up to about 50)
+MEMORY_CAP = 2 << 30  # ... but never more than this, unless CKPT_MAX_PICKLE_MEMORY says so
+
+
+def memory_budget(size: int, bounds: PickleLimits) -> int:
+    """Bytes of objects a pickle of `size` bytes may build: what its size justifies, or CKPT_MAX_PICKLE_MEMORY."""
+    return bounds.max_memory or min(MEMORY_CAP, MEMORY_FLOOR + MEMORY_PER_BYTE * size)
 
 
 _MUTABLE = (list, dict, set, OrderedDictStub)
@@ -101,6 +118,9 @@ class Interpreter:
         self.keep: list[Any] = []  # keeps those objects alive, so their ids stay theirs
         self.sealed: set[int] = set()  # ids of objects fetched from the memo: never mutated again
         self.builders: dict[int, list[int]] = {}  # io.BytesIO stand-ins awaiting BUILD -> their memo keys
+        self.budget = memory_budget(len(data), self.bounds)
+        self.grown = 0  # bytes charged beyond `_COSTS`: containers filled, handlers' results
+        self.spent = 0  # bytes charged in all, once `load` ends
         self.ops: list[Callable[[], Any] | None] = [None] * 256
         for code, method in _OPS.items():
             self.ops[code] = getattr(self, method)
@@ -110,6 +130,16 @@ class Interpreter:
     def fail(self, message: str) -> FormatError:
         return FormatError(f"{self.source}: {message} (pickle byte {self.pos}); the file is damaged or crafted, "
                            "refusing to load it")
+
+    def _over_budget(self) -> FormatError:
+        return FormatError(f"{self.source}: the pickle of {len(self.data)} bytes builds more than {self.budget} "
+                           "bytes of objects, its memory budget; refusing to load it "
+                           "(set CKPT_MAX_PICKLE_MEMORY to a larger budget if the file is trusted)", uri=self.source)
+
+    def _release(self) -> None:
+        """Drop everything built, so that a refusal (whose traceback keeps this interpreter) frees it at once."""
+        self.stack, self.marks = [], []
+        self.memo, self.info, self.keep, self.sealed, self.builders = {}, {}, [], set(), {}
 
     def _limit(self, what: str, limit: int, var: str) -> FormatError:
         return FormatError(f"{self.source}: the pickle has more than {limit} {what}; refusing to load it "
@@ -185,6 +215,7 @@ class Interpreter:
     def load(self) -> Any:
         data, ops, size = self.data, self.ops, len(self.data)
         steps, max_steps = 0, self.bounds.max_objects
+        spent, budget = 0, self.budget
         try:
             while True:
                 if self.pos >= size:
@@ -197,6 +228,9 @@ class Interpreter:
                 steps += 1
                 if steps > max_steps:
                     raise self._limit("objects", max_steps, "CKPT_MAX_PICKLE_OBJECTS")
+                spent += _COST[code]
+                if spent + self.grown > budget:
+                    raise self._over_budget()
                 if op():
                     break
         except (IndexError, struct.error):  # a fixed-size argument runs past the end, or the stack is empty
@@ -206,11 +240,16 @@ class Interpreter:
         except RecursionError:
             raise self._limit("levels of nesting", self.bounds.max_depth, "CKPT_MAX_PICKLE_DEPTH") from None
         except MemoryError:
-            raise FormatError(f"{self.source}: the pickle needs more memory than is available; refusing it") from None
+            self._release()
+            raise FormatError(f"{self.source}: the pickle needs more memory than is available; refusing it",
+                              uri=self.source) from None
+        finally:
+            self.spent = spent + self.grown
         if len(self.stack) != 1 or self.marks:
             raise self.fail("pickle leaves extra items on its stack")
         result = self.stack[0]
         self.check_value(result)
+        self._release()
         return result
 
     def check_value(self, obj: Any) -> None:
@@ -313,6 +352,7 @@ class Interpreter:
             if type(item) is BytesIOBuilder:
                 raise Bad("an unfinished io.BytesIO is used as a value")
         value = tuple(items)
+        self.grown += 8 * len(items)
         self.stack.append(self.weigh(value, items))
 
     def op_empty_tuple(self) -> None:
@@ -364,13 +404,17 @@ class Interpreter:
     def op_append(self) -> None:
         item = self.pop()
         target = self.target((list,), "APPEND")
+        before = sys.getsizeof(target)
         target.append(self.values([item])[0])
+        self.grown += sys.getsizeof(target) - before
         self.grow(target, (item,))
 
     def op_appends(self) -> None:
         items = self.pop_mark()
         target = self.target((list,), "APPENDS")
+        before = sys.getsizeof(target)
         target.extend(self.values(items))
+        self.grown += sys.getsizeof(target) - before
         self.grow(target, items)
 
     def op_setitem(self) -> None:
@@ -378,7 +422,9 @@ class Interpreter:
         target = self.target((dict, OrderedDictStub), "SETITEM")
         self.keys([key])
         self.values([value])
+        before = sys.getsizeof(target)
         target[key] = value
+        self.grown += sys.getsizeof(target) - before
         self.grow(target, (key, value))
 
     def op_setitems(self) -> None:
@@ -389,19 +435,24 @@ class Interpreter:
         keys, vals = items[0::2], items[1::2]
         self.keys(keys)
         self.values(vals)
+        before = sys.getsizeof(target)
         for key, value in zip(keys, vals):
             target[key] = value
+        self.grown += sys.getsizeof(target) - before
         self.grow(target, items)
 
     def op_additems(self) -> None:
         items = self.pop_mark()
         target = self.target((set,), "ADDITEMS")
+        before = sys.getsizeof(target)
         target.update(self.keys(items))
+        self.grown += sys.getsizeof(target) - before
         self.grow(target, items)
 
     def op_frozenset(self) -> None:
         items = self.keys(self.pop_mark())
         value = frozenset(items)
+        self.grown += sys.getsizeof(value)
         self.push(self.weigh(value, items))
 
     def _global(self, module: str, name: str) -> None:
@@ -442,7 +493,11 @@ class Interpreter:
         if type(args) is not tuple:
             raise Bad(f"{func.qualname}: arguments must be a tuple, got {describe(args)}")
         value = func.call(args)
-        self.push(self.weigh(value, (args,)) if isinstance(value, (*_MUTABLE, Stub, Wrapped)) else value)
+        self.grown += _size(value)  # a handler may copy (bytearray, encode, set of a list)
+        if isinstance(value, (*_MUTABLE, Stub, Wrapped)):
+            self.grown += _BOOKKEEPING
+            value = self.weigh(value, (args,))
+        self.push(value)
 
     def op_newobj(self) -> None:
         args = self.pop()
@@ -452,7 +507,9 @@ class Interpreter:
         if type(args) is not tuple:
             raise Bad(f"{cls.qualname}: arguments must be a tuple, got {describe(args)}")
         self.values(list(args))
-        self.push(self.weigh(cls.new(args), (args,)))
+        value = cls.new(args)
+        self.grown += _size(value) + _BOOKKEEPING
+        self.push(self.weigh(value, (args,)))
 
     def op_build(self) -> None:
         state = self.pop()
@@ -462,6 +519,7 @@ class Interpreter:
         self.values([state])
         built = build_state(inst, state)
         if built is not inst:  # an io.BytesIO became its OpaqueBytes: so does its memo entry
+            self.grown += len(built.data)
             self.stack[-1] = built
             self.keep.append(built)
             for key in self.builders.pop(id(inst), ()):
@@ -505,6 +563,8 @@ class Interpreter:
             return
         weight = self.info.get(id(obj), (1, 0))[0]
         if weight > 1 or isinstance(obj, (*_MUTABLE, Stub, BytesIOBuilder)):
+            if id(obj) not in self.sealed:
+                self.grown += _SEALED
             self.sealed.add(id(obj))
             self.shared += weight
             if self.shared > self.bounds.max_shared:
@@ -535,3 +595,32 @@ _OPS: dict[int, str] = {
     ord("Q"): "op_binpersid", ord("q"): "op_binput", ord("r"): "op_long_binput", 0x94: "op_memoize",
     ord("h"): "op_binget", ord("j"): "op_long_binget",
 }
+
+
+# What each opcode may allocate at most, in bytes (CPython 3.11, 64-bit): the object it builds, its stack slot
+# (8), and for containers the interpreter's record of them (`info` entry and `keep` slot); what containers
+# grow by and what handlers return is charged as it happens (`Interpreter.grown`). Strings and bytes are copies
+# of the pickle's own bytes, which the budget allows for (`MEMORY_PER_BYTE`).
+_BOOKKEEPING = 176
+_SEALED = 96  # an entry of `Interpreter.sealed`
+_INSTANCE = 112  # the attributes of an instance (a stand-in, a TensorRef), beyond `sys.getsizeof`
+
+
+def _size(value: Any) -> int:
+    """Bytes an object built by a handler holds, its attributes included (not the objects they refer to)."""
+    return sys.getsizeof(value) + (_INSTANCE if type(value).__dictoffset__ else 0)
+
+_COSTS: dict[str, int] = {
+    "op_proto": 0, "op_frame": 0, "op_stop": 0, "op_pop": 0, "op_pop_mark": 0, "op_mark": 64,
+    "op_none": 8, "op_true": 8, "op_false": 8, "op_empty_tuple": 8, "op_global": 8, "op_stack_global": 8,
+    "op_binint": 40, "op_binint1": 40, "op_binint2": 40, "op_long1": 48, "op_long4": 48, "op_binfloat": 32,
+    "op_short_binunicode": 88, "op_binunicode": 88, "op_binunicode8": 88, "op_short_binstring": 64,
+    "op_short_binbytes": 48, "op_binbytes": 48, "op_binbytes8": 48, "op_bytearray8": 72,
+    "op_tuple": 48 + _BOOKKEEPING, "op_tuple1": 48 + _BOOKKEEPING, "op_tuple2": 48 + _BOOKKEEPING,
+    "op_tuple3": 48 + _BOOKKEEPING, "op_empty_list": 64 + _BOOKKEEPING, "op_empty_dict": 72 + _BOOKKEEPING,
+    "op_empty_set": 224 + _BOOKKEEPING, "op_frozenset": 8 + _BOOKKEEPING,
+    "op_append": 0, "op_appends": 0, "op_setitem": 0, "op_setitems": 0, "op_additems": 0,
+    "op_reduce": 8, "op_newobj": 8, "op_build": 56, "op_binpersid": 176,
+    "op_binput": 112, "op_long_binput": 112, "op_memoize": 112, "op_binget": 8, "op_long_binget": 8,
+}
+_COST = [_COSTS[_OPS[code]] if code in _OPS else 0 for code in range(256)]

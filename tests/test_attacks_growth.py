@@ -9,27 +9,34 @@ with one line (exit code 2) in bounded time and memory.
 from __future__ import annotations
 
 import os
+import pickle
 import resource
 import struct
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from converters import pickle_vm, unpickle
+from converters.errors import FormatError
+
 TIMEOUT = 30  # seconds; each case takes under 3 s when the work is bounded
 
 
-def run_cli(args: list[str], address_space: int = 1 << 30) -> subprocess.CompletedProcess[str]:
+def run_cli(args: list[str], address_space: int = 1 << 30,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The real `ckptctl` in a subprocess, its address space capped at `address_space` bytes."""
     def limits() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         resource.setrlimit(resource.RLIMIT_CPU, (TIMEOUT, TIMEOUT))
 
     return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "200"}, timeout=TIMEOUT, preexec_fn=limits)
+                          env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=TIMEOUT,
+                          preexec_fn=limits)
 
 
 def refused(proc: subprocess.CompletedProcess[str], *expect: str) -> str:
@@ -92,6 +99,91 @@ def test_zip_of_300000_members_is_read_in_seconds(tmp_path: Path) -> None:
     proc = run_cli(["inspect", str(path)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tensors: 1" in proc.stdout and "total_bytes: 16 " in proc.stdout, proc.stdout
+
+
+# --- pickles that build more than their size justifies -------------------------------------------------------
+
+
+def _empty_sets(n: int) -> bytes:
+    """A pickle of {"x": [set(), set(), ...]}: one byte per set, each about 216 bytes of memory (and bookkeeping)."""
+    return b"\x80\x04}(\x8c\x01x](" + b"\x8f" * n + b"eu."
+
+
+def _torch_file_with_pickle(path: Path, pkl: bytes) -> None:
+    """A torch.save archive whose data.pkl is `pkl` (the other members as torch writes them)."""
+    torch.save({"w": torch.arange(4.0)}, path)
+    with zipfile.ZipFile(path) as archive:
+        members = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members:
+            archive.writestr(name, pkl if name.endswith("/data.pkl") else data)
+
+
+def _dcp_with_metadata(folder: Path, pkl: bytes) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(folder))
+    (folder / ".metadata").write_bytes(pkl)
+    return folder / ".metadata"
+
+
+@pytest.mark.slow
+def test_data_pkl_of_empty_sets_is_refused_within_its_budget(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    _torch_file_with_pickle(path, _empty_sets(1 << 20))  # 1 MiB: 354 MB of memory before
+    refused(run_cli(["inspect", str(path)], address_space=1 << 30), str(path), "memory budget",
+            "CKPT_MAX_PICKLE_MEMORY")
+
+
+@pytest.mark.slow
+def test_dcp_metadata_of_empty_sets_is_refused_within_its_budget(tmp_path: Path) -> None:
+    metadata = _dcp_with_metadata(tmp_path / "ckpt", _empty_sets(3 << 20))  # 3 MiB: 1.1 GB before
+    refused(run_cli(["inspect", str(tmp_path / "ckpt")], address_space=1 << 30), str(metadata), "memory budget")
+
+
+@pytest.mark.slow
+def test_running_out_of_memory_in_a_pickle_is_one_line(tmp_path: Path) -> None:
+    """A budget raised past the memory there is: the MemoryError is one line naming the file, exit code 2."""
+    metadata = _dcp_with_metadata(tmp_path / "ckpt", _empty_sets(3 << 20))
+    proc = run_cli(["inspect", str(tmp_path / "ckpt")], address_space=1 << 30,
+                   env={"CKPT_MAX_PICKLE_MEMORY": str(1 << 40)})
+    refused(proc, str(metadata), "needs more memory than is available")
+
+
+def test_memory_budget_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _empty_sets(100_000)  # 100 kB, 40 MB of objects: within the floor every pickle is allowed
+    assert len(unpickle.loads(data, "x")["x"]) == 100_000
+    monkeypatch.setenv("CKPT_MAX_PICKLE_MEMORY", str(10 << 20))
+    with pytest.raises(FormatError, match="x: the pickle of 100012 bytes builds more than 10485760 bytes"):
+        unpickle.loads(data, "x")
+
+
+def test_honest_dcp_metadata_is_well_within_its_budget() -> None:
+    """DCP's `.metadata` is the densest honest pickle we know (many small objects per byte): it is charged well
+    under the bytes per byte of pickle that the budget allows."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    tensors, storage = {}, {}
+    for i in range(200):
+        fqn = f"model.layers.{i}.mlp.weight"
+        offsets = [torch.Size([j * 64, 0]) for j in range(16)]
+        tensors[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([1024, 1024]),
+                                             [ChunkStorageMetadata(o, torch.Size([64, 1024])) for o in offsets])
+        for j, o in enumerate(offsets):
+            storage[MetadataIndex(fqn, o, j)] = _StorageInfo(f"__{j}_0.distcp", i * 100_000, 131_772)
+    data = pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data=storage))
+    machine = pickle_vm.Interpreter(data, "x", unpickle.BASE_ALLOWED)
+    assert len(machine.load().get("state_dict_metadata")) == 200
+    assert machine.spent < len(data) * pickle_vm.MEMORY_PER_BYTE / 1.5, machine.spent / len(data)
 
 
 # --- views larger than their storage -------------------------------------------------------------------------
