@@ -159,7 +159,8 @@ class CkptService:
     def checkpoint(self, checkpoint_id: str, tensors: bool = False) -> CheckpointView:
         view = self.registry.get(self.catalog.checkpoint_id(checkpoint_id))  # or a name, NAME@RUN, ALIAS@RUN
         if tensors:
-            uri = roots.check(view.uri, self.settings.read_locations, field="uri", purpose="read")
+            readable = [*self.settings.read_locations, *self.settings.write_locations]  # outputs are shown too
+            uri = roots.check(view.uri, readable, field="uri", purpose="read")
             view.summary = sandbox.inspect(uri, self.settings, tensors=True)
         return view
 

@@ -167,3 +167,9 @@ def test_discovery_goes_on_past_a_hostile_folder_and_shows_it_on_the_rule(site: 
     why = view["skipped"][str(hostile)]
     assert str(hostile) in why and "\n" not in why and "Traceback" not in why, why
     assert [e for e in site.server.log_events() if e.get("event") == "manage.loop_error"] == []
+
+    with site.server.http(site.tokens.read) as reader:  # the output, in a write root, shows its tensor table too
+        [done] = wait_for(lambda: [t for t in reader.get("/v1/rules/exports/triggers").json() if t["state"] == "done"],
+                          60, "the export to finish")
+        table = reader.get(f"/v1/checkpoints/{done['detail']}", params={"tensors": "true"})
+        assert [t["name"] for t in table.json()["summary"]["tensor_table"]] == ["w"], table.text
