@@ -8,6 +8,7 @@ Non-tensor values (optimizer hyper-parameters, step counters) are `ObjectEntry`s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Any
 
 from . import dtypes
@@ -136,7 +137,12 @@ def check_tiling(entry: TensorEntry, where: str) -> None:
     if len(entry.chunks) < 2 or not entry.numel:
         return
     dims = _split_dims(entry)
-    if _corners(entry, dims, where) != _box_corners((0,) * len(entry.shape), entry.shape, dims):
+    if len(entry.chunks) << len(dims) > MAX_CORNERS:
+        raise FormatError(f"{where}: {len(entry.chunks)} chunks of {entry.name!r} split {len(dims)} dimensions, too "
+                          "many to check that they do not overlap; the metadata is damaged or hostile",
+                          uri=where, key=entry.name)
+    boxes = [(c.offsets, c.sizes) for c in entry.chunks if 0 not in c.sizes]
+    if _signed_corners(boxes, dims) != _signed_corners([((0,) * len(entry.shape), entry.shape)], dims):
         raise FormatError(f"{where}: the chunks of {entry.name!r} overlap (some elements are stored twice, others "
                           "not at all); the metadata is damaged", uri=where, key=entry.name)
 
@@ -147,32 +153,19 @@ def _split_dims(entry: TensorEntry) -> list[int]:
             if any(c.offsets[d] or c.sizes[d] != size for c in entry.chunks)]
 
 
-def _box_corners(offsets: tuple[int, ...], sizes: tuple[int, ...], dims: list[int]) -> dict[tuple[int, ...], int]:
-    """The signed corners of a box over `dims`: +1 or -1 at each corner, by the number of far ends it takes."""
-    corners: dict[tuple[int, ...], int] = {(): 1}
-    for d in dims:
-        lo, hi = offsets[d], offsets[d] + sizes[d]
-        grown: dict[tuple[int, ...], int] = {}
-        for corner, sign in corners.items():
-            grown[(*corner, lo)] = sign
-            grown[(*corner, hi)] = -sign
-        corners = grown
-    return corners
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
-def _corners(entry: TensorEntry, dims: list[int], where: str) -> dict[tuple[int, ...], int]:
-    """The sum of the chunks' signed corners, zeros left out. The count of chunks covering an element is the sum
-    of the signed corners at or below it, so the chunks tile the tensor exactly once if and only if this sum
-    is the tensor's own corners: an exact check in O(chunks x 2 ** split dimensions), for any number of dims."""
-    if len(entry.chunks) << len(dims) > MAX_CORNERS:
-        raise FormatError(f"{where}: {len(entry.chunks)} chunks of {entry.name!r} split {len(dims)} dimensions, too "
-                          "many to check that they do not overlap; the metadata is damaged or hostile",
-                          uri=where, key=entry.name)
+def _signed_corners(boxes: list[Box], dims: list[int]) -> dict[tuple[int, ...], int]:
+    """The sum of the boxes' signed corners over `dims` (+1 or -1 at each corner, by the parity of the far ends
+    it takes), zeros left out. The number of boxes that cover an element is the sum of the signed corners at or
+    below it, so boxes tile a tensor exactly once if and only if their sum is the tensor's own corners: an exact
+    check in O(boxes x 2 ** dims), whatever the number of dimensions."""
+    signs = [(-1) ** sum(picks) for picks in product((0, 1), repeat=len(dims))]
     total: dict[tuple[int, ...], int] = {}
-    for chunk in entry.chunks:
-        if chunk.numel:
-            for corner, sign in _box_corners(chunk.offsets, chunk.sizes, dims).items():
-                total[corner] = total.get(corner, 0) + sign
+    for offsets, sizes in boxes:
+        for corner, sign in zip(product(*[(offsets[d], offsets[d] + sizes[d]) for d in dims]), signs):
+            total[corner] = total.get(corner, 0) + sign
     return {corner: sign for corner, sign in total.items() if sign}
 
 

@@ -9,6 +9,7 @@ create no target, write nothing anywhere, and import nothing the checkpoint name
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -147,6 +149,57 @@ def _sharding(value: object) -> Callable[[dict], None]:
     return edit
 
 
+def _overlapping_chunks(offset: int) -> Callable[[Any], None]:
+    """`w` [6, 4] becomes rows [0, 6) and [offset, offset + 6) of a [12, 4] tensor, both backed by its one record:
+    the sizes add up (48 elements), but rows overlap and others are covered by nothing."""
+    def edit(md: Any) -> None:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+        fqn = next(k for k in md.state_dict_metadata if k.endswith("w"))
+        meta = md.state_dict_metadata[fqn]
+        meta.size = torch.Size([12, 4])
+        meta.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([6, 4])),
+                       ChunkStorageMetadata(torch.Size([offset, 0]), torch.Size([6, 4]))]
+        info = md.storage_data[MetadataIndex(fqn, torch.Size([0, 0]))]
+        md.storage_data[MetadataIndex(fqn, torch.Size([offset, 0]))] = info
+    return edit
+
+
+def _rename_dcp_entry(new: str) -> Callable[[Any], None]:
+    """Entry `b` of a DCP checkpoint is renamed `new` in both tables of `.metadata`."""
+    def edit(md: Any) -> None:
+        md.state_dict_metadata[new] = md.state_dict_metadata.pop("b")
+        for key in [k for k in md.storage_data if k.fqn == "b"]:
+            md.storage_data[dataclasses.replace(key, fqn=new)] = md.storage_data.pop(key)
+    return edit
+
+
+def _torch_save(rel: str, state: Callable[[], dict]) -> Callable[[Path, Path], None]:
+    def brk(ckpt: Path, case: Path) -> None:
+        torch.save(state(), ckpt / rel)
+    return brk
+
+
+def _json_doc(rel: str, edit: Callable[[dict], object]) -> Callable[[Path, Path], None]:
+    def brk(ckpt: Path, case: Path) -> None:
+        doc = json.loads((ckpt / rel).read_text())
+        result = edit(doc)
+        (ckpt / rel).write_text(json.dumps(doc if result is None else result))
+    return brk
+
+
+def _raw_header(text: str) -> bytes:
+    return len(text).to_bytes(8, "little") + text.encode()
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+NOT_TEXT = "not valid UTF-8 text"
+COLLIDE = "both flatten to the name"
+
+
 ROOTS = {"CKPT_CONFINE_READS": "{ckpt}"}
 
 
@@ -261,7 +314,48 @@ def _attacks() -> list[Attack]:
                "saved_offsets"),
         Attack("hf-dcp", "truncated", _on(pick, kit.truncate), "shard-00001"),
     ]
+    out += _name_attacks()
     return out
+
+
+def _name_attacks() -> list[Attack]:
+    """Names that are not valid text, JSON nested without end, colliding keys and chunks that overlap: each was
+    accepted (exit 0, wrong or unreadable output) or a traceback before the readers refused them."""
+    st, ti = "model.safetensors", "pytorch_model.bin.index.json"
+    w = torch.ones(2)
+    return [
+        Attack("dcp", "overlapping-chunks", lambda c, _: kit.edit_dcp_metadata(c, _overlapping_chunks(3)), "overlap",
+               full=True),
+        Attack("accelerate", "overlapping-chunks", lambda c, _: kit.edit_dcp_metadata(
+            c / "pytorch_model_fsdp_0", _overlapping_chunks(5)), "overlap"),
+        Attack("dcp", "surrogate-name", lambda c, _: kit.edit_dcp_metadata(c, _rename_dcp_entry("b\ud800")), NOT_TEXT,
+               full=True),
+        Attack("safetensors", "surrogate-name", _header(st, lambda h: h.update({"w\ud800": h.pop("w")})), NOT_TEXT,
+               full=True),
+        Attack("safetensors", "surrogate-metadata", _header(st, lambda h: h.update(__metadata__={"x": "\udc80"})),
+               NOT_TEXT),
+        Attack("safetensors", "header-deep", _on(st, lambda p: p.write_bytes(_raw_header(
+            '{"__metadata__": ' + _deep(900) + "}"))), "nested", full=True),
+        Attack("safetensors", "header-deeper", _on(st, lambda p: p.write_bytes(_raw_header(_deep(100_000)))),
+               "nested"),
+        Attack("safetensors-sharded", "index-deep", _json_doc("model.safetensors.index.json", lambda d: d.update(
+            metadata=json.loads(_deep(200)))), "model.safetensors.index.json", full=True),
+        Attack("torch-index", "surrogate-weight-map", _json_doc(ti, lambda d: d["weight_map"].update(
+            {"\ud800": d["weight_map"]["w"]})), ti),
+        Attack("torch-index", "name-in-two-shards", _torch_save("pytorch_model-00002-of-00002.bin", lambda: {
+            "w": torch.zeros(6, 4), "b": torch.zeros(5), "e": torch.zeros(3, 2)}), "also in another part"),
+        Attack("hf-dcp", "sharding-deep", _on(partial(kit.data_file, reader="hf-dcp"), lambda p: kit.edit_header(
+            p, _sharding(_deep(100_000)))), "DCP_SHARDING_INFO"),
+        Attack("torch", "surrogate-name", _torch_save("model.pt", lambda: {"w\ud800": w}), NOT_TEXT, full=True),
+        Attack("torch", "surrogate-value", _torch_save("model.pt", lambda: {"w": w, "note": "\udc80"}), NOT_TEXT),
+        Attack("torch", "colliding-int-key", _torch_save("model.pt", lambda: {1: w, "1": w * 2}), COLLIDE,
+               full=True),
+        Attack("torch", "colliding-dotted-key", _torch_save("model.pt", lambda: {"a.b": w, "a": {"b": w * 2}}),
+               COLLIDE),
+        Attack("torch", "colliding-nan-keys", _torch_save("model.pt", lambda: {float("nan"): w,
+                                                                              float("nan"): w * 2}), COLLIDE),
+        Attack("rank-files", "colliding-int-key", _torch_save("rank0.pt", lambda: {0: w, "0": w}), "rank0.pt"),
+    ]
 
 
 ATTACKS = _attacks()
@@ -471,3 +565,94 @@ def test_confine_reads_in_process(bases: dict[str, Path], tmp_path: Path) -> Non
     finally:
         storage.confine_reads(None)
     assert sorted(api.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("latest", "metadata", "expect"), [
+    (None, _deep(100_000), "metadata.json: the JSON document is nested more than 64 levels deep"),
+    (None, '{"a": ' * 100_000 + "1" + "}" * 100_000, "metadata.json: the JSON document is nested"),
+    (None, '{"sharded_backend": "torch_dist", "x": "\\ud800"}', "metadata.json: the JSON document holds a string "
+                                                                "that is not valid UTF-8 text"),
+    ("\u00b2", None, "latest_checkpointed_iteration.txt: does not hold 'release' or an iteration number"),
+    ("9" * 5000, None, "latest_checkpointed_iteration.txt: 5000 bytes, but it should hold"),
+    ("1" + "\u0661", None, "latest_checkpointed_iteration.txt: does not hold"),
+], ids=["metadata-deep-lists", "metadata-deep-objects", "metadata-surrogate", "latest-superscript",
+        "latest-5000-digits", "latest-arabic-digit"])
+def test_megatron_fields_are_refused(bases: dict[str, Path], tmp_path: Path, latest: str | None,
+                                     metadata: str | None, expect: str) -> None:
+    """A Megatron-shaped folder whose metadata.json or latest_checkpointed_iteration.txt is hostile: one line
+    naming the file, exit 2, nothing written (was a RecursionError / ValueError traceback)."""
+    run = tmp_path / "run"
+    folder = run / "iter_0000001"
+    shutil.copytree(bases["dcp"], folder)
+    (folder / "metadata.json").write_text(metadata or '{"sharded_backend": "torch_dist"}')
+    if latest is not None:
+        (run / "latest_checkpointed_iteration.txt").write_text(latest)
+    before = _snapshot(tmp_path)
+    for command in ("inspect", "export"):
+        proc = run_cli(_args(command, run if latest is not None else folder, tmp_path, bases["dcp"]))
+        said = f"{command}: exit {proc.returncode}\nstderr: {proc.stderr}"
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and expect in lines[0], said
+        assert (latest or "\u00b2") not in lines[0] and "9999" not in lines[0], said  # never quotes the file
+        assert _snapshot(tmp_path) == before, f"{command} left something behind"
+
+
+def _entry_of(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Any:
+    from converters.index import ByteRange, Chunk, TensorEntry
+
+    return TensorEntry("t", "float32", shape, [Chunk(o, s, ByteRange("f", 0, 0)) for o, s in boxes])
+
+
+def _covers_once(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    seen = torch.zeros(shape, dtype=torch.int32)
+    for offsets, sizes in boxes:
+        seen[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+    return bool((seen == 1).all())
+
+
+def test_chunks_must_tile_exactly_in_any_number_of_dims() -> None:
+    """The tiling check agrees with counting every element, on random cuts of 1-, 2- and 3-D tensors, moved or
+    not; one box moved keeps the total size but overlaps another."""
+    import itertools
+    import random
+
+    from converters.errors import FormatError
+    from converters.index import check_tiling
+
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+        cuts = [sorted({0, dim, *rng.sample(range(1, dim + 1), rng.randint(0, dim - 1) if dim > 1 else 0)})
+                for dim in shape]
+        boxes = [((), ())]
+        for cut in cuts:
+            boxes = [((*o, a), (*s, b - a)) for o, s in boxes for a, b in itertools.pairwise(cut)]
+        if rng.random() < 0.5 and len(boxes) > 1:
+            i, d = rng.randrange(len(boxes)), rng.randrange(len(shape))
+            offsets, sizes = boxes[i]
+            room = shape[d] - sizes[d]
+            boxes[i] = (tuple(rng.randint(0, room) if k == d else o for k, o in enumerate(offsets)), sizes)
+        entry = _entry_of(shape, boxes)
+        if _covers_once(shape, boxes):
+            check_tiling(entry, "m")
+        else:
+            with pytest.raises(FormatError, match="overlap"):
+                check_tiling(entry, "m")
+
+
+def test_tiling_check_of_many_chunks_is_fast() -> None:
+    """200,000 chunks of a 2-D tensor (and one overlap among them) are checked in linear time: about a second each
+    here, where a pairwise check would take hours."""
+    import time
+
+    from converters.errors import FormatError
+    from converters.index import check_tiling
+
+    boxes = [((r, c * 4), (1, 4)) for r in range(2000) for c in range(100)]
+    start = time.perf_counter()
+    check_tiling(_entry_of((2000, 400), boxes), "m")
+    boxes[-1], boxes[-2] = ((1999, 394), (1, 4)), ((1999, 392), (1, 4))
+    with pytest.raises(FormatError, match="overlap"):
+        check_tiling(_entry_of((2000, 400), boxes), "m")
+    assert time.perf_counter() - start < 10
