@@ -134,13 +134,15 @@ class Registry:
     def record_output(self, conn: Any, *, uri: str, summary: dict[str, Any], job_id: str,
                       source_uri: str, source_summary: dict[str, Any] | None) -> str:
         """Inside the transaction that marks a job succeeded: register (or refresh, when a job overwrote it)
-        the output, register the source if it is new, and record `output derived_from source` by `job_id`."""
+        the output (owned by the job's submitter), register the source if it is new, and record `output
+        derived_from source` by `job_id`."""
         now = time.time()
         self.store.serialize(conn)
         row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (uri,)).fetchone()
         if row is None:
+            job = conn.execute("SELECT submitted_by FROM jobs WHERE id = ?", (job_id,)).fetchone()
             child = self.add(conn, uri=uri, name=default_name(uri), summary=summary, tags=[], metadata={},
-                             made_by_job=job_id)
+                             made_by_job=job_id, owner=job["submitted_by"] if job else None)
         else:
             child = row["id"]
             conn.execute("UPDATE checkpoints SET summary = ?, format = ?, made_by_job = ?, updated_at = ? "

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from ckpt_service.auth import create
+from ckpt_service.errors import InvalidRequest
 from ckpt_service.jobs import JobSpec
 from ckpt_service.migrations import LATEST
 from ckpt_service.netguard import CallbackPolicy, CallbackRefused, address_class, pin
@@ -420,13 +421,14 @@ class Managed:
 
 @pytest.fixture(scope="module")
 def managed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Managed]:
-    """A server whose one root is read and written (GC and purges delete there); tokens alice and bob write."""
+    """A server whose one root is read and written (GC and purges delete there), one worker; tokens alice and bob
+    write."""
     base = tmp_path_factory.mktemp("managed")
     (base / "out").mkdir()
     tokens = Tokens.make()
     alice, alice_entry = create("write", "alice")
     bob, bob_entry = create("write", "bob")
-    server = make_server(base / "state", read_roots=[base / "out"], write_roots=[base / "out"], workers=0,
+    server = make_server(base / "state", read_roots=[base / "out"], write_roots=[base / "out"], workers=1,
                          tokens=[*tokens.entries, alice_entry.line(), bob_entry.line()])
     yield Managed(server.start(), tokens, alice, bob, base / "out")
     server.stop()
@@ -588,6 +590,16 @@ def test_only_the_owner_or_an_admin_changes_a_managed_object(managed: Managed) -
         assert admin.delete("/v1/aliases/owned/prod").status_code == 204
         assert alice.delete("/v1/rules/owned").status_code == 200
         assert alice.delete(f"/v1/checkpoints/{checkpoint_id}").status_code == 200
+        # a job's output belongs to the job's submitter
+        export = alice.post("/v1/jobs", json=job_spec("export", folder, managed.out / "owned-export"))
+        assert export.status_code == 202, export.text
+    done = server.wait_job(export.json()["id"], ("succeeded", "failed"), token=managed.alice)
+    assert done["state"] == "succeeded", done["error"]
+    with server.http(managed.alice) as alice, server.http(managed.bob) as bob:
+        output = alice.get(f"/v1/checkpoints/{done['result']['checkpoint_id']}").json()
+        assert output["owner"] == "alice"
+        assert bob.delete(f"/v1/checkpoints/{output['id']}").status_code == 403
+        assert alice.delete(f"/v1/checkpoints/{output['id']}").status_code == 200
     # rows from before owners were recorded have none: admins only
     conn = sqlite3.connect(server.data_dir / "ckpt.db")
     with conn:
@@ -628,3 +640,44 @@ def test_a_damaged_row_never_breaks_a_listing(managed: Managed) -> None:
         assert sorted(jobs.json()["unreadable"]) == ["job_bad_json", "job_bad_surrogate"]
         one = admin.get("/v1/checkpoints/ckpt_bad_surrogate")
         assert one.status_code == 409 and "cannot be read" in one.json()["error"]["message"]
+
+
+def test_owners_and_damaged_rows_on_both_stores(tmp_path: Path, store_location: str) -> None:
+    """The same SQL on SQLite and PostgreSQL: owners of checkpoints, tags and aliases (schema v4), and a
+    listing that names a damaged row instead of failing."""
+    from ckpt_service.auth import Principal
+    from ckpt_service.catalog import Catalog
+    from ckpt_service.errors import Forbidden
+    from ckpt_service.registry import Registry
+
+    store = JobStore(store_location if store_location.startswith("postgresql://") else tmp_path / "ckpt.db")
+    registry = Registry(store)
+    catalog = Catalog(store, registry, "{run}/step_{step}")
+    alice, bob = Principal("alice", "write"), Principal("bob", "write")
+    with store.transaction() as conn:
+        first = registry.add(conn, uri="/d/r/step_1", name="step_1", summary={}, tags=["pin"], metadata={},
+                             owner="alice")
+        catalog.place(conn, first, "r", 1, "test")
+    assert registry.get(first).owner == "alice"
+    with pytest.raises(Forbidden, match=r"tag pin of checkpoint \w+ belongs to 'alice'"):
+        catalog.set_tags(first, {}, ["pin"], bob)
+    assert catalog.set_tags(first, {"bob": "1"}, [], bob) == ["pin", "bob=1"]
+    assert catalog.set_tags(first, {}, ["pin"], alice) == ["bob=1"]
+    catalog.set_alias("r", "prod", first, "alice", alice)
+    with pytest.raises(Forbidden, match="alias prod@r belongs to 'alice'"):
+        catalog.remove_alias("r", "prod", "bob", bob)
+    with pytest.raises(Forbidden, match="alias latest@r has no owner; only an admin"):
+        catalog.remove_alias("r", "latest", "bob", bob)
+    catalog.remove_alias("r", "latest", "admin", Principal("root", "admin"))
+    not_text = "summary: holds text that is not valid UTF-8"
+    with pytest.raises(InvalidRequest, match=not_text), store.transaction() as conn:
+        registry.add(conn, uri="/d/r/step_2", name="step_2", summary={"keys": ["\ud800"]}, tags=[], metadata={})
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO checkpoints (id, uri, name, summary, tags, metadata, created_at, updated_at) "
+                     "VALUES ('ckpt_0damaged', '/d/x', 'x', '{no', '[]', '{}', 0, 0)")
+    page, _, unreadable = registry.list(tag="bob=1")
+    assert [v.id for v in page] == [first] and unreadable == []
+    page, _, unreadable = registry.list()
+    assert [v.id for v in page] == [first] and unreadable == ["ckpt_0damaged"]
+    assert registry.find_uri("/d/r/step_2") is None  # nothing that failed validation was stored
+    store.close()
