@@ -19,6 +19,7 @@ Exit codes are mapped in one table (`ckpt_service.errors.EXIT_CODES`), HTTP stat
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,10 +32,28 @@ def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, A
     return exc
 
 
+_TOKEN = re.compile(r"[A-Za-z0-9_.:\-]{1,40}")
+
+
 def short(value: Any, limit: int = 60) -> str:
-    """repr of a value from a damaged file, cut short for an error line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    """A value from a damaged file, described for an error line without quoting the file's bytes: numbers, short
+    tokens (a dtype code) and short lists of numbers (a shape) as they are; other text, bytes and containers by
+    their kind and length."""
+    if value is None or isinstance(value, bool | int | float):
+        text = repr(value)
+        return text if len(text) <= limit else f"a {len(text)}-digit number"
+    if isinstance(value, str):
+        return repr(value) if _TOKEN.fullmatch(value) else f"a string of {len(value)} characters"
+    if isinstance(value, bytes | bytearray):
+        return f"{len(value)} bytes"
+    if isinstance(value, list | tuple) and len(value) <= 8 and all(
+            isinstance(v, bool | int | float) or v is None for v in value):
+        text = repr(list(value))
+        if len(text) <= limit:
+            return text
+    if isinstance(value, list | tuple | dict | set | frozenset):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {getattr(value, 'qualname', type(value).__name__)}"
 
 
 class CkptError(Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import storage
 from ..errors import FormatError
-from ..index import CheckpointIndex, short
+from ..index import CheckpointIndex
 from .base import BaseReader
 from .dcp import DcpReader, dcp_subfolders
 
@@ -34,7 +34,7 @@ class AccelerateReader(BaseReader):
             opt = DcpReader(storage.join(self.uri, optim), self.reader).read(locate)
             both = sorted(set(index.names()) & set(opt.names()))
             if both:
-                raise FormatError(f"{self.uri}: entry {short(both[0])} is both in {model}/ and in {optim}/; the "
+                raise FormatError(f"{self.uri}: entry {both[0]!r} is both in {model}/ and in {optim}/; the "
                                   "checkpoint is damaged", uri=self.uri, key=both[0])
             index.tensors.update(opt.tensors)
             index.objects.update(opt.objects)

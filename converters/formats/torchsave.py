@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import storage
 from ..errors import FormatError
-from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry, short
+from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
 from ..names import RANK_FILE, TORCH_INDEX, TORCH_SUFFIXES
 from ..torchzip import Archive, read_archive, storage_range
 from ..unpickle import TensorRef
@@ -56,8 +56,9 @@ def named(obj: Any, where: str, prefix: tuple[str, ...] = ()) -> dict[str, tuple
 
 
 def _collision(where: str, first: tuple[Any, ...], second: tuple[Any, ...], name: str) -> FormatError:
-    return FormatError(f"{where}: the entries at keys {short(list(first))} and {short(list(second))} both flatten "
-                       f"to the name {short(name)}; rename one of them and save again", uri=where, key=name)
+    keys = [repr(list(k))[:80] for k in (first, second)]
+    return FormatError(f"{where}: the entries at keys {keys[0]} and {keys[1]} both flatten to the name "
+                       f"{name[:80]!r}; rename one of them and save again", uri=where, key=name)
 
 
 def _structured_lists(obj: Any) -> set[int]:
@@ -127,7 +128,7 @@ def add_entries(index: CheckpointIndex, archive: Archive, obj: Any = None) -> li
     names = []
     for name, (path, value) in named(archive.obj if obj is None else obj, archive.uri).items():
         if name in index.tensors or name in index.objects:
-            raise FormatError(f"{archive.uri}: entry {short(name)} is also in another part of the checkpoint "
+            raise FormatError(f"{archive.uri}: entry {name!r} is also in another part of the checkpoint "
                               f"({index.uri}); the checkpoint is damaged", uri=archive.uri, key=name)
         if isinstance(value, TensorRef):
             index.tensors[name] = tensor_entry(name, value, archive)
