@@ -301,3 +301,34 @@ def test_export_side_files_from_the_run_folder_or_config_from(tmp_path: Path) ->
     bad = ckptctl("export", weights, tmp_path / "c", check=False)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "config.json: not a JSON object" in bad.stderr and not (tmp_path / "c").exists()
+
+
+def test_export_side_files_on_object_storage(tmp_path: Path) -> None:
+    """Source and target as fsspec URIs (memory://, as s3:// goes): the run folder's config and tokenizer are
+    found by listing, written with the weights, and recorded in the target's manifest."""
+    import fsspec
+
+    from converters.transforms import KeyOptions
+
+    from .s3server import clear_fs_caches
+
+    _model, step = _tiny_llama_run(tmp_path)
+    clear_fs_caches()
+    mem = fsspec.filesystem("memory")
+    try:
+        for path in sorted(step.iterdir()):
+            where = "memory://runs/llama/" + ("" if path.suffix == ".json" else "step_100/")  # config in run/
+            mem.pipe_file(where + path.name, path.read_bytes())
+        options = ConvertOptions(export=True, keys=KeyOptions(only="model", clean=True), dtype="float16")
+        result = convert("memory://runs/llama/step_100", "memory://exports/llama", options)
+        assert result.side_files is not None
+        assert set(result.side_files.found_in) == {"config.json", "generation_config.json", "tokenizer.json",
+                                                   "tokenizer_config.json", "special_tokens_map.json"} & {
+            p.name for p in step.iterdir()}
+        config = json.loads(mem.cat_file("memory://exports/llama/config.json"))
+        assert config.get("torch_dtype", config.get("dtype")) == "float16"
+        manifest = json.loads(mem.cat_file("memory://exports/llama/ckpt-manifest.json"))
+        assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(manifest["files"])
+        assert manifest["export"]["dtype"] == "float16"
+    finally:
+        clear_fs_caches()
