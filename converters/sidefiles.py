@@ -6,7 +6,8 @@ They are looked for, each name in the first folder that has it, in `--config-fro
 else in the checkpoint's folder, its NeMo `context/` (and `context/nemo_tokenizer/`), then the folder
 above and the one above that (Accelerate and the HF Trainer keep them in `run/checkpoint-N/` or `run/`
 beside `pytorch_model_fsdp_0/`). Every file is read through the confined opener (`storage.read_all`) under
-a size cap, and every JSON file must be a JSON object; anything else is refused with one line naming it.
+a size cap, and every JSON file but tokenizer.json (tens of MB, copied as bytes) must be a JSON object;
+anything else is refused with one line naming it.
 They are written with the weights, inside the same atomic output.
 """
 
@@ -120,11 +121,11 @@ def collect(source: str, config_from: str | None, dtype: str | None, skip: froze
         present = _listing(folder)
         for name in [n for n in wanted if n in present and n not in found.data]:
             uri = storage.join(folder, name)
-            data = storage.read_all(uri, _JSON_CAP if name.endswith(".json") and name != "tokenizer.json"
-                                    else _FILE_CAP)
+            small_json = name.endswith(".json") and name != "tokenizer.json"  # tokenizer.json: copied as bytes
+            data = storage.read_all(uri, _JSON_CAP if small_json else _FILE_CAP)
             if name == CONFIG:
                 data = _with_dtype(uri, data, dtype)
-            elif name.endswith(".json"):
+            elif small_json:
                 _json_object(uri, data)
             found.data[name], found.found_in[name] = data, uri
     found.found_in = {n: found.found_in[n] for n in NAMES if n in found.found_in}
