@@ -65,7 +65,7 @@ _T = TypeVar("_T")
 READ_ROOTS_ENV = "CKPT_CONFINE_READS"
 MAX_METADATA_ENV = "CKPT_MAX_METADATA_BYTES"
 DEFAULT_MAX_METADATA = 256 * 1024 * 1024
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")  # and lone surrogates: not valid text
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _roots: list[str] | None = None
 
@@ -117,7 +117,7 @@ def _check_roots(uri: str, real: str | None = None) -> None:
 def _bad_name(name: str) -> str | None:
     """Why a file name from checkpoint metadata may not be used, or None when it stays inside the folder."""
     if _CONTROL.search(name) or "\\" in name:
-        return "holds control characters or backslashes"
+        return "holds control characters, lone surrogates or backslashes"
     if "%" in name:
         return "holds percent-escapes"
     for form in dict.fromkeys((name, unicodedata.normalize("NFKC", name))):

@@ -328,6 +328,9 @@ def _name_attacks() -> list[Attack]:
                full=True),
         Attack("accelerate", "overlapping-chunks", lambda c, _: kit.edit_dcp_metadata(
             c / "pytorch_model_fsdp_0", _overlapping_chunks(5)), "overlap"),
+        Attack("dcp", "relpath-surrogate", _relpath_escape("\ud800.distcp"), "lone surrogates", full=True),
+        Attack("torch-index", "weight-map-surrogate", _weight_map_escape("\udc80FILE"), NOT_TEXT),
+        Attack("safetensors-sharded", "weight-map-surrogate", _weight_map_escape("FILE\ud800"), NOT_TEXT),
         Attack("dcp", "surrogate-name", lambda c, _: kit.edit_dcp_metadata(c, _rename_dcp_entry("b\ud800")), NOT_TEXT,
                full=True),
         Attack("safetensors", "surrogate-name", _header(st, lambda h: h.update({"w\ud800": h.pop("w")})), NOT_TEXT,
@@ -656,3 +659,31 @@ def test_tiling_check_of_many_chunks_is_fast() -> None:
     with pytest.raises(FormatError, match="overlap"):
         check_tiling(_entry_of((2000, 400), boxes), "m")
     assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("error", [RecursionError, MemoryError, ValueError("b'\\x00SECRET'"), UnicodeDecodeError(
+    "utf-8", b"SECRET", 0, 1, "bad"), KeyError("SECRET"), IndexError, TypeError, AttributeError, OverflowError,
+                                   __import__("struct").error("SECRET")])
+def test_any_exception_at_a_readers_boundary_is_one_format_error(error: BaseException, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a reader raises that is not a CkptError becomes one FormatError line naming the checkpoint, without
+    the exception's own text (it may quote the file); CkptErrors and OSErrors pass through as they are."""
+    from converters import formats
+    from converters.errors import FormatError, OptionError
+    from converters.formats.base import BaseReader
+
+    class Boom(BaseReader):
+        def read(self, locate: bool = True) -> Any:
+            raise error
+
+    monkeypatch.setitem(formats.FORMATS, "boom", formats.FormatSpec("boom", Boom))
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(FormatError) as caught:
+        formats.load_index(str(tmp_path / "ckpt"), "boom")
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path / 'ckpt'}: ") and "\n" not in message and "SECRET" not in message
+    assert caught.value.uri == str(tmp_path / "ckpt")
+    for passed in (OptionError("x"), FileNotFoundError(2, "gone")):
+        error = passed
+        with pytest.raises(type(passed)):
+            formats.load_index(str(tmp_path / "ckpt"), "boom")
