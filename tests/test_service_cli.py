@@ -271,3 +271,29 @@ def test_the_readme_test_command_upgrades_pip_first_and_ci_runs_it() -> None:
     assert steps[0] == "python -m pip install --upgrade pip"
     assert steps[1].startswith("python -m pip install") and '-e ".[test]"' in steps[1]
     assert command in (root / ".ci" / "run").read_text().splitlines()
+
+
+def test_serve_on_a_terminal_says_where_the_dashboard_is(tmp_path: Path) -> None:
+    import pty
+    import select
+    import time
+
+    from ckpt_service.helpers import free_port
+
+    port = free_port()
+    leader, follower = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_service.cli", "serve", "--port", str(port), "--workers", "0",
+                             "--data-dir", str(tmp_path / "data")], stdout=follower, stderr=subprocess.DEVNULL, env=env)
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"\n" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([leader], [], [], 0.5)[0]:
+                seen += os.read(leader, 4096)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        os.close(leader)
+    assert seen.decode().splitlines()[0].startswith(f"Dashboard: http://127.0.0.1:{port}/")
