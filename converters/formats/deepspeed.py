@@ -258,6 +258,7 @@ class DeepSpeedReader(BaseReader):
             shape = _shape(shape, f"{models[0].uri} frozen_param_shapes[{name}]")
             refs = [_get(m.obj.get("frozen_param_fragments") or {}, name, f"{m.uri} frozen_param_fragments")
                     for m in models]
+            _fresh(index, name, models[0].uri)
             if stage != 3:  # the whole parameter, as stored
                 entry = tensor_entry(name, refs[0], models[0])
                 index.tensors[name] = TensorEntry(name, entry.dtype, shape, [Chunk(
@@ -333,6 +334,7 @@ class DeepSpeedReader(BaseReader):
 
     def _add(self, index: CheckpointIndex, name: str, shape: tuple[int, ...], pieces: Any,
              flats: list[list[Flat]], state_flats: dict[str, list[list[Flat]]], step: Any, rank0: _Rank) -> None:
+        _fresh(index, name, rank0.path)
         index.tensors[name] = entry_of(name, shape, pieces(flats), (name,))
         for kind, per_rank in state_flats.items():
             path = ("optim", "state", name, kind)
@@ -354,6 +356,13 @@ class DeepSpeedReader(BaseReader):
             for key, value in [*((k, v) for k, v in group.items() if k != "params"), ("params", params)]:
                 path = ("optim", "param_groups", str(i), key)
                 index.objects[".".join(path)] = ObjectEntry(".".join(path), value=value, path=path)
+
+
+def _fresh(index: CheckpointIndex, name: str, where: str) -> None:
+    """Refuse a parameter named twice (param_shapes groups, frozen_param_shapes, buffers): one would hide the other."""
+    if name in index.tensors:
+        raise FormatError(f"{where}: parameter {name!r} is listed twice (in param_shapes, frozen_param_shapes or "
+                          "the module's buffers); the checkpoint is damaged", uri=where, key=name)
 
 
 def _group_at(sizes: list[int], offset: int) -> int:

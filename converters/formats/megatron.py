@@ -15,7 +15,7 @@ from typing import Any
 from .. import storage
 from ..errors import FormatError, reading
 from ..index import CheckpointIndex, short
-from ..jsonsafe import read_json, read_text
+from ..jsonsafe import MAX_DEPTH, check_strings, read_json, read_text
 from ..torchzip import read_archive
 from ..unpickle import MEGATRON_ALLOWED, Stub
 from .dcp import METADATA, DcpReader
@@ -148,4 +148,5 @@ def _nemo_config(context: str) -> dict[str, Any]:
     config = doc.get("config") if isinstance(doc, dict) else None
     if not isinstance(config, dict):
         raise FormatError(f"{path}: no `config:` mapping with the model's settings", uri=path)
+    check_strings(config, path, "the model config", MAX_DEPTH)
     return config
