@@ -70,7 +70,7 @@ def flag(*decls: str, metavar: str | None = None, unset: str | None = None) -> F
     return Flag(decls, metavar, unset)
 
 
-def _dtype_name(value: Any) -> Any:
+def dtype_name(value: Any) -> Any:
     """A dtype's other spellings (bf16, fp16, half, float, torch.bfloat16: `dtypes.canonical`) as its name."""
     try:
         return dtypes.canonical(value) if isinstance(value, str) else value
@@ -101,7 +101,7 @@ Rename = Annotated[Texts, Field(description="REGEX=REPLACEMENT applied to parame
                    flag("--rename", metavar="REGEX=REPLACEMENT")]
 Include = Annotated[Texts, Field(description="Keep only names matching this glob."), flag("--include", metavar="GLOB")]
 Exclude = Annotated[Texts, Field(description="Drop names matching this glob."), flag("--exclude", metavar="GLOB")]
-DType = Annotated[choice(Literal["float32", "bfloat16", "float16"], "dtype") | None, BeforeValidator(_dtype_name),
+DType = Annotated[choice(Literal["float32", "bfloat16", "float16"], "dtype") | None, BeforeValidator(dtype_name),
                   Field(description="Cast floating-point tensors: float32, bfloat16, float16 (also bf16, fp16, "
                                     "half, fp32, float)."), flag("--dtype")]
 ShardSize = Annotated[Size, Field(description="Largest safetensors shard: bytes, or a size such as 5GB."),

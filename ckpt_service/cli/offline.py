@@ -17,7 +17,7 @@ from converters import VerifyError
 
 from ..errors import DIFFERENT
 from ..executor import engine_call
-from ..job_requests import REQUESTS, InspectRequest, JobRequest
+from ..job_requests import REQUESTS, InspectRequest, JobRequest, dtype_name
 from ..units import human
 from .common import AsJson, Quiet, app, err, errors, fail, job_command, keyword, make_table, out, progress_bar
 
@@ -132,7 +132,7 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
     re-run); one made with other options is refused unless --overwrite."""
     from ..sample import make_recorded_sample, recorded_options
 
-    options: dict[str, object] = {"world_size": world_size, "layout": layout, "size": size, "dtype": dtype,
+    options: dict[str, object] = {"world_size": world_size, "layout": layout, "size": size, "dtype": dtype_name(dtype),
                                   "tie_embeddings": tie_embeddings, "with_optim": not (model_only or no_train),
                                   "train": not no_train}
     present = os.path.isdir(target) and bool(os.listdir(target))
