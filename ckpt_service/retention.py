@@ -35,6 +35,7 @@ import re
 import stat
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -157,6 +158,14 @@ class DeletionRefused(Conflict):
     """The data at a registered path is not what was registered (a symlink, a swapped or kept folder)."""
 
 
+@dataclass(frozen=True)
+class Kept:
+    """The live checkpoints another deletion must not touch: their folders' identities and their paths."""
+
+    by_identity: dict[str, str] = field(default_factory=dict)  # dev:ino -> checkpoint id
+    by_path: dict[str, str] = field(default_factory=dict)  # registered local path -> checkpoint id
+
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -177,11 +186,11 @@ def local_identity(uri: str) -> str | None:
 
 
 def remove_checkpoint(uri: str, write_roots: list[roots.Location], *, expected: str | None = None,
-                      protected: dict[str, str] | None = None) -> None:
+                      kept: Kept | None = None) -> None:
     """Delete exactly the data registered at `uri` (data already gone is fine). Local paths: nothing reached
-    through a symlink; refused (DeletionRefused) when a component of the path is a symlink, when its identity
-    is not `expected` (recorded at plan time), or when it is the folder of a `protected` checkpoint
-    (identity -> checkpoint id). Object-store prefixes go through fsspec (no symlinks there)."""
+    through a symlink; refused (DeletionRefused) before anything is removed when a component of the path is a
+    symlink, when its identity is not `expected` (recorded at plan time), or when it is or holds the folder of
+    a `kept` checkpoint. Object-store prefixes go through fsspec (no symlinks there)."""
     from converters import storage
 
     checked = roots.check(uri, write_roots, field="uri", purpose="write")
@@ -191,7 +200,13 @@ def remove_checkpoint(uri: str, write_roots: list[roots.Location], *, expected: 
     path = roots.parse(uri, resolve=False).uri()
     if checked != path and os.path.lexists(path):
         raise DeletionRefused(f"{uri}: a component of the path is a symlink (it leads to {checked}); nothing deleted")
+    kept = kept or Kept()
+    inside = sorted(i for p, i in kept.by_path.items() if p.startswith(path.rstrip("/") + "/"))
+    if inside:
+        raise DeletionRefused(f"{uri} holds checkpoint {inside[0]}, which stays; nothing deleted")
     parent = _open_parent(uri, path)
+    if parent is None:
+        return  # a folder above it is gone: so is the data
     try:
         name = os.path.basename(path)
         try:
@@ -203,9 +218,9 @@ def remove_checkpoint(uri: str, write_roots: list[roots.Location], *, expected: 
         if expected is not None and identity(st) != expected:
             raise DeletionRefused(f"{uri} was replaced since the deletion was planned (another folder or file is "
                                   "there now); nothing deleted")
-        _refuse_protected(uri, st, protected or {})
+        _refuse_kept(uri, st, kept)
         if stat.S_ISDIR(st.st_mode):
-            _remove_dir(uri, parent, name, st, protected or {})
+            _remove_dir(uri, parent, name, st, kept)
         else:
             os.unlink(name, dir_fd=parent)
     except OSError as exc:
@@ -214,19 +229,23 @@ def remove_checkpoint(uri: str, write_roots: list[roots.Location], *, expected: 
         os.close(parent)
 
 
-def _refuse_protected(uri: str, st: os.stat_result, protected: dict[str, str]) -> None:
-    owner = protected.get(identity(st))
+def _refuse_kept(uri: str, st: os.stat_result, kept: Kept) -> None:
+    owner = kept.by_identity.get(identity(st))
     if owner is not None:
         raise DeletionRefused(f"{uri} holds the data of checkpoint {owner}, which stays; nothing deleted")
 
 
-def _open_parent(uri: str, path: str) -> int:
-    """An fd of the folder holding `path`, opened one component at a time from `/` without following links."""
+def _open_parent(uri: str, path: str) -> int | None:
+    """An fd of the folder holding `path`, opened one component at a time from `/` without following links
+    (None when a component is gone)."""
     fd = os.open("/", _DIR_FLAGS)
     try:
         for part in [p for p in os.path.dirname(path).split("/") if p]:
             try:
                 child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                os.close(fd)
+                return None
             except OSError as exc:
                 raise DeletionRefused(f"{uri}: path component {part!r} is a symlink or not a folder "
                                       f"({exc.strerror}); nothing deleted") from None
@@ -238,7 +257,7 @@ def _open_parent(uri: str, path: str) -> int:
     return fd
 
 
-def _remove_dir(uri: str, parent: int, name: str, st: os.stat_result, protected: dict[str, str]) -> None:
+def _remove_dir(uri: str, parent: int, name: str, st: os.stat_result, kept: Kept) -> None:
     """Remove folder `name` under fd `parent` and everything in it; symlinks inside are unlinked, not followed."""
     fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
     try:
@@ -248,8 +267,8 @@ def _remove_dir(uri: str, parent: int, name: str, st: os.stat_result, protected:
             found = [(e.name, e.stat(follow_symlinks=False)) for e in entries]
         for child, child_st in found:
             if stat.S_ISDIR(child_st.st_mode):
-                _refuse_protected(uri, child_st, protected)
-                _remove_dir(uri, fd, child, child_st, protected)
+                _refuse_kept(uri, child_st, kept)
+                _remove_dir(uri, fd, child, child_st, kept)
             else:
                 os.unlink(child, dir_fd=fd)
     finally:
@@ -466,36 +485,39 @@ class Retention:
     def finish_pending(self, only: str | None = None) -> tuple[list[str], list[str]]:
         """Remove the data of every pending deletion (this run's and any an interrupted run left), or of
         deletion `only`; returns (done, not done) deletion ids. Each is handled on its own."""
-        protected = self._protected()
-        sql, params = "SELECT id, uri, identity FROM deletions WHERE state = 'pending'", ()
+        kept = self._kept()
+        sql = "SELECT id, uri, identity FROM deletions WHERE state = 'pending'"
+        params: tuple[str, ...] = ()
         if only is not None:
             sql, params = sql + " AND id = ?", (only,)
         done: list[str] = []
         failed: list[str] = []
         for row in self.store.query(sql + " ORDER BY planned_at, id", params):
-            state = self._finish(row, protected)
+            state = self._finish(row, kept)
             (done if state == "done" else failed).append(row["id"])
         return done, failed
 
-    def _protected(self) -> dict[str, str]:
-        """identity -> id of each live registered local checkpoint: its folder is never removed by another's
-        deletion (symlinks followed here: a checkpoint registered through a link protects what it names)."""
+    def _kept(self) -> Kept:
+        """Every live registered local checkpoint: its folder is never removed by another's deletion (symlinks
+        followed here: a checkpoint registered through a link protects what it names)."""
         from converters import storage
 
-        found: dict[str, str] = {}
+        kept = Kept()
         for row in self.store.query("SELECT c.id, c.uri FROM checkpoints c LEFT JOIN checkpoint_runs r ON "
                                     "r.checkpoint_id = c.id WHERE r.deleted_at IS NULL"):
             if storage.is_local(row["uri"]):
+                path = storage.local_path(row["uri"])
+                kept.by_path[path.rstrip("/")] = row["id"]
                 with contextlib.suppress(OSError, ValueError):
-                    found[identity(os.stat(storage.local_path(row["uri"])))] = row["id"]
-        return found
+                    kept.by_identity[identity(os.stat(path))] = row["id"]
+        return kept
 
-    def _finish(self, row: Any, protected: dict[str, str]) -> str:
+    def _finish(self, row: Any, kept: Kept) -> str:
         """Remove one pending deletion's data and record the outcome: done, refused, or still pending."""
         state, error = "done", None
         try:
             remove_checkpoint(row["uri"], self.service.settings.write_locations, expected=row["identity"],
-                              protected=protected)
+                              kept=kept)
         except (roots.OutsideRoots, DeletionRefused) as exc:
             state, error = "refused", str(exc)
         except ServiceError as exc:

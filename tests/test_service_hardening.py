@@ -509,7 +509,7 @@ def test_purge_deletes_the_registered_folder_never_a_swapped_symlinks_target(man
 
 def test_a_deletion_refuses_a_replaced_or_protected_folder(tmp_path: Path) -> None:
     from ckpt_service import roots as service_roots
-    from ckpt_service.retention import DeletionRefused, local_identity, remove_checkpoint
+    from ckpt_service.retention import DeletionRefused, Kept, local_identity, remove_checkpoint
 
     write = [service_roots.parse_root(str(tmp_path))]
     planned, kept = small_checkpoint(tmp_path / "planned", 1), small_checkpoint(tmp_path / "kept", 2)
@@ -520,8 +520,11 @@ def test_a_deletion_refuses_a_replaced_or_protected_folder(tmp_path: Path) -> No
     with pytest.raises(DeletionRefused, match="replaced since the deletion was planned"):
         remove_checkpoint(str(planned), write, expected=identity)
     with pytest.raises(DeletionRefused, match="checkpoint ckpt_kept, which stays"):
-        remove_checkpoint(str(planned), write, protected={kept_identity: "ckpt_kept"})
-    assert (planned / "model.safetensors").is_file()
+        remove_checkpoint(str(planned), write, kept=Kept(by_identity={kept_identity: "ckpt_kept"}))
+    small_checkpoint(planned / "export", 3)  # a live checkpoint inside: refused before anything is removed
+    with pytest.raises(DeletionRefused, match="holds checkpoint ckpt_inner, which stays"):
+        remove_checkpoint(str(planned), write, kept=Kept(by_path={str(planned / "export"): "ckpt_inner"}))
+    assert (planned / "model.safetensors").is_file() and (planned / "export" / "model.safetensors").is_file()
     remove_checkpoint(str(planned), write, expected=kept_identity)
     assert not planned.exists()
     remove_checkpoint(str(planned), write)  # data already gone is fine
