@@ -230,13 +230,23 @@ def _local_data_offset(reads: _Reads, base: int, local_offset: int, length: int,
 
 
 def storage_range(label: str, name: str, ref: unpickle.TensorRef, member: Member, uri: str) -> ByteRange:
-    """The bytes of tensor `ref` inside its storage `member`, refused when they reach outside it."""
+    """The bytes of tensor `ref` inside its storage `member`, refused when they reach outside it or claim more
+    than it holds (a broadcast, overlapping strides: a 4-byte storage seen as 65536 x 65536 would be reported,
+    and exported, as 17 GB)."""
     item = dtypes.itemsize(ref.dtype)
     n = dtypes.numel(counts(ref.shape, label, f"shape of {name!r}"))
     offset = count(ref.offset, label, f"storage offset of {name!r}")
     if len(ref.stride) != len(ref.shape) or any(st < 0 for st in ref.stride):
         raise FormatError(f"{label}: tensor {name!r} has strides {short(ref.stride)} for shape "
                           f"{list(ref.shape)}; the file is damaged")
+    if n and any(size > 1 and st == 0 for size, st in zip(ref.shape, ref.stride)):
+        raise FormatError(f"{label}: tensor {name!r} is a broadcast (strides {list(ref.stride)} for shape "
+                          f"{list(ref.shape)}): {n * item} bytes viewed from a storage of {member.size}; save it "
+                          "with .contiguous()", uri=label, key=name)
+    if n * item > member.size:
+        raise FormatError(f"{label}: tensor {name!r} claims {n * item} bytes (shape {list(ref.shape)}, strides "
+                          f"{list(ref.stride)}) from a storage of {member.size}; the file is damaged", uri=label,
+                          key=name)
     contiguous = ref.is_contiguous()
     span = n if contiguous else dtypes.strided_span(ref.shape, ref.stride)
     start = member.data_offset + offset * item

@@ -75,22 +75,7 @@ def _tensor(storage: Any, offset: Any, size: Any, stride: Any, name: str) -> Ten
     if offset + span > storage.numel:
         raise Bad(f"{name}: a {list(shape)} view at offset {offset} reaches past its storage of "
                   f"{storage.numel} elements")
-    _backed(storage, shape, strides, name)
     return TensorRef(storage, offset, shape, strides)
-
-
-def _backed(storage: StorageRef, shape: tuple[int, ...], strides: tuple[int, ...], name: str) -> None:
-    """A view may not claim more elements than its storage holds: no broadcast (stride 0 on a dimension longer
-    than 1), no strides that overlap (more elements than the storage has), as a file that says a 4-byte storage
-    is 65536 x 65536 would have every reader report, and every writer write, 17 GB."""
-    if not all(shape):
-        return
-    if any(size > 1 and stride == 0 for size, stride in zip(shape, strides)):
-        raise Bad(f"{name}: storage data/{storage.key} is viewed as {list(shape)} with strides {list(strides)}, "
-                  "a broadcast (stride 0) that its bytes do not back; save the tensor with .contiguous()")
-    if dtypes.numel(shape) > storage.numel:
-        raise Bad(f"{name}: storage data/{storage.key} of {storage.numel} elements is viewed as {list(shape)} "
-                  f"with strides {list(strides)}, more elements than it holds; save the tensor with .contiguous()")
 
 
 def rebuild_tensor_v2(args: tuple) -> TensorRef:

@@ -192,10 +192,10 @@ def test_honest_dcp_metadata_is_well_within_its_budget() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("command", "view", "expect"), [
-    ("inspect", lambda: torch.zeros(1).expand(65536, 65536), "a broadcast (stride 0)"),
-    ("export", lambda: torch.zeros(1).expand(65536, 65536), "a broadcast (stride 0)"),
-    ("export", lambda: torch.zeros(3).expand(4, 2, 3), "a broadcast (stride 0)"),
-    ("export", lambda: torch.zeros(131071).as_strided((65536, 65536), (1, 1)), "more elements than it holds")],
+    ("inspect", lambda: torch.zeros(1).expand(65536, 65536), "is a broadcast"),
+    ("export", lambda: torch.zeros(1).expand(65536, 65536), "is a broadcast"),
+    ("export", lambda: torch.zeros(3).expand(4, 2, 3), "is a broadcast"),
+    ("export", lambda: torch.zeros(131071).as_strided((65536, 65536), (1, 1)), "claims 17179869184 bytes")],
     ids=["broadcast-inspect", "broadcast-export", "small-broadcast", "overlap"])
 def test_view_claiming_more_than_its_storage_is_refused(command: str, view: object, expect: str,
                                                         tmp_path: Path) -> None:
@@ -203,5 +203,5 @@ def test_view_claiming_more_than_its_storage_is_refused(command: str, view: obje
     torch.save({"w": torch.arange(4.0), "big": view()}, path)  # type: ignore[operator]
     out = tmp_path / "out"
     proc = run_cli([command, str(path)] + ([str(out)] if command == "export" else []))
-    refused(proc, str(path), "storage data/1", expect)
+    refused(proc, str(path), "tensor 'big'", expect)
     assert not out.exists()
