@@ -46,7 +46,7 @@ from converters import CkptError
 from . import logs, roots
 from .catalog import NAME, when
 from .errors import Conflict, NotFound, ServiceError
-from .store import new_id
+from .store import new_id, views
 
 if TYPE_CHECKING:
     from .service import CkptService
@@ -309,8 +309,10 @@ class Retention:
         return self.policy(policy_id)
 
     def _row_view(self, row: Any) -> PolicyView:
-        return PolicyView(id=row["id"], spec=PolicySpec.model_validate_json(row["spec"]), created_by=row["created_by"],
+        view = PolicyView(id=row["id"], spec=PolicySpec.model_validate_json(row["spec"]), created_by=row["created_by"],
                           created_at=when(row["created_at"]))  # type: ignore[arg-type]
+        view.model_dump_json()  # text that is not UTF-8 fails here, for this row alone
+        return view
 
     def policy(self, policy_id: str) -> PolicyView:
         rows = self.store.query("SELECT * FROM retention_policies WHERE id = ? OR name = ?", (policy_id, policy_id))
@@ -319,7 +321,8 @@ class Retention:
         return self._row_view(rows[0])
 
     def policies(self) -> list[PolicyView]:
-        return [self._row_view(r) for r in self.store.query("SELECT * FROM retention_policies ORDER BY name")]
+        """Every readable policy (a damaged row is logged and left out, of GC too)."""
+        return views(self.store.query("SELECT * FROM retention_policies ORDER BY name"), self._row_view)[0]
 
     def remove_policy(self, policy_id: str) -> PolicyView:
         view = self.policy(policy_id)
@@ -556,10 +559,16 @@ class Retention:
         if state is not None:
             sql, params = sql + " WHERE state = ?", (state,)
         rows = self.store.query(sql + " ORDER BY planned_at DESC, id LIMIT ?", (*params, limit))
-        return [DeletionView(id=r["id"], checkpoint_id=r["checkpoint_id"], uri=r["uri"], bytes=r["bytes"],
-                             policy=r["policy"], reason=r["reason"], requested_by=r["requested_by"], state=r["state"],
-                             error=r["error"], planned_at=when(r["planned_at"]),  # type: ignore[arg-type]
-                             done_at=when(r["done_at"])) for r in rows]
+        return views(rows, _deletion_view)[0]  # a damaged row is logged and left out
+
+
+def _deletion_view(r: Any) -> DeletionView:
+    view = DeletionView(id=r["id"], checkpoint_id=r["checkpoint_id"], uri=r["uri"], bytes=r["bytes"],
+                        policy=r["policy"], reason=r["reason"], requested_by=r["requested_by"], state=r["state"],
+                        error=r["error"], planned_at=when(r["planned_at"]),  # type: ignore[arg-type]
+                        done_at=when(r["done_at"]))
+    view.model_dump_json()  # text that is not UTF-8 fails here, for this row alone
+    return view
 
 
 def _keeps(spec: PolicySpec) -> str:

@@ -543,12 +543,17 @@ def test_gc_skips_a_damaged_item_and_deletes_the_others(managed: Managed) -> Non
                          (str(run / "step_0"),))
             conn.execute("INSERT INTO checkpoint_runs (checkpoint_id, run, step) VALUES ('ckpt_damaged_tags', "
                          "'iso', 0)")
+            conn.execute("INSERT INTO retention_policies (id, name, spec, created_by, created_at) VALUES "
+                         "('pol_damaged', 'damaged', '{no', 'x', 0)")  # and a damaged policy
         conn.close()
         assert admin.post("/v1/policies", json={"name": "iso", "run": "iso", "keep_last": 1}).status_code == 201
         report = admin.post("/v1/gc", json={"dry_run": False})
         assert report.status_code == 200, report.text
         assert sorted(p["checkpoint_id"] for p in report.json()["plan"]) == sorted(ids[:2])
         assert not folders[0].exists() and not folders[1].exists() and folders[2].exists()
+        policies = admin.get("/v1/policies")  # the damaged one is left out, the others listed
+        assert policies.status_code == 200 and "iso" in [p["spec"]["name"] for p in policies.json()]
+        assert "damaged" not in [p["spec"]["name"] for p in policies.json()]
     assert any(e.get("event") == "gc.unreadable" and e.get("checkpoint_id") == "ckpt_damaged_tags"
                for e in managed.server.log_events())
 
