@@ -283,7 +283,8 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
         raise FormatError(f"{label}: data.pkl is {pkl.size} bytes, more than the limit for metadata; the file is "
                           "damaged (if it is genuine, raise CKPT_MAX_METADATA_BYTES)")
     pkl_bytes = reads.read(pkl.data_offset, pkl.size)
-    cached = single_storage and allowed is None  # a DCP record, read with the default allow-list
+    # a DCP record, read with the default allow-list; one of a tensor's size (a padded one is not kept)
+    cached = single_storage and allowed is None and len(pkl_bytes) <= _RECORD_PICKLE_BYTES
     obj = _RECORD_PICKLES.get(pkl_bytes) if cached else None
     if obj is None:
         obj = unpickle.loads(pkl_bytes, label, allowed, unpickle.torch_storage_loader(label))
@@ -299,6 +300,7 @@ def read_archive(reader: RangeReader, uri: str, offset: int = 0, length: int | N
 # distinct one is read once.
 _RECORD_PICKLES: dict[bytes, unpickle.TensorRef] = {}
 _RECORD_PICKLES_MAX = 4096
+_RECORD_PICKLE_BYTES = 4096  # a record's data.pkl is about 300 bytes: the cache holds 16 MiB at most
 
 
 def record_tensor(reader: RangeReader, record: ByteRange, name: str, dtype: str, sizes: tuple[int, ...]) -> ByteRange:

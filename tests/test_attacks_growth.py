@@ -205,3 +205,21 @@ def test_view_claiming_more_than_its_storage_is_refused(command: str, view: obje
     proc = run_cli([command, str(path)] + ([str(out)] if command == "export" else []))
     refused(proc, str(path), "tensor 'big'", expect)
     assert not out.exists()
+
+
+def test_record_pickles_kept_for_reuse_are_small(tmp_path: Path) -> None:
+    """DCP records' data.pkl are unpickled once per distinct bytes and kept: a padded one (any size up to the
+    metadata cap, thousands of records) is read but never kept, so a process does not keep what it read."""
+    from converters import torchzip
+    from converters.storage import RangeReader
+
+    path = tmp_path / "record.pt"
+    torch.save(torch.arange(4.0), path)
+    with zipfile.ZipFile(path) as archive:
+        pkl = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    padding = b"X" + struct.pack("<I", 1 << 20) + b"p" * (1 << 20) + b"0"  # a 1 MiB string, popped
+    _torch_file_with_pickle(path, pkl[:2] + padding + pkl[2:])
+    torchzip._RECORD_PICKLES.clear()
+    archive = torchzip.read_archive(RangeReader(), str(path), single_storage=True)
+    assert isinstance(archive.obj, unpickle.TensorRef) and archive.obj.shape == (4,)
+    assert not torchzip._RECORD_PICKLES
