@@ -689,3 +689,23 @@ def test_owners_and_damaged_rows_on_both_stores(tmp_path: Path, store_location: 
     assert [v.id for v in page] == [first] and unreadable == ["ckpt_0damaged"]
     assert registry.find_uri("/d/r/step_2") is None  # nothing that failed validation was stored
     store.close()
+
+
+@pytest.mark.slow  # a real server or a ckptctl subprocess
+def test_a_name_that_is_not_text_is_refused_before_it_is_stored(managed: Managed) -> None:
+    folder = managed.out / "not-text" / "ckpt"
+    folder.mkdir(parents=True)
+    header = json.dumps({"\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()  # \ud800 escape
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with managed.server.http(managed.tokens.admin) as admin:
+        refused = admin.post("/v1/checkpoints", json={"uri": str(folder)})
+        assert 400 <= refused.status_code < 500, refused.text
+        assert "\n" not in refused.json()["error"]["message"]
+        listed = admin.get("/v1/checkpoints", params={"limit": 200})
+        assert listed.status_code == 200, listed.text
+        assert str(folder) not in {c["uri"] for c in listed.json()["items"]}
+        conn = sqlite3.connect(managed.server.data_dir / "ckpt.db")
+        try:
+            assert conn.execute("SELECT COUNT(*) FROM checkpoints WHERE uri = ?", (str(folder),)).fetchone()[0] == 0
+        finally:
+            conn.close()
