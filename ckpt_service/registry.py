@@ -101,9 +101,11 @@ class Registry:
         row_values = (dumps(uri, "uri"), dumps(name, "name"), dumps(summary, "summary"), json.dumps(tags),
                       dumps(metadata, "metadata"))
         self.store.serialize(conn)
-        row = conn.execute("SELECT id FROM checkpoints WHERE uri = ?", (uri,)).fetchone()
+        row = conn.execute("SELECT c.id, r.deleted_at FROM checkpoints c LEFT JOIN checkpoint_runs r ON "
+                           "r.checkpoint_id = c.id WHERE c.uri = ?", (uri,)).fetchone()
         if row is not None:
-            raise Conflict(f"{uri} is registered already as {row['id']}")
+            gone = "" if row["deleted_at"] is None else " (its data was deleted; unregister that entry first)"
+            raise Conflict(f"{uri} is registered already as {row['id']}{gone}")
         now = time.time()
         checkpoint_id = new_id("ckpt")
         tag_owners = {t.partition("=")[0]: owner for t in tags} if owner else {}
