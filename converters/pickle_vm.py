@@ -137,7 +137,7 @@ class Interpreter:
                            "(set CKPT_MAX_PICKLE_MEMORY to a larger budget if the file is trusted)", uri=self.source)
 
     def _release(self) -> None:
-        """Drop everything built, so that a refusal (whose traceback keeps this interpreter) frees it at once."""
+        """Drop everything built but the result (which the caller holds)."""
         self.stack, self.marks = [], []
         self.memo, self.info, self.keep, self.sealed, self.builders = {}, {}, [], set(), {}
 
@@ -213,6 +213,12 @@ class Interpreter:
         return items
 
     def load(self) -> Any:
+        try:
+            return self._run()
+        finally:
+            self._release()  # what was built is dropped at once, even while a refusal's traceback keeps this
+
+    def _run(self) -> Any:
         data, ops, size = self.data, self.ops, len(self.data)
         steps, max_steps = 0, self.bounds.max_objects
         spent, budget = 0, self.budget
@@ -240,7 +246,7 @@ class Interpreter:
         except RecursionError:
             raise self._limit("levels of nesting", self.bounds.max_depth, "CKPT_MAX_PICKLE_DEPTH") from None
         except MemoryError:
-            self._release()
+            self._release()  # first: showing the error needs memory
             raise FormatError(f"{self.source}: the pickle needs more memory than is available; refusing it",
                               uri=self.source) from None
         finally:
@@ -249,7 +255,6 @@ class Interpreter:
             raise self.fail("pickle leaves extra items on its stack")
         result = self.stack[0]
         self.check_value(result)
-        self._release()
         return result
 
     def check_value(self, obj: Any) -> None:
