@@ -13,8 +13,9 @@ elsewhere. APPEND/SETITEM/ADDITEMS only fill a list/dict/set that was never fetc
 BUILD only sets the state of a fresh stand-in (`Stub`, the OrderedDict stand-in, `OpaqueBytes`)
 once, with the state types torch writes. Every resource is bounded (`PickleLimits`): pickle bytes,
 memo entries, objects built, elements reached again through shared references (so a
-"billion laughs" pickle fails at once, and any later walk over the result is bounded), and nesting
-depth. Every refusal is a `FormatError` (`UnsafePickleError` for a name off the list) naming the file.
+"billion laughs" pickle fails at once, and any later walk over the result is bounded), nesting
+depth, and the memory of what it builds (by what the pickle's size justifies). Every refusal is a
+`FormatError` (`UnsafePickleError` for a name off the list) naming the file.
 """
 
 from __future__ import annotations
