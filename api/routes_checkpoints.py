@@ -21,7 +21,7 @@ CheckpointId = Annotated[str, Path(min_length=1, max_length=130, pattern=r"^[A-Z
 def register(body: RegisterRequest, request: Request, principal: Writer) -> CheckpointView:
     """Inspect the URI (metadata only) and record it with a name, tags and metadata, owned by the caller."""
     service = request.app.state.service
-    return service.registry.claim(service.register(body).id, principal.name)
+    return service.register(body, principal.name)
 
 
 @router.get("", response_model=CheckpointPage, responses=errors(401, 403, 422, 503), summary="List checkpoints")

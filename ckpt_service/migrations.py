@@ -174,7 +174,13 @@ V4_OWNERS = [
     "ALTER TABLE deletions ADD COLUMN identity TEXT",
 ]
 
-MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS]
+#: how each checkpoint came to be registered (`registered_via`, JSON: {"how": "registered" | "output" | "source" |
+#: "discovered" | "notified", "job": …, "by": …}); rows from before this version have none.
+V5_ORIGIN = [
+    "ALTER TABLE checkpoints ADD COLUMN registered_via TEXT",
+]
+
+MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS, V5_ORIGIN]
 LATEST = len(MIGRATIONS)
 
 

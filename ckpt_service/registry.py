@@ -45,6 +45,9 @@ class CheckpointView(BaseModel):
     tags: list[str]
     metadata: dict[str, Any]
     made_by_job: str | None
+    registered_via: dict[str, str] | None = Field(
+        None, description="How it came to be registered: how = registered (by a token: by), output (of job), "
+        "source (of job), discovered (by a rule's scan) or notified (by); None for entries older than this field.")
     created_at: datetime
     updated_at: datetime
     owner: str | None = Field(None, description="The token name that registered it (None: made by the service, "
@@ -79,6 +82,7 @@ def _view(row: Any) -> CheckpointView:
         total_bytes=summary.get("total_bytes"), tensors=summary.get("tensors"),
         has_optimizer=summary.get("has_optimizer"), dtypes=summary.get("dtypes") or {}, tags=json.loads(row["tags"]),
         metadata=json.loads(row["metadata"]), made_by_job=row["made_by_job"],
+        registered_via=json.loads(row["registered_via"]) if row["registered_via"] else None,
         created_at=datetime.fromtimestamp(row["created_at"], tz=timezone.utc),
         updated_at=datetime.fromtimestamp(row["updated_at"], tz=timezone.utc), owner=row["owner"],
         deleted_at=None if deleted is None else datetime.fromtimestamp(deleted, tz=timezone.utc), summary=summary)
@@ -95,9 +99,10 @@ class Registry:
         self.store = store
 
     def add(self, conn: Any, *, uri: str, name: str, summary: dict[str, Any], tags: list[str],
-            metadata: dict[str, Any], made_by_job: str | None = None, owner: str | None = None) -> str:
-        """Inside a transaction: insert a checkpoint (its text checked first); Conflict if the URI is registered
-        already."""
+            metadata: dict[str, Any], via: dict[str, str], made_by_job: str | None = None,
+            owner: str | None = None) -> str:
+        """Inside a transaction: insert a checkpoint (its text checked first), recording how it came (`via`);
+        Conflict if the URI is registered already."""
         row_values = (dumps(uri, "uri"), dumps(name, "name"), dumps(summary, "summary"), json.dumps(tags),
                       dumps(metadata, "metadata"))
         self.store.serialize(conn)
@@ -110,27 +115,18 @@ class Registry:
         checkpoint_id = new_id("ckpt")
         tag_owners = {t.partition("=")[0]: owner for t in tags} if owner else {}
         conn.execute("INSERT INTO checkpoints (id, uri, name, format, summary, tags, metadata, made_by_job, "
-                     "created_at, updated_at, owner, tag_owners) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     "created_at, updated_at, owner, tag_owners, registered_via) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                      (checkpoint_id, uri, name, summary.get("format"), *row_values[2:], made_by_job, now, now,
-                      owner, json.dumps(tag_owners)))
+                      owner, json.dumps(tag_owners), dumps(via, "registered_via")))
         return checkpoint_id
 
     def register(self, request: RegisterRequest, uri: str, summary: dict[str, Any],
                  owner: str | None = None) -> CheckpointView:
         with self.store.transaction() as conn:
             checkpoint_id = self.add(conn, uri=uri, name=request.name or default_name(uri), summary=summary,
-                                     tags=list(request.tags), metadata=dict(request.metadata), owner=owner)
-        return self.get(checkpoint_id)
-
-    def claim(self, checkpoint_id: str, owner: str) -> CheckpointView:
-        """Record `owner` for a checkpoint just registered without one, and for its tags."""
-        with self.store.transaction() as conn:
-            row = conn.execute("SELECT tags FROM checkpoints WHERE id = ? AND owner IS NULL",
-                               (checkpoint_id,)).fetchone()
-            if row is not None:
-                owners = {t.partition("=")[0]: owner for t in json.loads(row["tags"])}
-                conn.execute("UPDATE checkpoints SET owner = ?, tag_owners = ? WHERE id = ?",
-                             (owner, json.dumps(owners), checkpoint_id))
+                                     tags=list(request.tags), metadata=dict(request.metadata), owner=owner,
+                                     via={"how": "registered", "by": owner} if owner else {"how": "registered"})
         return self.get(checkpoint_id)
 
     def record_output(self, conn: Any, *, uri: str, summary: dict[str, Any], job_id: str,
@@ -144,7 +140,8 @@ class Registry:
         if row is None:
             job = conn.execute("SELECT submitted_by FROM jobs WHERE id = ?", (job_id,)).fetchone()
             child = self.add(conn, uri=uri, name=default_name(uri), summary=summary, tags=[], metadata={},
-                             made_by_job=job_id, owner=job["submitted_by"] if job else None)
+                             via={"how": "output", "job": job_id}, made_by_job=job_id,
+                             owner=job["submitted_by"] if job else None)
         else:
             child = row["id"]
             conn.execute("UPDATE checkpoints SET summary = ?, format = ?, made_by_job = ?, updated_at = ? "
@@ -155,7 +152,7 @@ class Registry:
             parent = parent_row["id"]
         elif source_summary is not None:
             parent = self.add(conn, uri=source_uri, name=default_name(source_uri), summary=source_summary, tags=[],
-                              metadata={})
+                              metadata={}, via={"how": "source", "job": job_id})
         else:
             return child
         if parent != child:

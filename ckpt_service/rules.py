@@ -234,7 +234,7 @@ class Rules:
             if conn.execute("SELECT 1 FROM checkpoints WHERE uri = ?", (uri,)).fetchone():
                 return self._registered(uri, summary_of, by)  # another replica registered it meanwhile
             checkpoint_id = registry.add(conn, uri=uri, name=uri.rstrip("/").rsplit("/", 1)[-1], summary=summary,
-                                         tags=[], metadata={})
+                                         tags=[], metadata={}, via=_via(by))
             catalog.place(conn, checkpoint_id, run, step, by)
         logs.event("rules.discovered", uri=uri, checkpoint_id=checkpoint_id, run=run, step=step)
         return checkpoint_id, run, step
@@ -436,6 +436,11 @@ def _one_line(exc: BaseException) -> str:
     """An error as one short line (its class when it has no message of ours)."""
     text = " ".join(str(exc).split()) if isinstance(exc, CkptError) else ""
     return (text or f"{type(exc).__name__} (see the log)")[:300]
+
+
+def _via(by: str) -> dict[str, str]:
+    """How discovery (`by` = "discovery") or a push from a token (`by` = its name) registered a checkpoint."""
+    return {"how": "discovered"} if by == "discovery" else {"how": "notified", "by": by}
 
 
 def _fixed_part(pattern: str) -> str:

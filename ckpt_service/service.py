@@ -150,9 +150,11 @@ class CkptService:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def register(self, request: RegisterRequest) -> CheckpointView:
+    def register(self, request: RegisterRequest, owner: str | None = None) -> CheckpointView:
+        """Inspect `request.uri` in a sandboxed process and register it, owned by the token name `owner`."""
         uri = roots.check(request.uri, self.settings.read_locations, field="uri", purpose="read")
-        view = self.registry.register(request, uri, sandbox.inspect(uri, self.settings, request.source_format))
+        view = self.registry.register(request, uri, sandbox.inspect(uri, self.settings, request.source_format),
+                                      owner)
         self.catalog.place_registered(view, "register")
         return view
 

@@ -504,7 +504,7 @@ def test_checkpoint_page_lists_every_file_and_manages_aliases_and_tags(tab: Tab,
     files = page.eval_on_selector_all("#ckpt-files tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
     assert files == [[name, f"{size} B" if size < 1024 else f"{size / 1024:.1f} KiB"]
                      for name, size in sorted(on_disk.items())]  # all three, with their sizes on disk
-    assert page.text_content("#ckpt-made-by") == "registered in run manage, step 7"
+    assert page.text_content("#ckpt-made-by") == "registered by test-write in run manage, step 7"
     # set an alias, set and remove tags (`latest@manage` is the run's own alias)
     assert page.eval_on_selector_all("#ckpt-aliases tbody tr", "rs => rs.map(r => r.dataset.alias)") == \
         ["latest@manage"]

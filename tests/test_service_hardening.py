@@ -664,7 +664,7 @@ def test_owners_and_damaged_rows_on_both_stores(tmp_path: Path, store_location: 
     alice, bob = Principal("alice", "write"), Principal("bob", "write")
     with store.transaction() as conn:
         first = registry.add(conn, uri="/d/r/step_1", name="step_1", summary={}, tags=["pin"], metadata={},
-                             owner="alice")
+                             via={"how": "registered"}, owner="alice")
         catalog.place(conn, first, "r", 1, "test")
     assert registry.get(first).owner == "alice"
     with pytest.raises(Forbidden, match=r"tag pin of checkpoint \w+ belongs to 'alice'"):
@@ -679,7 +679,8 @@ def test_owners_and_damaged_rows_on_both_stores(tmp_path: Path, store_location: 
     catalog.remove_alias("r", "latest", "admin", Principal("root", "admin"))
     not_text = "summary: holds text that is not valid UTF-8"
     with pytest.raises(InvalidRequest, match=not_text), store.transaction() as conn:
-        registry.add(conn, uri="/d/r/step_2", name="step_2", summary={"keys": ["\ud800"]}, tags=[], metadata={})
+        registry.add(conn, uri="/d/r/step_2", name="step_2", summary={"keys": ["\ud800"]}, tags=[], metadata={},
+                     via={"how": "registered"})
     with store.transaction() as conn:
         conn.execute("INSERT INTO checkpoints (id, uri, name, summary, tags, metadata, created_at, updated_at) "
                      "VALUES ('ckpt_0damaged', '/d/x', 'x', '{no', '[]', '{}', 0, 0)")

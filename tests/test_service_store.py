@@ -304,8 +304,9 @@ def test_registry_filters_by_tag_and_walks_lineage(store_location: str) -> None:
     registry = Registry(store)
     with store.transaction() as conn:
         first = registry.add(conn, uri="/data/a", name="a", summary={"format": "fsdp2"}, tags=["base", "v1"],
-                             metadata={"step": 1})
-        registry.add(conn, uri="/data/b", name="b", summary={"format": "hf"}, tags=["v1"], metadata={})
+                             metadata={"step": 1}, via={"how": "registered"})
+        registry.add(conn, uri="/data/b", name="b", summary={"format": "hf"}, tags=["v1"], metadata={},
+                     via={"how": "registered"})
     with store.transaction() as conn:
         child = registry.record_output(conn, uri="/data/c", summary={"format": "hf"}, job_id="job_x",
                                        source_uri="/data/a", source_summary=None)
@@ -315,7 +316,7 @@ def test_registry_filters_by_tag_and_walks_lineage(store_location: str) -> None:
     lineage = registry.lineage(first)
     assert [(e.checkpoint.id, e.job_id, e.depth) for e in lineage.descendants] == [(child, "job_x", 1)]
     with pytest.raises(Conflict, match="registered already"), store.transaction() as conn:
-        registry.add(conn, uri="/data/a", name="again", summary={}, tags=[], metadata={})
+        registry.add(conn, uri="/data/a", name="again", summary={}, tags=[], metadata={}, via={"how": "registered"})
 
 
 def test_postgres_connection_loss_is_retried_and_logged(postgres: PgServer, caplog: pytest.LogCaptureFixture

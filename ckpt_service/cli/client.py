@@ -210,8 +210,13 @@ def print_checkpoint(c: dict[str, Any]) -> None:
     out.print(f"  {c['uri']}", highlight=False)
     if c["tags"] or c["metadata"]:
         out.print(f"  tags: {', '.join(c['tags'])}  metadata: {json.dumps(c['metadata'])}", highlight=False)
+    via = c.get("registered_via") or {}
     if c["made_by_job"]:
         out.print(f"  made by job {c['made_by_job']}", highlight=False)
+    elif via.get("how") == "source":
+        out.print(f"  registered as the source of job {via.get('job')}", highlight=False)
+    elif via.get("how") in ("discovered", "notified", "registered"):
+        out.print(f"  {via['how']}{' by ' + via['by'] if via.get('by') else ''}", highlight=False)
 
 
 @checkpoints_app.command("list")

@@ -34,23 +34,20 @@ export async function showCheckpoints(params, signal) {
   document.getElementById("ckpts-first").disabled = !cursor;
 }
 
-// Who made it: a job (and the rule that submitted it), or registered as a job's source (at the moment that
-// job finished), or discovered in a run, or registered.
-function madeBy(c, managed, lineage, jobs) {
+// Who made it: a job (and the rule that submitted it), or how the service came to register it (recorded in
+// `registered_via`: as a job's source, found by a rule's scan, pushed by a token, or registered by a token).
+function madeBy(c, managed) {
   if (c.made_by_job) {
     return [jobLink(c.made_by_job), managed && managed.rule_id ? ` (submitted by rule ${managed.rule_id})` : ""];
   }
-  const registered = Date.parse(c.created_at);
-  for (const e of lineage ? lineage.descendants.filter((d) => d.depth === 1 && d.job_id) : []) {
-    const job = jobs.get(e.job_id);
-    if (job && job.finished_at && Math.abs(Date.parse(job.finished_at) - registered) < 2000) {
-      return ["registered as the source of job ", jobLink(job.id)];
-    }
-  }
-  if (managed && managed.run) {
-    return `registered in run ${managed.run}${managed.step !== null ? `, step ${managed.step}` : ""}`;
-  }
-  return "registered";
+  const via = c.registered_via || {};
+  const where = managed && managed.run ? ` in run ${managed.run}${managed.step !== null ? `, step ${managed.step}` : ""}`
+    : "";
+  if (via.how === "source" && via.job) return ["registered as the source of job ", jobLink(via.job)];
+  if (via.how === "discovered") return `discovered by a rule's scan${where}`;
+  if (via.how === "notified") return `registered on a notify from ${via.by}${where}`;
+  if (via.how === "registered" && via.by) return `registered by ${via.by}${where}`;
+  return `registered${where}`;
 }
 
 // Every file with its size on disk (`file_bytes`); older summaries have only the tensor bytes of data files.
@@ -153,7 +150,6 @@ async function drawLineage(id, signal) {
     box.append(el("p", {}, "No lineage: this checkpoint was registered by hand and nothing was made from it yet."));
   }
   box.append(drawGraph(lineageGraph(lineage, jobs)));
-  return { lineage, jobs };
 }
 
 export async function showCheckpoint(id, signal) {
@@ -178,6 +174,6 @@ export async function showCheckpoint(id, signal) {
       button.disabled = false;
     }
   };
-  const { lineage, jobs } = await drawLineage(id, signal);
-  clear(document.getElementById("ckpt-made-by")).append(...[madeBy(c, managed, lineage, jobs)].flat());
+  await drawLineage(id, signal);
+  clear(document.getElementById("ckpt-made-by")).append(...[madeBy(c, managed)].flat());
 }
