@@ -69,6 +69,7 @@ def test_openapi_document_is_valid(served: tuple[Server, Tokens]) -> None:
         for part in ref.removeprefix("#/").split("/"):
             node = node[part]
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/events",
+            "/v1/jobs/{job_id}/logs",
             "/v1/checkpoints", "/v1/checkpoints/{checkpoint_id}", "/v1/checkpoints/{checkpoint_id}/lineage",
             "/healthz", "/readyz", "/metrics", "/v1/whoami"} | MANAGE == set(document["paths"])
     post = document["paths"]["/v1/jobs"]["post"]
