@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from . import storage
 from .errors import CkptError, FormatError, OptionError
+from .jsonsafe import loads
 
 CONFIG = "config.json"
 #: The files carried, in the order they are reported.
@@ -90,10 +91,7 @@ def _listing(folder: str) -> set[str]:
 
 
 def _json_object(uri: str, data: bytes) -> dict:
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        doc = None
+    doc = loads(data, uri)  # size, depth and text checked like every JSON file a checkpoint brings
     if not isinstance(doc, dict):
         raise FormatError(f"{uri}: not a JSON object; fix or remove it, or pass --config-from DIR with a good one",
                           uri=uri)
