@@ -70,6 +70,8 @@ class Output:
     def open(self, name: str = "") -> Iterator[Any]:
         """A sequential writer for file `name` (a plain file locally, a streamed upload remotely)."""
         if self.local:
+            if "/" in name:  # a file of a folder inside the output (a framework's layout: model/, optimizer/)
+                os.makedirs(os.path.dirname(self.path(name)), exist_ok=True)
             with open(self.path(name), "wb") as fh:
                 yield fh
             self.record(name, os.path.getsize(self.path(name)))

@@ -90,10 +90,16 @@ class RankPart:
     pieces: list[Piece]
     objects: list[ObjectEntry]
     serial: str = field(default_factory=serial_id)  # the archives' ids derive from it (see `serial_id`)
+    folder: str = ""  # the DCP folder inside the output ('' for the output itself)
+
+    @property
+    def file(self) -> str:
+        """The file's name inside its DCP folder (what `.metadata` names)."""
+        return f"__{self.rank}_0.distcp"
 
     @property
     def name(self) -> str:
-        return f"__{self.rank}_0.distcp"
+        return in_folder(self.folder, self.file)
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +133,7 @@ class DcpPlan(Plan):
 
     tensor_meta: dict[str, tuple[str, tuple[int, ...], tuple[str, ...]]] = field(default_factory=dict)
     object_paths: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    folder: str = ""
 
     def finish(self, out: Output, extras: list[list[Record]]) -> None:
         storage_data = Pairs()
@@ -138,7 +145,7 @@ class DcpPlan(Plan):
                 if box is not None:
                     state["index"] = len(chunks[name])
                     chunks[name].append(box)
-                info = {"relative_path": part.name, "offset": at, "length": length, "transform_descriptors": None}
+                info = {"relative_path": part.file, "offset": at, "length": length, "transform_descriptors": None}
                 storage_data.append((Obj(Global(_MD, "MetadataIndex"), state),
                                      Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), info)))
         sd_meta: dict[str, Any] = {name: _tensor_meta(dtype, shape, chunks[name])
@@ -152,13 +159,18 @@ class DcpPlan(Plan):
         metadata = Obj(Global(_MD, "Metadata"), {"state_dict_metadata": sd_meta, "planner_data": planner_data,
                                                  "storage_data": storage_data, "storage_meta": storage_meta,
                                                  "version": "1.0.0"})
-        with out.open(".metadata") as fh:
+        with out.open(in_folder(self.folder, ".metadata")) as fh:
             fh.write(picklewriter.dumps(metadata))
 
 
+def in_folder(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
 def plan_dcp(index: CheckpointIndex, copier: Copier, plan: list[list[Piece]],
-             cast_for: Callable[[TensorEntry], str | None]) -> DcpPlan:
-    """Rank R's pieces go into `__R_0.distcp`; non-tensor entries go to rank 0; then `.metadata`."""
+             cast_for: Callable[[TensorEntry], str | None], folder: str = "") -> DcpPlan:
+    """Rank R's pieces go into `__R_0.distcp`; non-tensor entries go to rank 0; then `.metadata`; all inside
+    `folder` of the output when given (a DCP folder of several in one output, as Accelerate saves)."""
     for name, entry in index.tensors.items():  # refuse what dcp.load cannot read before anything is written
         dtypes.check_dcp(entry.dtype, name)
     serial = serial_id()
@@ -166,9 +178,9 @@ def plan_dcp(index: CheckpointIndex, copier: Copier, plan: list[list[Piece]],
     grouped = group_records({p.name: p.entry for pieces in plan for p in pieces},
                             read_positions([[(p.entry, p.box) for p in pieces] for pieces in plan]))
     plan = [[replace(p, entry=grouped[p.name]) for p in pieces] for pieces in plan]
-    parts = [RankPart(rank, pieces, list(index.objects.values()) if rank == 0 else [], serial)
+    parts = [RankPart(rank, pieces, list(index.objects.values()) if rank == 0 else [], serial, folder)
              for rank, pieces in enumerate(plan)]
     tensor_meta = {name: (copier.out_dtype(entry, cast_for(entry) or entry.dtype), entry.shape, entry.path)
                    for name, entry in index.tensors.items()}
     object_paths = {name: obj.path for name, obj in index.objects.items()}
-    return DcpPlan("dcp", parts, parallel=True, tensor_meta=tensor_meta, object_paths=object_paths)
+    return DcpPlan("dcp", parts, parallel=True, tensor_meta=tensor_meta, object_paths=object_paths, folder=folder)
