@@ -88,7 +88,8 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
                                          dim_rules=parse_dim_rules(request.shard_dim_rule), keys=keys,
                                          source_format=request.source_format, dtype=request.dtype,
                                          dtype_optim=request.dtype_optim, memory_limit=int(request.memory_limit),
-                                         overwrite=request.overwrite, verify=request.verify)
+                                         overwrite=request.overwrite, verify=request.verify,
+                                         output_layout=request.output_layout)
         return lambda progress: reshard(source, out, reshard_options, progress)
     if not isinstance(request, ConvertRequest | ExportRequest):
         raise TypeError(f"no engine call for {type(request).__name__}")

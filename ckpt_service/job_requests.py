@@ -205,6 +205,10 @@ class ReshardRequest(KeyedRequest):
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
     overwrite: Overwrite = False
     verify: VerifyOutput = False
+    output_layout: Annotated[choice(Literal["auto", "flat"], "output layout"),
+                             Field(description="auto: the source framework's own folder layout (Accelerate, "
+                                               "Lightning), so its resume call works; flat: one DCP folder."),
+                             flag("--output-layout")] = "auto"
 
 
 class VerifyRequest(KeyedRequest):

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import dtypes, storage
 from .classify import Parts
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import FormatError, OptionError
 from .formats import load_index
+from .framework_layouts import FrameworkLayout, framework_layout, read_side_file
 from .index import CheckpointIndex, TensorEntry
 from .layouts import make_layout
-from .output import open_output
+from .output import Output, open_output
 from .plan import Execution, PartResult, execute
 from .transforms import KeyOptions, apply
 from .verify import VerifyReport, verify_output
@@ -38,6 +39,7 @@ class ReshardOptions:
     overwrite: bool = False
     verify: bool = False
     execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (CKPT_EXECUTOR)
+    output_layout: str = "auto"  # the source framework's folder layout (framework_layouts), or "flat": one DCP
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -95,6 +97,7 @@ def reshard(source: str, target: str, options: ReshardOptions,
         for obj in view.objects.values():  # resolve values now, so renamed param lists are final
             obj.value, obj.data = load_object(obj, reader), None
         check_optimizer_names(view, parts)
+        kept = framework_layout(index, view, options.world_size, options.output_layout, reader)
 
         def cast_for(entry: TensorEntry) -> str | None:
             optimizer = parts[entry.name].optimizer
@@ -122,15 +125,51 @@ def reshard(source: str, target: str, options: ReshardOptions,
         if empty:
             report.append(f"{empty} of {options.world_size} ranks hold no tensor data at all")
         with open_output(target, options.overwrite, "dcp") as out:
-            dcp_plan = plan_dcp(view, copier, plan, cast_for)
-            execute(dcp_plan, out, copier, options.execution)
+            results, verified = write_layout(kept, view, plan, copier, cast_for, out, options, index.uri, target)
+            report.extend(kept.report() if kept.framework != "dcp" else [])
             result = ReshardResult(target, options.world_size, [(n, f["bytes"]) for n, f in out.files.items()],
-                                   report, parts=dcp_plan.results)
-            if options.verify:
-                result.verify = verify_output(view, out.root, "dcp", reader, cast_ok=options.dtype is not None,
-                                              memory_limit=options.memory_limit, target=target)
+                                   report, parts=results, verify=verified)
         report.extend(reader.fetch_note())
         return result
     finally:
         if own_reader:
             reader.close()
+
+
+def write_layout(kept: FrameworkLayout, view: CheckpointIndex, plan: list[list[Piece]], copier: Copier,
+                 cast_for: Callable[[TensorEntry], str | None], out: Output, options: ReshardOptions, source: str,
+                 target: str) -> tuple[list[PartResult], VerifyReport | None]:
+    """Write each DCP folder of the layout (its entries, their pieces) and copy its side files into `out`;
+    with --verify, read every folder back."""
+    results: list[PartResult] = []
+    reports: list[VerifyReport] = []
+    for folder, names in kept.folders.items():
+        keep = set(names)
+        sub = replace(view, tensors={n: t for n, t in view.tensors.items() if n in keep},
+                      objects={n: o for n, o in view.objects.items() if n in keep})
+        dcp_plan = plan_dcp(sub, copier, [[p for p in pieces if p.name in keep] for pieces in plan], cast_for,
+                            folder)
+        execute(dcp_plan, out, copier, options.execution)
+        results += dcp_plan.results
+        if options.verify:
+            reports.append(verify_output(sub, storage.join(out.root, folder) if folder else out.root, "dcp",
+                                         copier.reader, cast_ok=options.dtype is not None,
+                                         memory_limit=options.memory_limit, target=target))
+    for name, origin in kept.copies.items():
+        with out.open(name) as fh:
+            fh.write(read_side_file(source, origin))
+    if kept.framework != "dcp":
+        out.about["layout"] = kept.about()
+    return results, (merged(reports) if reports else None)
+
+
+def merged(reports: list[VerifyReport]) -> VerifyReport:
+    """One report for the folders of an output, each verified on its own (all passed: a failure raised)."""
+    first = reports[0]
+    for other in reports[1:]:
+        first.compared += other.compared
+        first.compared_bytes += other.compared_bytes
+        first.cast += other.cast
+    if len(reports) > 1:
+        first.notes.append(f"verified {len(reports)} DCP folders one by one")
+    return first
