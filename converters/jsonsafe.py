@@ -52,9 +52,10 @@ def check_strings(value: Any, where: str, what: str, max_depth: int | None = Non
 def loads(data: bytes | memoryview | str, where: str, what: str = "the JSON document") -> Any:
     """A JSON document from a checkpoint, or a FormatError naming `where` (the file) that describes the fault."""
     try:
-        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+        raw = data if isinstance(data, str) else bytes(data)  # bytes: UTF-8 (a BOM allowed), 16 or 32, as json reads
+        text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw))
     except UnicodeDecodeError:
-        raise FormatError(f"{where}: {what} is not UTF-8 text; the file is damaged", uri=where) from None
+        raise FormatError(f"{where}: {what} is not Unicode text; the file is damaged", uri=where) from None
     try:
         doc = json.loads(text)
     except RecursionError:
