@@ -98,6 +98,18 @@ def torch_files(uri: str) -> list[str]:
     return [uri]
 
 
+def is_torch_zip(uri: str) -> bool:
+    """Whether a file of any name starts as torch.save's zip does: a first member `<archive>/data.pkl` (Lightning's
+    consolidated `.consolidated`, a renamed `.pt`); only its first local header is read."""
+    head = 30 + 256
+    with storage.RangeReader() as reader:
+        data = reader.read(uri, 0, min(head, reader.file_size(uri)))
+    if len(data) < 30 or data[:4] != b"PK\x03\x04":
+        return False
+    length = int.from_bytes(data[26:28], "little")
+    return 30 + length <= len(data) and data[30:30 + length].endswith(b"/data.pkl")
+
+
 class TorchSaveReader(BaseReader):
     format = "torch"
 
@@ -105,7 +117,8 @@ class TorchSaveReader(BaseReader):
     def sniff(cls, uri: str, names: list[str] | None) -> bool:
         if names is None:
             name = storage.basename(uri)
-            return not RANK_FILE.match(name) and (name.endswith(TORCH_SUFFIXES) or name.endswith(".bin.index.json"))
+            return not RANK_FILE.match(name) and (name.endswith(TORCH_SUFFIXES) or name.endswith(".bin.index.json")
+                                                  or (not name.endswith(".distcp") and is_torch_zip(uri)))
         if TORCH_INDEX in names:
             return True
         return len([n for n in names if n.endswith(TORCH_SUFFIXES)]) == 1 and not any(RANK_FILE.match(n) for n in names)
