@@ -207,7 +207,8 @@ class ReshardRequest(KeyedRequest):
     verify: VerifyOutput = False
     output_layout: Annotated[choice(Literal["auto", "flat"], "output layout"),
                              Field(description="auto: the source framework's own folder layout (Accelerate, "
-                                               "Lightning), so its resume call works; flat: one DCP folder."),
+                                               "Lightning, Megatron), so its resume call works; flat: one DCP "
+                                               "folder."),
                              flag("--output-layout")] = "auto"
 
 

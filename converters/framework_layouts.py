@@ -9,8 +9,13 @@ the output unchanged at the new world size (`--output-layout auto`, the default)
   first ones). The manifest's `layout.per_rank` records which file each one came from.
 - **lightning** (a sharded FSDP checkpoint): the DCP folder (model and optimizer) resharded at the top, and
   `meta.pt` (step, loops, callbacks) copied byte for byte beside it, never unpickled.
-- **deepspeed**, **megatron**: refused; their tag / `iter_*` folders hold per-rank partitions that we do not
-  write at a new size. `--output-layout flat` writes one DCP folder (FSDP2's `dcp.load` reads it at any size).
+- **megatron** (a torch_dist dist checkpoint, or a Megatron-LM save folder around one): the `iter_NNNNNNN/`
+  folder's DCP resharded (names and layer-stacked tensors as stored), its `metadata.json`, `common.pt` and other
+  files copied byte for byte, and `latest_checkpointed_iteration.txt` beside it; Megatron's
+  `dist_checkpointing.load` reshards that to its own parallelism. NeMo 2 folders (`weights/` + `context/`) are
+  refused.
+- **deepspeed**: refused; its tag folders hold ZeRO partitions per data-parallel rank that we do not write at a
+  new size. `--output-layout flat` writes one DCP folder (FSDP2's `dcp.load` reads it at any size).
 - Anything else, and `--output-layout flat`: one DCP folder, which is the layout DCP-based trainers load.
 
 Side files are read through the confined opener with a size cap and written inside the atomic output.
@@ -34,8 +39,6 @@ PER_RANK = ("rng_state_{}.pth", "random_states_{}.pkl")
 REFUSED = {
     "deepspeed": "DeepSpeed tag folders (global_stepN/ with `latest`) hold ZeRO partitions per data-parallel "
                  "rank, which DeepSpeed cannot load at a new size from a reshard",
-    "megatron": "Megatron iter_*/ folders (with latest_checkpointed_iteration.txt) are written per model-parallel "
-                "rank by Megatron itself, not by this tool",
 }
 
 
@@ -78,7 +81,7 @@ def framework_layout(index: CheckpointIndex, view: CheckpointIndex, world_size: 
     if index.format in REFUSED:
         raise OptionError(f"{index.uri}: {REFUSED[index.format]}; pass --output-layout flat for one DCP folder "
                           "(FSDP2 loads it with dcp.load at any world size)")
-    if index.format not in ("accelerate", "lightning"):
+    if index.format not in ("accelerate", "lightning", "megatron"):
         return flat(view)
     if sorted(view.names()) != sorted(index.names()):
         raise OptionError(f"{index.uri}: the {index.format} layout resumes only from the whole training state "
@@ -86,6 +89,8 @@ def framework_layout(index: CheckpointIndex, view: CheckpointIndex, world_size: 
                           "--output-layout flat for one DCP folder of the selection")
     if index.format == "lightning":
         return _lightning(index)
+    if index.format == "megatron":
+        return _megatron(index)
     return _accelerate(index, world_size, reader)
 
 
@@ -95,6 +100,25 @@ def _lightning(index: CheckpointIndex) -> FrameworkLayout:
     side_file_size(index.uri, META)
     return FrameworkLayout("lightning", {"": [n for n in index.names() if n not in index.training_state]},
                            {META: META})
+
+
+def _megatron(index: CheckpointIndex) -> FrameworkLayout:
+    from .formats.dcp import METADATA
+    from .formats.megatron import LATEST, locate
+
+    folder, context, _ = locate(index.uri)
+    if context is not None:
+        raise OptionError(f"{index.uri}: a NeMo 2 checkpoint (weights/ + context/): its layout is not kept by a "
+                          "reshard; pass --output-layout flat for one DCP folder")
+    sub = folder[len(index.uri):].strip("/")
+    files = [n for n in storage.listdir(folder) if n not in (METADATA, MANIFEST) and not n.endswith(".distcp")
+             and not storage.isdir(storage.join(folder, n))]
+    inside = [f"{sub}/{n}" if sub else n for n in files]
+    layout = FrameworkLayout("megatron", {sub: [n for n in index.names() if n not in index.training_state]},
+                             {n: n for n in inside + ([LATEST] if sub else [])})
+    for name in layout.copies:
+        side_file_size(index.uri, name)
+    return layout
 
 
 def _accelerate(index: CheckpointIndex, world_size: int, reader: storage.RangeReader) -> FrameworkLayout:

@@ -107,17 +107,35 @@ def test_reshard_refuses_per_rank_files_with_a_gap(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_a_layout_that_cannot_be_kept_is_refused(tmp_path: Path) -> None:
-    """Megatron's iter_* folder (a torch_dist save: DCP + metadata.json + common.pt): refused in one line naming the
-    layout and `--output-layout flat`, which writes one DCP folder."""
-    ckpt = tmp_path / "iter_0000005"
-    dcp.save({"decoder.final_layernorm.weight": torch.arange(6.0)}, checkpoint_id=str(ckpt))
+def megatron_folder(ckpt: Path) -> None:
+    """A Megatron-core torch_dist save (DCP + metadata.json + common.pt), written with torch itself."""
+    dcp.save({"decoder.layers.mlp.linear_fc2.weight": torch.arange(24.0).view(2, 3, 4),
+              "decoder.final_layernorm.weight": torch.arange(6.0)}, checkpoint_id=str(ckpt))
     (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                     "common_backend": "torch", "common_backend_version": 1}))
     torch.save({"iteration": 5}, ckpt / "common.pt")
-    proc = ckptctl("reshard", ckpt, tmp_path / "ws3", "--world-size", "3", check=False)
+
+
+def test_reshard_keeps_the_megatron_layout_and_refuses_nemo(tmp_path: Path) -> None:
+    """Megatron-LM's save folder: `latest_checkpointed_iteration.txt` and `iter_0000005/` (its DCP resharded, the
+    other files copied). A NeMo 2 folder (weights/ + context/) is refused in one line naming
+    `--output-layout flat`, which writes one DCP folder."""
+    run = tmp_path / "run"
+    megatron_folder(run / "iter_0000005")
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    ckptctl("reshard", run, tmp_path / "ws3", "--world-size", "3", "--verify", "-q")
+    kept = tmp_path / "ws3" / "iter_0000005"
+    for name in ("latest_checkpointed_iteration.txt", "iter_0000005/metadata.json", "iter_0000005/common.pt"):
+        assert (tmp_path / "ws3" / name).read_bytes() == (run / name).read_bytes(), name
+    meta = dcp.FileSystemReader(str(kept)).read_metadata().state_dict_metadata
+    assert set(meta) == {"decoder.layers.mlp.linear_fc2.weight", "decoder.final_layernorm.weight"}
+    assert sorted(p.name for p in kept.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    nemo = tmp_path / "nemo"
+    megatron_folder(nemo / "weights")
+    (nemo / "context").mkdir()
+    proc = ckptctl("reshard", nemo, tmp_path / "nemo3", "--world-size", "3", check=False)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "Megatron iter_*/" in lines[0], proc.stderr
-    assert "--output-layout flat" in lines[0] and not (tmp_path / "ws3").exists()
-    ckptctl("reshard", ckpt, tmp_path / "ws3", "--world-size", "3", "--output-layout", "flat", "-q")
-    assert (tmp_path / "ws3" / ".metadata").is_file()
+    assert proc.returncode == 2 and len(lines) == 1 and "NeMo 2" in lines[0], proc.stderr
+    assert "--output-layout flat" in lines[0] and not (tmp_path / "nemo3").exists()
+    ckptctl("reshard", nemo, tmp_path / "nemo3", "--world-size", "3", "--output-layout", "flat", "-q")
+    assert (tmp_path / "nemo3" / ".metadata").is_file()

@@ -202,3 +202,16 @@ def test_to_hf_llama_logits_match_the_megatron_layout(megatron: Path, tmp_path: 
     # the q/k/v split is per query group: group 1's k rows follow its 4 query heads in the fused weight
     fused = ref["decoder.layers.self_attention.linear_qkv.weight@2"]
     assert torch.equal(exported["megatron"]["model.layers.2.self_attn.k_proj.weight"][8:], fused[80:88])
+
+
+@pytest.mark.slow
+def test_reshard_keeps_the_megatron_layout_that_megatron_loads(megatron: Path, tmp_path: Path) -> None:
+    """Saved at TP=2 x PP=2, resharded to 3 ranks keeping Megatron-LM's layout (`latest_checkpointed_iteration.txt`,
+    `iter_0000007/`): Megatron's own `dist_checkpointing.load` (at TP=1 x PP=1) reads the same tensors, bit for bit,
+    as from the original."""
+    out = tmp_path / "ws3"
+    ckptctl("reshard", megatron / "megatron", out, "--world-size", "3", "--verify", "-q")
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
+    _run("load", str(out / "iter_0000007"), "", str(tmp_path / "ref.pt"), "29713")
+    got, want = (torch.load(p, weights_only=True) for p in (tmp_path / "ref.pt", megatron / "ref.pt"))
+    assert_same_tensors(got, want)
