@@ -36,10 +36,8 @@ OUTPUT_LAYOUTS = ("auto", "flat")
 SIDE_FILE_CAP = 64 * 1024 * 1024  # a trainer_state.json with a long log history is a few MB
 #: per-rank files of an Accelerate folder: the Trainer's RNG states, Accelerate's save_state RNG states
 PER_RANK = ("rng_state_{}.pth", "random_states_{}.pkl")
-REFUSED = {
-    "deepspeed": "DeepSpeed tag folders (global_stepN/ with `latest`) hold ZeRO partitions per data-parallel "
-                 "rank, which DeepSpeed cannot load at a new size from a reshard",
-}
+DEEPSPEED = ("DeepSpeed tag folders (global_stepN/ with `latest`) hold ZeRO partitions per data-parallel rank, which "
+             "DeepSpeed cannot load at a new size from a reshard")
 
 
 @dataclass
@@ -78,23 +76,20 @@ def framework_layout(index: CheckpointIndex, view: CheckpointIndex, world_size: 
         raise OptionError(f"--output-layout {choice}: choose {' or '.join(OUTPUT_LAYOUTS)}")
     if choice == "flat":
         return flat(view)
-    if index.format in REFUSED:
-        raise OptionError(f"{index.uri}: {REFUSED[index.format]}; pass --output-layout flat for one DCP folder "
-                          "(FSDP2 loads it with dcp.load at any world size)")
-    if index.format not in ("accelerate", "lightning", "megatron"):
+    if index.format == "deepspeed":
+        raise OptionError(f"{index.uri}: {DEEPSPEED}; pass --output-layout flat for one DCP folder (FSDP2 loads it "
+                          "with dcp.load at any world size)")
+    build = {"accelerate": _accelerate, "lightning": _lightning, "megatron": _megatron}.get(index.format)
+    if build is None:
         return flat(view)
     if sorted(view.names()) != sorted(index.names()):
         raise OptionError(f"{index.uri}: the {index.format} layout resumes only from the whole training state "
                           "under its stored names; drop --only/--include/--exclude/--rename/--clean-keys, or pass "
                           "--output-layout flat for one DCP folder of the selection")
-    if index.format == "lightning":
-        return _lightning(index)
-    if index.format == "megatron":
-        return _megatron(index)
-    return _accelerate(index, world_size, reader)
+    return build(index, world_size, reader)
 
 
-def _lightning(index: CheckpointIndex) -> FrameworkLayout:
+def _lightning(index: CheckpointIndex, world_size: int, reader: storage.RangeReader) -> FrameworkLayout:
     from .formats.lightning import META
 
     side_file_size(index.uri, META)
@@ -102,7 +97,7 @@ def _lightning(index: CheckpointIndex) -> FrameworkLayout:
                            {META: META})
 
 
-def _megatron(index: CheckpointIndex) -> FrameworkLayout:
+def _megatron(index: CheckpointIndex, world_size: int, reader: storage.RangeReader) -> FrameworkLayout:
     from .formats.dcp import METADATA
     from .formats.megatron import LATEST, locate
 

@@ -201,6 +201,8 @@ def test_module_weights_are_the_16_bit_weights(ds_runs: DeepSpeedRuns, tmp_path:
 def test_reshard_to_fsdp2_resumes_like_unsharded_adamw(ds_runs: DeepSpeedRuns, stage: int, dtype: str,
                                                       tmp_path: Path) -> None:
     run = ds_runs.get(stage, dtype)
+    kept = ckptctl("reshard", run / "ckpt", tmp_path / "kept", "--world-size", "2", check=False)
+    assert kept.returncode == 2 and "DeepSpeed tag folders" in kept.stderr and "--output-layout flat" in kept.stderr
     ckptctl("reshard", run / "ckpt", tmp_path / "dcp", "--world-size", "2", "--only", "all", "--verify",
             "--output-layout", "flat")  # DeepSpeed's own layout cannot be kept at a new size: one DCP folder
     subprocess.run([sys.executable, "-m", "tests.deepspeed_job", str(tmp_path / "dcp"), "--resume",
