@@ -139,3 +139,22 @@ def test_reshard_keeps_the_megatron_layout_and_refuses_nemo(tmp_path: Path) -> N
     assert "--output-layout flat" in lines[0] and not (tmp_path / "nemo3").exists()
     ckptctl("reshard", nemo, tmp_path / "nemo3", "--world-size", "3", "--output-layout", "flat", "-q")
     assert (tmp_path / "nemo3" / ".metadata").is_file()
+
+
+def test_hostile_side_files_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A side file the layout copies that is a FIFO, or larger than the cap: one line naming it, nothing written."""
+    import os
+
+    ckpt = accelerate_folder(tmp_path)
+    (ckpt / "scheduler.pt").unlink()
+    os.mkfifo(ckpt / "scheduler.pt")
+    proc = ckptctl("reshard", ckpt, tmp_path / "out", "--world-size", "3", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "scheduler.pt" in lines[0], proc.stderr
+    (ckpt / "scheduler.pt").unlink()
+    with open(ckpt / "scheduler.pt", "wb") as fh:
+        fh.truncate(65 << 20)  # sparse: 65 MiB on paper
+    proc = ckptctl("reshard", ckpt, tmp_path / "out", "--world-size", "3", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "scheduler.pt: 68157440 bytes" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*out*"))
