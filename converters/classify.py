@@ -16,14 +16,19 @@ Everything else is a model weight, except:
   optimizer's structure. They are never taken for model weights; they are reported by name.
 
 `classify` is the one classification used by export, reshard/convert `--only`, and `inspect`.
+
+`optimizer_owners` matches each optimizer state tensor to the parameter it belongs to, through the checkpoint's
+own `param_groups` (see there): the parameter whose layout the state takes when resharded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any, Literal
 
+from .errors import FormatError, short
 from .index import MODEL_CONTAINERS, OPTIM_CONTAINERS, OPTIM_SECTIONS, CheckpointIndex, ObjectEntry, TensorEntry
 
 Kind = Literal["model", "optim", "other", "unknown"]
@@ -33,6 +38,7 @@ STATE_KEYS = frozenset({
     "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta",
     "grad_avg", "exp_inf", "eta", "mu", "ax", "prev", "step_size", "mu_product", "row_var", "col_var", "variance",
 })
+MAX_SIBLINGS = 12  # tensors of one module tried as the parts of a fused parameter (subsets: 2 ** this, at most)
 
 
 @dataclass(frozen=True)
@@ -121,3 +127,122 @@ def _optimizer_parts(c: _Candidate, params: set[str]) -> Parts:
 
 def index_kinds(index: CheckpointIndex) -> dict[str, Parts]:
     return classify([*index.tensors.values(), *index.objects.values()], index.training_state)
+
+
+@dataclass
+class _Optimizer:
+    """One optimizer's parameters as its own `param_groups` list them, and its state tensors by parameter key."""
+
+    container: str
+    listed: list[str] = field(default_factory=list)  # parameter keys in param_groups order (ids or FQNs)
+    has_groups: bool = False
+    names: dict[str, str] = field(default_factory=dict)  # id -> FQN, from `param_names`
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # group index -> {"params"/"param_names"}
+    state: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)  # key -> entry name -> shape
+
+    def where(self) -> str:
+        return f"{self.container}.param_groups" if self.container else "param_groups"
+
+
+def _optimizers(index: CheckpointIndex, parts: dict[str, Parts]) -> dict[str, _Optimizer]:
+    found: dict[str, _Optimizer] = {}
+    for name, p in parts.items():
+        if not p.optimizer:
+            continue
+        opt = found.setdefault(p.container, _Optimizer(p.container))
+        if p.section == "state" and name in index.tensors:
+            opt.state.setdefault(p.fqn, {})[name] = index.tensors[name].shape
+        elif p.section == "param_groups":
+            opt.has_groups = True
+            if p.fqn and p.fqn not in opt.listed:  # torchtitan's flattened `param_groups.<fqn>.<key>`
+                opt.listed.append(p.fqn)
+            elif p.leaf in ("params", "param_names") and name in index.objects:
+                opt.groups.setdefault(p.group, {})[p.leaf] = index.objects[name].value
+    for opt in found.values():
+        for group in sorted(opt.groups, key=lambda g: (len(g), g)):  # "0", "1", ..., "10": numeric order
+            params, names = opt.groups[group].get("params"), opt.groups[group].get("param_names")
+            if not isinstance(params, list | tuple):
+                raise FormatError(f"{opt.where()}.{group}.params is {short(params)}, expected a list of parameter "
+                                  "ids or names; the optimizer state is damaged")
+            keys = [str(v) for v in params]
+            opt.listed += keys
+            if isinstance(names, list | tuple) and len(names) == len(keys):
+                opt.names.update((k, str(n)) for k, n in zip(keys, names))
+    return found
+
+
+def _fused(fqn: str, shape: tuple[int, ...], model: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the model stores `fqn` split into siblings (torchtitan's fused `wqkv` saved as `wq`/`wk`/`wv`): two
+    or more tensors of the same module and leaf name, other dims equal, whose dim-0 sizes add up to its own."""
+    module, _, leaf = fqn.rpartition(".")
+    parent = module.rpartition(".")[0]
+    rows = [s[0] for name, s in model.items() if name.endswith("." + leaf) and name != fqn
+            and name[:-len(leaf) - 1].rpartition(".")[0] == parent and len(s) == len(shape) and s[1:] == shape[1:]]
+    rows = rows[:MAX_SIBLINGS]
+    return bool(shape) and any(sum(pick) == shape[0] for n in range(2, len(rows) + 1)
+                               for pick in combinations(rows, n))
+
+
+def _by_position(opt: _Optimizer, model: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Ids to parameters by position: torch numbers a plain `Optimizer.state_dict()`'s parameters 0, 1, ... in
+    param_groups order, which for an optimizer built on `model.parameters()` is the order the model's state
+    stores them in. Sound only when the counts agree (the shapes are checked by the caller)."""
+    if not opt.has_groups:
+        raise FormatError(f"optimizer state under {opt.container or 'the top level'!r} is keyed by parameter ids "
+                          "and the checkpoint has no param_groups saying which parameter each id is; reshard with "
+                          "--only model, or save the optimizer with get_optimizer_state_dict (keyed by names)")
+    if len(opt.listed) != len(model):
+        raise FormatError(f"{opt.where()} lists {len(opt.listed)} parameter ids but the model stores {len(model)} "
+                          "tensors, so which id is which parameter is unknown (buffers or tied weights in the model "
+                          "state?); save the optimizer with get_optimizer_state_dict (keyed by names), or reshard "
+                          "with --only model")
+    return dict(zip(opt.listed, model))
+
+
+def optimizer_owners(index: CheckpointIndex, parts: dict[str, Parts]) -> dict[str, str]:
+    """The FQN of the parameter each optimizer state tensor of `index` belongs to (`parts`: `classify`'s).
+
+    The matching comes from the checkpoint's own `param_groups`: state keyed by name must be listed there (or,
+    without param_groups, be a model parameter); state keyed by integer id (`Optimizer.state_dict()`, torchtune)
+    takes `param_names` where recorded, else the model parameter at the id's position in the concatenated
+    `param_groups[*].params`. A parameter the model state lacks is accepted when the model stores it split into
+    siblings (a fused parameter). State tensors with the parameter's number of dimensions must have its shape.
+    Raises FormatError naming the entry on any disagreement."""
+    model = {parts[name].fqn: t.shape for name, t in index.tensors.items() if parts[name].kind == "model"}
+    owners: dict[str, str] = {}
+    for opt in _optimizers(index, parts).values():
+        listed = set(opt.listed)
+        positions: dict[str, str] | None = None
+        for key, shapes in opt.state.items():
+            first = next(iter(shapes))
+            if opt.has_groups and key not in listed:
+                raise FormatError(f"optimizer state {first!r} belongs to parameter {key!r}, which {opt.where()} does "
+                                  "not list; the optimizer state is damaged, or reshard with --only model")
+            fqn = opt.names.get(key, key)
+            if model and key.isdigit() and key not in opt.names and fqn not in model:
+                positions = positions if positions is not None else _by_position(opt, model)
+                fqn = positions[key]
+            _check_owner(first, fqn, shapes, model)
+            owners.update(dict.fromkeys(shapes, fqn))
+        for key in opt.listed:
+            fqn = opt.names.get(key, key)
+            if model and not key.isdigit() and key not in opt.state and fqn not in model:
+                raise FormatError(f"{opt.where()} lists parameter {key!r}, which the model does not have; check "
+                                  "--rename/--include, or reshard with --only model")
+    return owners
+
+
+def _check_owner(first: str, fqn: str, shapes: dict[str, tuple[int, ...]], model: dict[str, tuple[int, ...]]) -> None:
+    if not model:
+        return
+    if fqn in model:
+        want = model[fqn]
+        bad = next((n for n, s in shapes.items() if len(s) == len(want) and s != want), None)
+        if bad is not None:
+            raise FormatError(f"optimizer state {bad!r} has shape {list(shapes[bad])} but its parameter {fqn!r} has "
+                              f"{list(want)}; the optimizer is not this model's, or reshard with --only model")
+        return
+    widest = max(shapes.values(), key=len)
+    if not _fused(fqn, widest, model):
+        raise FormatError(f"optimizer state {first!r} belongs to parameter {fqn!r}, which the model does not have; "
+                          "check --rename/--include, or reshard with --only model")

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import dtypes, storage
-from .classify import Parts
+from .classify import optimizer_owners
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
-from .errors import FormatError, OptionError
+from .errors import OptionError
 from .formats import load_index
 from .framework_layouts import FrameworkLayout, framework_layout, read_side_file
 from .index import CheckpointIndex, TensorEntry
@@ -64,23 +64,6 @@ class ReshardResult:
                 "verify": self.verify.to_dict() if self.verify else None}
 
 
-def check_optimizer_names(view: CheckpointIndex, parts: dict[str, Parts]) -> None:
-    """Every optimizer state entry must name a parameter the model has (when both are present)."""
-    params = {p.fqn for p in parts.values() if p.kind == "model"}
-    if not params:
-        return
-    for name, p in parts.items():
-        if p.optimizer and p.fqn and p.fqn not in params:
-            raise FormatError(f"optimizer state {name!r} belongs to parameter {p.fqn!r}, which the model "
-                              "does not have; check --rename/--include, or reshard with --only model")
-    for name, obj in view.objects.items():
-        p = parts[name]
-        if p.optimizer and p.leaf == "params" and isinstance(obj.value, list | tuple):
-            unknown = [v for v in obj.value if isinstance(v, str) and v not in params]
-            if unknown:
-                raise FormatError(f"{name} lists parameter {unknown[0]!r}, which the model does not have")
-
-
 @storage.with_io_errors
 def reshard(source: str, target: str, options: ReshardOptions,
             on_progress: Callable[[Progress], None] | None = None,
@@ -96,7 +79,7 @@ def reshard(source: str, target: str, options: ReshardOptions,
             raise OptionError(f"{source}: no tensors selected (--only {options.keys.only})")
         for obj in view.objects.values():  # resolve values now, so renamed param lists are final
             obj.value, obj.data = load_object(obj, reader), None
-        check_optimizer_names(view, parts)
+        owners = optimizer_owners(view, parts)  # each state tensor is laid out as its parameter
         kept = framework_layout(index, view, options.world_size, options.output_layout, reader)
 
         def cast_for(entry: TensorEntry) -> str | None:
@@ -109,7 +92,7 @@ def reshard(source: str, target: str, options: ReshardOptions,
         plan: list[list[Piece]] = [[] for _ in range(options.world_size)]
         uneven = 0
         for name, entry in view.tensors.items():
-            fqn = parts[name].fqn or name
+            fqn = owners.get(name) or parts[name].fqn or name
             out_dtype = copier.out_dtype(entry, cast_for(entry))
             boxes = layout.boxes(fqn, entry.shape, options.world_size)
             uneven += bool(entry.shape) and None in boxes

@@ -22,7 +22,9 @@ def _producer(uri: str, names: list[str]) -> str:
     if _ACCELERATE_DIR.match(storage.basename(uri)):
         return "Accelerate"
     heads = {n.split(".", 1)[0] for n in names}
-    if {"dataloader", "lr_scheduler", "train_state"} & heads:
+    if {"epochs_run", "total_epochs", "max_steps_per_epoch"} & heads:  # torchtune's recipe state (TrainingProgress)
+        return "torchtune"
+    if {"lr_scheduler", "train_state"} & heads:  # torchtitan's CheckpointManager (a dataloader alone says neither)
         return "torchtitan"
     if "model" in heads and heads & {"optim", "optimizer"}:
         return "get_state_dict (model + optimizer)"
