@@ -313,3 +313,18 @@ def test_plain_optimizer_state_dict_with_integer_ids(tmp_path: Path) -> None:
     original = run_job("plain-original", 3, tmp_path / "orig3")
     resharded = run_job("plain-resume", 3, tmp_path / "new3")
     assert_resumes_alike(original, resharded, src, skip=("step",))  # `step`: as in the titan test
+
+
+def test_integer_ids_that_cannot_be_matched_are_refused_in_one_line(tmp_path: Path) -> None:
+    model = {"a.weight": torch.ones(4, 2), "b.weight": torch.ones(3, 2), "b.running": torch.ones(3)}  # a buffer
+    optim = {"state": {0: {"exp_avg": torch.ones(4, 2)}, 1: {"exp_avg": torch.ones(3, 2)}},
+             "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    torch.save({"model": model, "optimizer": optim}, tmp_path / "count.pt")
+    proc = ckptctl("reshard", tmp_path / "count.pt", tmp_path / "c", "--world-size", "3", check=False)
+    assert proc.returncode == 2 and "lists 2 parameter ids but the model stores 3 tensors" in proc.stderr
+    del model["b.running"]
+    optim["state"][1]["exp_avg"] = torch.ones(2, 3)
+    torch.save({"model": model, "optimizer": optim}, tmp_path / "shape.pt")
+    proc = ckptctl("reshard", tmp_path / "shape.pt", tmp_path / "s", "--world-size", "3", check=False)
+    assert proc.returncode == 2 and "'optimizer.state.1.exp_avg' has shape [2, 3]" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "s").exists()
