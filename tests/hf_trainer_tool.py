@@ -59,6 +59,11 @@ def main(version: str, out: str, steps: str, resume: str | None = None) -> None:
         losses = {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}
         with open(f"{out}/losses.json", "w") as fh:
             json.dump(losses, fh)
+    # leave the process group before exit: a rank whose gloo threads are still running at interpreter teardown
+    # aborts ("terminate called without an active exception") after the run itself has finished
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

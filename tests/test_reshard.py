@@ -102,8 +102,10 @@ def test_other_inputs_reshard_into_fsdp2(layout: str, fsdp1: dict[str, Sample], 
     only = "model" if layout in ("rank-files-dtensor", "safetensors") else "all"
     out = tmp_path / "out"
     # --only all keeps keys as stored (Accelerate's `optimizer.`, rank files' top-level model): --clean-keys
-    # asks for the `model.` / `optim.` containers the FSDP2 job here loads
-    ckptctl("reshard", src.path, out, "--world-size", "3", "--only", only, *(["--clean-keys"] if only == "all" else []))
+    # asks for the `model.` / `optim.` containers the FSDP2 job here loads, in one flat DCP folder (an Accelerate
+    # source otherwise keeps its own layout, which resumes only under its stored names)
+    flat = ["--clean-keys", "--output-layout", "flat"] if only == "all" else []
+    ckptctl("reshard", src.path, out, "--world-size", "3", "--only", only, *flat)
     loaded, _ = load_at(out, 3, tmp_path)
     if only == "all":
         assert_same_state(loaded, src.ref())
