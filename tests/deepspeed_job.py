@@ -188,6 +188,9 @@ def _resume(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.save({"model": msd, "optim": osd}, Path(args.out).parent / "resumed.pt")
     dist.barrier()
     dist.destroy_process_group()
+    # end the rank here: threads of gloo and of DCP's staging still alive at interpreter teardown can abort it
+    # ("terminate called without an active exception", SIGABRT) after its work is done and saved
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
