@@ -23,6 +23,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from .ranks import end_rank
+
 LR = 1e-2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -186,11 +188,7 @@ def _resume(rank: int, args: argparse.Namespace, port: int) -> None:
     msd, osd = get_state_dict(model, optim, options=full)
     if rank == 0:
         torch.save({"model": msd, "optim": osd}, Path(args.out).parent / "resumed.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    # end the rank here: threads of gloo and of DCP's staging still alive at interpreter teardown can abort it
-    # ("terminate called without an active exception", SIGABRT) after its work is done and saved
-    os._exit(0)
+    end_rank()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,10 +9,10 @@ The model is built from a config (no download); dropout is off, so the only rand
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
+from ranks import end_rank  # run as a script: its own folder (tests/) is first on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 
@@ -60,14 +60,7 @@ def main(version: str, out: str, steps: str, resume: str | None = None) -> None:
         losses = {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}
         with open(f"{out}/losses.json", "w") as fh:
             json.dump(losses, fh)
-    # leave the process group and end the rank here: threads of gloo still alive at interpreter teardown can
-    # abort it ("terminate called without an active exception", SIGABRT) after the run itself has finished
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank()
 
 
 if __name__ == "__main__":

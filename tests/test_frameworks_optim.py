@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .conftest import ckptctl
+from .ranks import end_rank
 
 pytestmark = pytest.mark.slow  # frameworks, gloo ranks and ckptctl subprocesses
 
@@ -213,11 +214,7 @@ def job(rank: int, world_size: int, name: str, folder: Path) -> None:
         seen["stepped"] = _full(model, inner)
     if rank == 0:
         torch.save(seen, folder / f"{name}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    # end the rank here: threads of gloo and of DCP's staging still alive at interpreter teardown can abort it
-    # ("terminate called without an active exception", SIGABRT) after its work is done and saved
-    os._exit(0)
+    end_rank()
 
 
 def _plain_ids(optim: dict, model: nn.Module) -> dict:
