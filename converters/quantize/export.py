@@ -1,0 +1,256 @@
+"""`export_fp8`: an HF checkpoint (or any source the engine reads, under its cleaned model names) written as an
+FP8 checkpoint in the compressed-tensors layout that llm-compressor writes and vLLM / transformers load:
+sharded safetensors (`<m>.weight` float8_e4m3fn, `<m>.weight_scale` in the weight's dtype, everything else as
+it was) plus the index, config.json with `quantization_config`, and the other side files an export carries.
+
+Streaming: one tensor at a time, in row slabs of at most a quarter of `memory_limit`. The scales of a shard are
+computed first (small; one pass over each quantized weight), because a file holds its wider tensors first
+(safetensors' order, which keeps every tensor aligned) and so the scales before the FP8 weights; the weights
+are then read again and written quantized slab by slab. The output appears only when complete (`open_output`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import dtypes, storage
+from ..copier import DEFAULT_MEMORY_LIMIT
+from ..errors import FormatError, OptionError
+from ..formats import load_index
+from ..index import TensorEntry
+from ..jsonsafe import loads
+from ..names import SAFETENSORS_INDEX
+from ..output import Output, open_output
+from ..plan import greedy_groups
+from ..sidefiles import CONFIG, collect
+from ..tensorio import read_box, slabs
+from ..transforms import KeyOptions, apply
+from ..writers.safetensors import Planned, header_bytes
+from . import fp8
+from .config import BLOCK, Scheme, quantization_config, scheme
+from .select import compile_ignore, select
+
+DEFAULT_SHARD_SIZE = 5 * 1000**3
+SOURCE_FLOATS = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Fp8Result:
+    target: str
+    scheme: str
+    quantized: list[str]  # modules whose weight is FP8
+    ignored: list[str]  # Linear modules kept in their dtype (the config's `ignore`)
+    outputs: list[tuple[str, int]]
+    report: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "scheme": self.scheme, "quantized": len(self.quantized),
+                "ignored": self.ignored, "outputs": [{"name": n, "bytes": b} for n, b in self.outputs],
+                "report": self.report}
+
+
+@dataclass
+class _Item:
+    """One output tensor: copied from `entry`, or the FP8 weight / the scale of the weight `entry`."""
+
+    name: str
+    kind: str  # "copy", "weight" or "scale"
+    entry: TensorEntry
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return dtypes.numel(self.shape) * dtypes.itemsize(self.dtype)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class _Quantizer:
+    """Scales and FP8 slabs of the quantized weights, read through `reader` in slabs of about `budget` bytes."""
+
+    def __init__(self, reader: storage.RangeReader, chosen: Scheme, budget: int) -> None:
+        self.reader, self.chosen, self.budget = reader, chosen, budget
+        self.scales: dict[str, torch.Tensor] = {}
+
+    def slabs(self, entry: TensorEntry) -> Iterator[torch.Tensor]:
+        rows, cols = entry.shape
+        row_bytes = max(cols * dtypes.itemsize(entry.dtype), 1)
+        step = max(BLOCK[0], self.budget // row_bytes // BLOCK[0] * BLOCK[0])
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            buf = bytearray(n * row_bytes)
+            if buf:
+                read_box(self.reader, entry, ((start, 0), (n, cols)), memoryview(buf))
+                yield torch.frombuffer(buf, dtype=_torch_dtype(entry.dtype)).reshape(n, cols)
+            else:
+                yield torch.empty((n, cols), dtype=_torch_dtype(entry.dtype))
+
+    def scale(self, entry: TensorEntry) -> torch.Tensor:
+        found = self.scales.get(entry.name)
+        if found is None:
+            strategy = self.chosen.strategy
+            if strategy == "tensor":
+                amax = torch.zeros((), dtype=_torch_dtype(entry.dtype))
+                for rows in self.slabs(entry):
+                    if rows.numel():
+                        amax = torch.maximum(amax, rows.abs().amax())
+                found = fp8.scale_of(amax.reshape(1))
+            else:
+                pick = fp8.amax_rows if strategy == "channel" else fp8.amax_blocks
+                found = fp8.scale_of(torch.cat([pick(rows) for rows in self.slabs(entry)]))
+            self.scales[entry.name] = found
+        return found
+
+    def weight(self, entry: TensorEntry) -> Iterator[bytes]:
+        scale, strategy = self.scale(entry), self.chosen.strategy
+        at = 0
+        for rows in self.slabs(entry):
+            if strategy == "channel":
+                part = scale[at: at + rows.shape[0]]
+            elif strategy == "block":
+                part = scale[at // BLOCK[0]: (at + rows.shape[0] + BLOCK[0] - 1) // BLOCK[0]]
+            else:
+                part = scale
+            at += rows.shape[0]
+            yield fp8.quantize_rows(rows, part, strategy).view(torch.uint8).numpy().tobytes()
+
+
+def _copy_blocks(reader: storage.RangeReader, entry: TensorEntry, budget: int) -> Iterator[bytes]:
+    for box in slabs(entry.shape, dtypes.itemsize(entry.dtype), budget):
+        buf = bytearray(dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype))
+        if buf:
+            read_box(reader, entry, box, memoryview(buf))
+            yield bytes(buf)
+
+
+def _plan(tensors: dict[str, TensorEntry], quantized: set[str], chosen: Scheme) -> list[_Item]:
+    items = []
+    for name, entry in tensors.items():
+        module = name.rpartition(".")[0]
+        if name.endswith(".weight") and module in quantized:
+            if entry.dtype not in SOURCE_FLOATS:
+                raise FormatError(f"{name}: {entry.dtype} cannot be quantized to FP8 (the source must hold float32, "
+                                  "bfloat16 or float16 weights); add its module to `ignore` or export the unquantized "
+                                  "checkpoint first", key=name)
+            items.append(_Item(name, "weight", entry, "float8_e4m3fn", entry.shape))
+            items.append(_Item(f"{name}_scale", "scale", entry, entry.dtype,
+                               fp8.scale_shape(entry.shape, chosen.strategy)))
+        else:
+            items.append(_Item(name, "copy", entry, entry.dtype, entry.shape))
+    for item in items:  # refuse dtypes safetensors cannot hold before anything is written
+        dtypes.to_safetensors(item.dtype, item.name)
+    names = {item.name for item in items}
+    clash = [f"{m}.weight_scale" for m in quantized if f"{m}.weight_scale" in tensors]
+    if clash or len(names) != len(items):
+        raise FormatError(f"{clash[0] if clash else 'a weight_scale'}: the source already holds FP8 scales; it is "
+                          "quantized already, export it as it is", key=clash[0] if clash else None)
+    return sorted(items, key=lambda item: item.name)
+
+
+def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantizer, budget: int) -> None:
+    items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
+    planned = [Planned(item.name, TensorEntry(item.name, item.dtype, item.shape, []), item.dtype) for item in items]
+    header = header_bytes(planned, {"format": "pt"})
+    for item in items:  # the scales first: a file holds them before the FP8 weights
+        if item.kind == "scale":
+            quantizer.scale(item.entry)
+    with out.open(name) as fh:
+        fh.write(header)
+        for item in items:
+            if item.kind == "scale":
+                fh.write(quantizer.scale(item.entry).contiguous().view(torch.uint8).numpy().tobytes())
+                continue
+            blocks = quantizer.weight(item.entry) if item.kind == "weight" else \
+                _copy_blocks(quantizer.reader, item.entry, budget)
+            for block in blocks:
+                fh.write(block)
+    for item in items:  # a weight's scale is written with it or in a later shard: done with both now
+        if item.kind == "scale":
+            quantizer.scales.pop(item.entry.name, None)
+
+
+def _config(side_data: dict[str, bytes], source: str, chosen: Scheme, ignored: list[str]) -> bytes:
+    if CONFIG not in side_data:
+        raise OptionError(f"{source}: no config.json beside the checkpoint; a quantized export writes its "
+                          "quantization_config there: pass config_from=DIR (the folder holding the model's "
+                          "config.json)",
+                          field="config_from")
+    doc = loads(side_data[CONFIG], CONFIG)
+    if not isinstance(doc, dict):
+        raise FormatError(f"{source} ({CONFIG}): not a JSON object; fix it or pass config_from=DIR", uri=source)
+    if "quantization_config" in doc:
+        raise FormatError(f"{source} ({CONFIG}): the model is quantized already (it has a quantization_config); "
+                          "quantize the unquantized checkpoint", uri=source)
+    doc["quantization_config"] = quantization_config(chosen, ignored)
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+@storage.with_io_errors
+def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignore: tuple[str, ...] | list[str] = (
+        "lm_head",), *, max_shard_size: int = DEFAULT_SHARD_SIZE, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+        overwrite: bool = False, config_from: str | None = None, source_format: str | None = None) -> Fp8Result:
+    """Write `source` as an FP8 compressed-tensors checkpoint at `target` (a folder)."""
+    chosen = scheme(scheme_name)
+    checked = compile_ignore(ignore)
+    if max_shard_size <= 0:
+        raise OptionError("max_shard_size must be positive", field="max_shard_size")
+    if memory_limit < 1024 * 1024:
+        raise OptionError("memory_limit must be at least 1MiB", field="memory_limit")
+    if target.endswith(".safetensors"):
+        raise OptionError(f"{target}: an FP8 export is a folder (weights, index and config.json); name a folder",
+                          field="target")
+    storage.check_target(target, overwrite)
+    reader = storage.RangeReader()
+    try:
+        index = load_index(source, source_format, reader=reader)
+        view = apply(index, KeyOptions(only="model"), reader).index
+        if not view.tensors:
+            raise FormatError(f"{source}: holds no model tensors to quantize", uri=source)
+        side = collect(source, config_from, None)
+        raw = loads(side.data[CONFIG], CONFIG) if CONFIG in side.data else {}
+        tied = "lm_head.weight" not in view.tensors and bool(raw.get("tie_word_embeddings", True)) \
+            if isinstance(raw, dict) else False
+        chosen_modules = select({n: t.shape for n, t in view.tensors.items()}, checked, tied)
+        if not chosen_modules.quantized:
+            kept = ", ".join(checked) or "none"
+            raise OptionError(f"{source}: no Linear weight is left to quantize (ignore: {kept})",
+                              field="ignore")
+        config_bytes = _config(side.data, source, chosen, chosen_modules.ignored)
+        items = _plan(view.tensors, set(chosen_modules.quantized), chosen)
+        budget = max(memory_limit // 4, 1024 * 1024)
+        quantizer = _Quantizer(reader, chosen, budget)
+        report = [f"{chosen.name}: {len(chosen_modules.quantized)} Linear weights to FP8; kept: "
+                  + (", ".join(chosen_modules.ignored) or "none"), side.report()]
+        if chosen.strategy == "block":
+            odd = [m for m in chosen_modules.quantized if view.tensors[f"{m}.weight"].shape[1] % BLOCK[1]]
+            if odd:
+                report.append(f"{len(odd)} weights have in_features not a multiple of 128 (e.g. {odd[0]}): their "
+                              "scales cover zero-padded blocks, as llm-compressor's do, but FP8_BLOCK's per-128 "
+                              "activation groups need whole groups at inference")
+        shards = greedy_groups(items, max_shard_size)
+        with open_output(target, overwrite, "safetensors") as out:
+            out.about["quantization"] = {"scheme": chosen.name, "ignore": checked}
+            names = ["model.safetensors"] if len(shards) == 1 else \
+                [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+            for name, shard in zip(names, shards):
+                _write_shard(out, name, shard, quantizer, budget)
+            if len(shards) > 1:
+                doc = {"metadata": {"total_size": sum(i.nbytes for i in items)},
+                       "weight_map": {item.name: name for name, shard in zip(names, shards) for item in shard}}
+                with out.open(SAFETENSORS_INDEX) as fh:
+                    fh.write(json.dumps(doc, indent=2).encode())
+            for name, data in side.data.items():
+                with out.open(name) as fh:
+                    fh.write(config_bytes if name == CONFIG else data)
+            outputs = [(n, f["bytes"]) for n, f in out.files.items()]
+        report.extend(reader.fetch_note())
+        return Fp8Result(target, chosen.name, chosen_modules.quantized, chosen_modules.ignored, outputs, report)
+    finally:
+        reader.close()

@@ -1,0 +1,83 @@
+"""FP8 E4M3 weight quantization, byte for byte as compressed-tensors 0.20.1 does it (observers/helpers.py,
+quantization/utils/helpers.py `calculate_qparams`, lifecycle/forward_helpers.py `_quantize`):
+
+    scale = amax(|W|) / 448              per row ("channel"), per 128x128 block ("block", zero-padded to whole
+                                          blocks) or for the whole tensor ("tensor"); a zero scale becomes the
+                                          dtype's eps
+    q     = clamp(W / scale, -448, 448).to(float8_e4m3fn)
+
+both computed in the weight's own dtype (bf16 division rounds before the cast to FP8, and so must ours).
+
+Rows are processed in slabs (a multiple of 128 rows), so memory stays at one slab of the source tensor plus its
+FP8 copy whatever the tensor's size; a per-tensor scale takes a first pass over the slabs for the maximum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import BLOCK
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _divisor(dtype: torch.dtype) -> torch.Tensor:
+    # calculate_qparams: max_val_pos / (bit_range.to(dtype) / 2), bit_range = 448 - (-448)
+    return torch.tensor(2 * FP8_MAX, dtype=dtype) / 2
+
+
+def _no_zero(scale: torch.Tensor) -> torch.Tensor:
+    eps = torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype)
+    return torch.where(scale == 0, eps, scale)
+
+
+def amax_rows(rows: torch.Tensor) -> torch.Tensor:
+    """|max| of each row: [n, 1]."""
+    return rows.abs().amax(dim=1, keepdim=True)
+
+
+def amax_blocks(rows: torch.Tensor) -> torch.Tensor:
+    """|max| of each 128x128 block of `rows` (zero-padded to whole blocks): [ceil(n/128), ceil(cols/128)]."""
+    bh, bw = BLOCK
+    n, cols = rows.shape
+    padded = torch.nn.functional.pad(rows.abs(), (0, -cols % bw, 0, -n % bh))
+    return padded.reshape(padded.shape[0] // bh, bh, padded.shape[1] // bw, bw).amax(dim=(1, 3))
+
+
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The scale for a group whose largest magnitude is `amax` (same dtype as the weight)."""
+    return _no_zero(amax / _divisor(amax.dtype))
+
+
+def quantize_rows(rows: torch.Tensor, scale: torch.Tensor, strategy: str) -> torch.Tensor:
+    """FP8 values of `rows` ([n, cols]) given their scales: [n, 1] (channel), [ceil(n/128), ceil(cols/128)]
+    (block) or [1] (tensor)."""
+    if strategy == "block":
+        bh, bw = BLOCK
+        n, cols = rows.shape
+        full = scale.repeat_interleave(bh, dim=0)[:n].repeat_interleave(bw, dim=1)[:, :cols]
+    else:
+        full = scale
+    scaled = torch.clamp(rows / full, -FP8_MAX, FP8_MAX)
+    return scaled.to(FP8)
+
+
+def quantize(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, scale) of a whole 2-D weight in memory (the streamed path in `export` does the same per slab)."""
+    if strategy == "tensor":
+        scale = scale_of(weight.abs().amax().reshape(1))
+    elif strategy == "channel":
+        scale = scale_of(amax_rows(weight))
+    else:
+        scale = scale_of(amax_blocks(weight))
+    return quantize_rows(weight, scale, strategy), scale
+
+
+def scale_shape(shape: tuple[int, ...], strategy: str) -> tuple[int, ...]:
+    rows, cols = shape
+    if strategy == "tensor":
+        return (1,)
+    if strategy == "channel":
+        return (rows, 1)
+    return (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
