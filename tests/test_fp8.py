@@ -1,0 +1,289 @@
+"""FP8 export in the compressed-tensors layout (converters.quantize), proven against its consumers:
+
+- llm-compressor (`oneshot` + QuantizationModifier, no calibration data) writes the same `weight` /
+  `weight_scale` bytes and the same config.json from the same tiny transformers models (slow);
+- compressed-tensors, through transformers' loader (`dequantize=True`), decompresses ours to within FP8 rounding
+  of the original, and transformers loads ours as FP8 with logits close to the original's (slow);
+- the math on hand-made values, which tensors stay high precision, shards, and one-line refusals (fast).
+
+CI needs: pip install compressed-tensors==0.20.1 && pip install --no-deps llmcompressor==0.14.0.1
+(llmcompressor 0.14 pins compressed-tensors 0.19 and transformers<=5.17; without --no-deps pip would downgrade both).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from converters.errors import FormatError, OptionError
+from converters.quantize import export_fp8
+from converters.quantize.fp8 import quantize
+from converters.quantize.select import select
+
+transformers = pytest.importorskip("transformers")
+E4M3 = torch.float8_e4m3fn
+
+
+def _tiny(family: str, dtype: torch.dtype, folder: Path, odd: bool = False) -> Path:
+    """A random tiny model saved by transformers itself (odd: sizes that are not multiples of 128)."""
+    torch.manual_seed(0)
+    hidden, inter = (192, 200) if odd else (128, 256)
+    common = dict(vocab_size=300, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=32, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2))
+    model.to(dtype).save_pretrained(folder)
+    return folder
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    out = {}
+    for name in files:
+        with safe_open(folder / name, "pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118 (safe_open is no dict)
+    return out
+
+
+def _config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+# ---------------------------------------------------------------- the math, by hand (fast)
+
+def test_channel_scales_and_values_exact():
+    w = torch.tensor([[448.0, -224.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [-8.0, 2.0, 0.5, 0.25]])
+    q, scale = quantize(w, "channel")
+    assert scale.dtype == torch.float32 and scale.shape == (3, 1)
+    third = (torch.tensor(8.0) / 448).item()  # float32 division
+    assert scale[:, 0].tolist() == [1.0, torch.finfo(torch.float32).eps, third]  # a zero row: eps
+    assert q.dtype == E4M3
+    assert q[0].float().tolist() == [448.0, -224.0, 1.0, 0.0]
+    assert q[1].float().tolist() == [0.0] * 4
+    assert q[2].float().tolist() == (w[2] / third).to(E4M3).float().tolist()
+    assert q[2, 0].item() == -448.0
+
+
+def test_block_scales_pad_with_ceil_and_tensor_scale():
+    w = torch.zeros(200, 130, dtype=torch.bfloat16)
+    w[0, 0], w[199, 129], w[150, 3] = 4.0, -896.0, 1.0
+    q, scale = quantize(w, "block")
+    assert scale.shape == (2, 2) and scale.dtype == torch.bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    assert scale.float().tolist() == [[(torch.tensor(4.0, dtype=torch.bfloat16) / 448).item(), eps],
+                                      [(torch.tensor(1.0, dtype=torch.bfloat16) / 448).item(), 2.0]]
+    assert q.shape == (200, 130) and q[199, 129].item() == -448.0 and q[0, 0].item() == 448.0
+    q, scale = quantize(w, "tensor")
+    assert scale.tolist() == [2.0] and q[0, 0].item() == 2.0 and q[150, 3].item() == 0.5
+
+
+def test_selection_keeps_embeddings_norms_routers_and_ignored():
+    shapes = {"model.embed_tokens.weight": (300, 64), "model.norm.weight": (64,), "lm_head.weight": (300, 64),
+              "model.layers.1.mlp.gate.weight": (4, 64), "model.layers.0.mlp.gate.weight": (4, 64),
+              "model.layers.0.self_attn.q_proj.weight": (64, 64), "model.layers.0.self_attn.q_proj.bias": (64,),
+              "model.layers.0.mlp.experts.0.up_proj.weight": (32, 64),
+              "model.layers.10.self_attn.q_proj.weight": (64, 64),
+              "model.layers.0.self_attn.q_norm.weight": (16,)}
+    chosen = select(shapes, ["lm_head", "re:.*layers\\.10\\."], tied_head=False)
+    assert chosen.quantized == ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.experts.0.up_proj"]
+    assert chosen.ignored == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.10.self_attn.q_proj",
+                              "lm_head"]
+
+
+# ---------------------------------------------------------------- the engine on a real tiny model (fast)
+
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory) -> Path:
+    return _tiny("llama", torch.bfloat16, tmp_path_factory.mktemp("fp8") / "llama")
+
+
+def test_export_layout_shards_and_side_files(llama_bf16, tmp_path):
+    out = tmp_path / "q"
+    result = export_fp8(str(llama_bf16), str(out), "FP8_BLOCK", ignore=["lm_head"], max_shard_size=200_000)
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in names and "config.json" in names and "generation_config.json" in names
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    source, ours = _tensors(llama_bf16), _tensors(out)
+    linear = [k for k in source if k.endswith("_proj.weight")]
+    assert set(ours) == set(source) | {f"{k}_scale" for k in linear}
+    for name, tensor in source.items():
+        if name in linear:
+            assert ours[name].dtype == E4M3 and ours[name].shape == tensor.shape
+            assert ours[f"{name}_scale"].dtype == torch.bfloat16
+            assert ours[f"{name}_scale"].shape == (-(-tensor.shape[0] // 128), -(-tensor.shape[1] // 128))
+            q, scale = quantize(tensor, "block")
+            assert torch.equal(ours[name].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(ours[f"{name}_scale"], scale)
+        else:
+            assert torch.equal(ours[name], tensor), name
+    config = _config(out)
+    assert config["quantization_config"]["ignore"] == ["lm_head"]
+    assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["block_structure"] == [128, 128]
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == _config(llama_bf16)
+    assert len(result.quantized) == 14 and result.ignored == ["lm_head"]
+
+
+def test_streams_in_slabs_below_the_tensor_size(llama_bf16, tmp_path):
+    """A memory limit far below one weight still writes the same bytes (scales built slab by slab)."""
+    whole = export_fp8(str(llama_bf16), str(tmp_path / "a"), "FP8_DYNAMIC")
+    slabbed = export_fp8(str(llama_bf16), str(tmp_path / "b"), "FP8_DYNAMIC", memory_limit=1024 * 1024)
+    assert whole.outputs and slabbed.outputs
+    a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+@pytest.mark.parametrize("scheme,message", [("FP9", "scheme FP9: unknown; choose FP8_DYNAMIC, FP8_BLOCK, FP8_TENSOR"),
+                                            ("FP8", "static FP8 needs input scales calibrated on data")])
+def test_refuses_unknown_and_static_scheme(llama_bf16, tmp_path, scheme, message):
+    with pytest.raises(OptionError, match=message) as err:
+        export_fp8(str(llama_bf16), str(tmp_path / "q"), scheme)
+    assert "\n" not in str(err.value) and not (tmp_path / "q").exists()
+
+
+def test_refuses_bad_ignore_pattern(llama_bf16, tmp_path):
+    with pytest.raises(OptionError, match=r"ignore re:\(\: bad regular expression"):
+        export_fp8(str(llama_bf16), str(tmp_path / "q"), ignore=["re:("])
+    assert list(tmp_path.iterdir()) == []
+
+
+def _folder(tmp_path: Path, tensors: dict[str, torch.Tensor], config: dict | None) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    if config is not None:
+        (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def test_refuses_non_float_weight(tmp_path):
+    src = _folder(tmp_path, {"model.layers.0.mlp.up_proj.weight": torch.ones(4, 4, dtype=torch.int8),
+                             "model.norm.weight": torch.ones(4)}, {"model_type": "llama"})
+    with pytest.raises(FormatError, match=r"^model.layers.0.mlp.up_proj.weight: int8 cannot be quantized to FP8 "
+                                          r"\(the source must hold float32, bfloat16 or float16 weights\)"):
+        export_fp8(str(src), str(tmp_path / "q"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_refuses_quantized_source(tmp_path):
+    src = _folder(tmp_path, {"model.layers.0.mlp.up_proj.weight": torch.ones(4, 4)},
+                  {"model_type": "llama", "quantization_config": {"quant_method": "compressed-tensors"}})
+    with pytest.raises(FormatError, match=r"config.json\): the model is quantized already"):
+        export_fp8(str(src), str(tmp_path / "q"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_refuses_missing_config(tmp_path):
+    src = _folder(tmp_path, {"model.layers.0.mlp.up_proj.weight": torch.ones(4, 4)}, None)
+    with pytest.raises(OptionError, match=r"no config.json beside the checkpoint; .* pass config_from=DIR"):
+        export_fp8(str(src), str(tmp_path / "q"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_refuses_when_nothing_is_left_to_quantize(llama_bf16, tmp_path):
+    with pytest.raises(OptionError, match=r"no Linear weight is left to quantize \(ignore: re:\.\*\)"):
+        export_fp8(str(llama_bf16), str(tmp_path / "q"), ignore=["re:.*"])
+
+
+# ---------------------------------------------------------------- against llm-compressor and transformers (slow)
+
+def _oracle(src: Path, out: Path, scheme: str, ignore: list[str]) -> Path:
+    """What llm-compressor writes: oneshot without calibration data, then save_pretrained(save_compressed=True)."""
+    pytest.importorskip("compressed_tensors")
+    llmcompressor = pytest.importorskip("llmcompressor")
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    if scheme == "FP8_TENSOR":  # weight-only per-tensor FP8 (W8A16): a config group, not a preset
+        weights = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+        recipe = QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+                                      ignore=ignore)
+    else:
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
+    model = llmcompressor.oneshot(model=str(src), recipe=recipe)
+    model.save_pretrained(out, save_compressed=True)
+    return out
+
+
+CASES = [("llama", torch.bfloat16, "FP8_DYNAMIC", False), ("llama", torch.float32, "FP8_BLOCK", True),
+         ("llama", torch.bfloat16, "FP8_TENSOR", True), ("qwen3", torch.bfloat16, "FP8_BLOCK", False),
+         ("qwen3", torch.float32, "FP8_DYNAMIC", True), ("qwen3", torch.float32, "FP8_TENSOR", False),
+         ("qwen3moe", torch.bfloat16, "FP8_DYNAMIC", False), ("qwen3moe", torch.bfloat16, "FP8_BLOCK", False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,dtype,scheme,odd", CASES,
+                         ids=[f"{f}-{str(d)[6:]}-{s}{'-odd' if o else ''}" for f, d, s, o in CASES])
+def test_equals_llm_compressor(tmp_path, family, dtype, scheme, odd):
+    src = _tiny(family, dtype, tmp_path / "src", odd)
+    # llm-compressor quantizes routers unless told; ours keeps them always, so its MoE runs name them
+    ignore = ["lm_head", "re:.*mlp.gate$"] if family == "qwen3moe" else ["lm_head"]
+    theirs = _oracle(src, tmp_path / "theirs", scheme, ignore)
+    result = export_fp8(str(src), str(tmp_path / "ours"), scheme)  # default ignore: lm_head
+    assert _config(tmp_path / "ours") == _config(theirs)  # the whole config.json, quantization_config included
+    a, b = _tensors(tmp_path / "ours"), _tensors(theirs)
+    assert sorted(a) == sorted(b)
+    for name in b:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    assert len(result.quantized) == sum(1 for k in b if k.endswith(".weight_scale"))
+    if family == "qwen3moe":
+        assert result.ignored == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"]
+
+
+LOADS = [("llama", torch.bfloat16, "FP8_DYNAMIC"), ("qwen3", torch.float32, "FP8_BLOCK"),
+         ("qwen3moe", torch.bfloat16, "FP8_TENSOR")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,dtype,scheme", LOADS, ids=[f"{f}-{str(d)[6:]}-{s}" for f, d, s in LOADS])
+def test_compressed_tensors_decompresses_and_transformers_loads(tmp_path, family, dtype, scheme):
+    """Decompressed by compressed-tensors, every Linear weight is within FP8 rounding of the original: at most
+    2^-4 of its magnitude (E4M3's 3 mantissa bits, round to nearest) plus 2^-9 of its scale (the subnormal step),
+    plus one rounding of the model dtype; every other tensor is unchanged. Loaded as FP8 (transformers runs the
+    compressed-tensors forward: FP8 weights, FP8 dynamic activations for DYNAMIC/BLOCK), the logits of a prompt
+    differ from the original's by at most 10% of the largest original logit on these random tiny models."""
+    pytest.importorskip("compressed_tensors")
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    src = _tiny(family, dtype, tmp_path / "src")
+    export_fp8(str(src), str(tmp_path / "ours"), scheme)
+    original = transformers.AutoModelForCausalLM.from_pretrained(src)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours", quantization_config=CompressedTensorsConfig(dequantize=True))
+    scales = _tensors(tmp_path / "ours")
+    before, after = original.state_dict(), plain.state_dict()
+    assert set(before) == set(after)
+    step = torch.finfo(dtype).eps
+    checked = 0
+    for name, w in before.items():
+        got = after[name]
+        assert got.dtype == w.dtype, name
+        if f"{name}_scale" not in scales:
+            assert torch.equal(got, w), name
+            continue
+        scale = scales[f"{name}_scale"].float()
+        if scale.shape[0] != w.shape[0] and scale.numel() > 1:  # block scales: one per 128x128 block
+            scale = scale.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+        bound = w.float().abs() * (2**-4 + 2 * step) + scale * 2**-9 * (1 + step)
+        assert ((got.float() - w.float()).abs() <= bound).all(), name
+        checked += 1
+    assert checked == sum(1 for k in scales if k.endswith("_scale"))
+    fp8 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert fp8.model.layers[0].self_attn.q_proj.weight.dtype == E4M3
+    ids = torch.tensor([[1, 5, 9, 33, 100, 7, 250, 3]])
+    with torch.no_grad():
+        want, got = original(ids).logits.float(), fp8(ids).logits.float()
+    assert (want - got).abs().max() <= 0.1 * want.abs().max()
+    assert not torch.equal(want, got)  # it really ran quantized
