@@ -242,6 +242,32 @@ def test_equals_llm_compressor(tmp_path, family, dtype, scheme, odd):
         assert result.ignored == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"]
 
 
+def _full(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A channel [out, 1], block [ceil(out/128), ceil(in/128)] or tensor [1] scale, one value per element."""
+    scale = scale.float()
+    if scale.dim() == 2 and tuple(scale.shape) != (shape[0], 1):  # block
+        scale = scale.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
+    return scale.expand(shape)
+
+
+def _elementwise_scale(saved: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The FP8 scale of each element of the in-memory parameter `name`; None when it is not quantized.
+    transformers 5 holds MoE experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) where the file has
+    them per expert (experts.N.gate_proj/up_proj/down_proj)."""
+    if f"{name}_scale" in saved:
+        return _full(saved[f"{name}_scale"], shape)
+    base, _, param = name.rpartition(".")
+    if not base.endswith(".experts") or param not in ("gate_up_proj", "down_proj"):
+        return None
+    parts = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+    per = []
+    for e in range(shape[0]):
+        pieces = [saved[f"{base}.{e}.{part}.weight_scale"] for part in parts]
+        rows = shape[1] // len(parts)
+        per.append(torch.cat([_full(p, (rows, shape[2])) for p in pieces]))
+    return torch.stack(per)
+
+
 LOADS = [("llama", torch.bfloat16, "FP8_DYNAMIC"), ("qwen3", torch.float32, "FP8_BLOCK"),
          ("qwen3moe", torch.bfloat16, "FP8_TENSOR")]
 
@@ -262,7 +288,7 @@ def test_compressed_tensors_decompresses_and_transformers_loads(tmp_path, family
     original = transformers.AutoModelForCausalLM.from_pretrained(src)
     plain = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "ours", quantization_config=CompressedTensorsConfig(dequantize=True))
-    scales = _tensors(tmp_path / "ours")
+    saved = _tensors(tmp_path / "ours")
     before, after = original.state_dict(), plain.state_dict()
     assert set(before) == set(after)
     step = torch.finfo(dtype).eps
@@ -270,16 +296,16 @@ def test_compressed_tensors_decompresses_and_transformers_loads(tmp_path, family
     for name, w in before.items():
         got = after[name]
         assert got.dtype == w.dtype, name
-        if f"{name}_scale" not in scales:
+        scale = _elementwise_scale(saved, name, tuple(w.shape))
+        if scale is None:
             assert torch.equal(got, w), name
             continue
-        scale = scales[f"{name}_scale"].float()
-        if scale.shape[0] != w.shape[0] and scale.numel() > 1:  # block scales: one per 128x128 block
-            scale = scale.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
         bound = w.float().abs() * (2**-4 + 2 * step) + scale * 2**-9 * (1 + step)
         assert ((got.float() - w.float()).abs() <= bound).all(), name
         checked += 1
-    assert checked == sum(1 for k in scales if k.endswith("_scale"))
+    scales = [k for k in saved if k.endswith("_scale")]
+    fused = {k.split(".experts.")[0] for k in scales if ".experts." in k}  # gate_up_proj and down_proj each
+    assert checked == len(scales) - sum(".experts." in k for k in scales) + 2 * len(fused)
     fp8 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
     assert fp8.model.layers[0].self_attn.q_proj.weight.dtype == E4M3
     ids = torch.tensor([[1, 5, 9, 33, 100, 7, 250, 3]])
