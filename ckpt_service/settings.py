@@ -11,7 +11,7 @@ import json
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -25,6 +25,9 @@ from pydantic_settings import (
 
 from . import auth, roots
 from .errors import ServiceError, SettingsError
+
+if TYPE_CHECKING:
+    from converters import EngineConfig
 
 CONFIG_ENV = "CKPT_CONFIG"
 DB_NAME = "ckpt.db"
@@ -215,8 +218,22 @@ class Settings(BaseSettings):
         """Create the data dir (and nothing else): called by the commands that serve or work."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
 
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration for this service's jobs: the engine's own `CKPT_*` variables (pickle and
+        metadata limits, upload parallelism, Ray part size: `EngineConfig.from_env`), with these settings'
+        executor and Ray address, and reads confined to the read and write roots (symlinks resolved)."""
+        from converters import CkptError, EngineConfig
+
+        try:
+            base = EngineConfig.from_env()
+        except CkptError as exc:
+            raise SettingsError(f"engine setting {exc}") from None
+        confined = tuple(dict.fromkeys(str(r) for r in (*self.read_locations, *self.write_locations)))
+        return base.replace(executor=self.executor, ray_address=self.ray_address, read_roots=confined)
+
     def masked(self) -> dict[str, Any]:
-        """The effective settings as JSON-able values, token hashes masked."""
+        """The effective settings as JSON-able values, token hashes masked; `engine`: the engine config jobs
+        run under."""
         values = self.model_dump(mode="json")
         values["tokens"] = [line.rsplit(":", 1)[0] + ":****" for line in self.tokens]
         if self.database_url:
@@ -226,6 +243,7 @@ class Settings(BaseSettings):
         values["effective_read_roots"] = [str(r) for r in self.read_locations]
         values["effective_write_roots"] = [str(r) for r in self.write_locations]
         values["anonymous_access"] = self.anonymous
+        values["engine"] = self.engine_config().to_dict()
         return values
 
 
@@ -234,7 +252,7 @@ def load(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Sett
     path = config or os.environ.get(CONFIG_ENV)
     given = {k: v for k, v in overrides.items() if v is not None}
     if not path:
-        return Settings(**given)
+        return _checked(Settings(**given))
     file = Path(path).expanduser()
     if not file.is_file():
         raise SettingsError(f"config file {file}: not found")
@@ -242,7 +260,12 @@ def load(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Sett
     if key is None:
         raise SettingsError(f"config file {file}: use a .toml or .json file")
     cls = type("Settings", (Settings,), {"model_config": {**Settings.model_config, key: file}})
-    return cls(**given)
+    return _checked(cls(**given))
+
+
+def _checked(settings: Settings) -> Settings:
+    settings.engine_config()  # a bad engine variable (CKPT_MAX_PICKLE_DEPTH=x) stops start-up, in one line
+    return settings
 
 
 def describe(error: ValidationError) -> str:

@@ -67,14 +67,14 @@ def process_command(settings: Settings, mode: str, *args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "ckpt_service.worker_main", "--parent", str(os.getpid()), "--nice",
             str(s.job_nice), "--read-roots", json.dumps([str(r) for r in s.read_locations]),
             "--write-roots", json.dumps([str(r) for r in s.write_locations]), "--log-level", s.log_level,
-            mode, *args]
+            "--engine-config", s.engine_config().to_json(), mode, *args]
 
 
 def process_env(settings: Settings) -> dict[str, str]:
-    """The environment of a job process; a PostgreSQL URL travels here, not on the command line."""
+    """The environment of a job process; a PostgreSQL URL travels here, not on the command line. The engine's
+    settings do not: they travel as one document (`--engine-config`, `Settings.engine_config`)."""
     url = settings.database_url
-    return {**os.environ, "PYTHONSAFEPATH": "1", **({worker_main.URL_ENV: url} if url else {}),
-            "CKPT_EXECUTOR": settings.executor, "CKPT_RAY_ADDRESS": settings.ray_address}
+    return {**os.environ, "PYTHONSAFEPATH": "1", **({worker_main.URL_ENV: url} if url else {})}
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:

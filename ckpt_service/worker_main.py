@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 #: the DB argument that means: the PostgreSQL URL in $CKPT_DATABASE_URL
@@ -52,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--read-roots", default=None, help="JSON list: check the job's paths again")
     top.add_argument("--write-roots", default=None, help="JSON list")
     top.add_argument("--log-level", default="info")
+    top.add_argument("--engine-config", default=None, help="JSON document: the engine config the job runs under "
+                     "(default: from the CKPT_* variables)")
     modes = top.add_subparsers(dest="mode", required=True)
     job = modes.add_parser("job")
     job.add_argument("db")
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import logs, roots
 
     logs.setup(args.log_level)
+    from converters import EngineConfig
+    from converters.config import use
+
+    config = EngineConfig.from_env() if args.engine_config is None else EngineConfig.from_json(args.engine_config)
     allowed = None
     if args.read_roots is not None and args.write_roots is not None:
         read, write = json.loads(args.read_roots), json.loads(args.write_roots)
@@ -97,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
 
         # every file the engine opens (members a checkpoint names, symlinks resolved) must lie in a root;
         # the write roots too, since --verify and the registry read outputs back
-        storage.confine_reads([*read, *write])
+        config = config.replace(read_roots=tuple(dict.fromkeys([*read, *write])))
+        storage.confine_reads([*read, *write])  # until storage reads `current().read_roots` alone
+    with use(config):
+        return _run(args, allowed)
+
+
+def _run(args: argparse.Namespace, allowed: Any) -> int:
     if args.mode == "inspect":
         from .executor import inspection
 

@@ -23,6 +23,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .api import ConvertOptions, ConvertResult, convert, inspect, verify
+    from .config import EngineConfig, PickleLimits
     from .copier import Progress
     from .formats import READERS, detect, load_index, register_format
     from .formats.base import BaseReader
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 #: public name -> the module (relative to this package) that defines it
 _LAZY = {
     "ConvertOptions": "api", "ConvertResult": "api", "convert": "api", "inspect": "api", "verify": "api",
+    "EngineConfig": "config", "PickleLimits": "config",
     "Progress": "copier", "READERS": "formats", "detect": "formats", "load_index": "formats",
     "register_format": "formats", "BaseReader": "formats.base", "CheckpointIndex": "index",
     "ReshardOptions": "reshard", "ReshardResult": "reshard", "reshard": "reshard", "KeyOptions": "transforms",
@@ -43,9 +45,9 @@ _LAZY = {
 
 __all__ = [
     "READERS", "WRITERS", "BaseReader", "CheckpointIndex", "CkptError", "ConvertOptions", "ConvertResult",
-    "FormatError", "KeyOptions", "OptionError", "Progress", "ReshardOptions", "ReshardResult", "SourceError",
-    "TargetError", "UnsafePickleError", "VerifyError", "VerifyReport", "convert", "detect", "inspect",
-    "load_index", "register_format", "reshard", "verify",
+    "EngineConfig", "FormatError", "KeyOptions", "OptionError", "PickleLimits", "Progress", "ReshardOptions",
+    "ReshardResult", "SourceError", "TargetError", "UnsafePickleError", "VerifyError", "VerifyReport", "convert",
+    "detect", "inspect", "load_index", "register_format", "reshard", "verify",
 ]
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import dtypes, storage
+from .config import EngineConfig, use
 from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import FormatError, OptionError
@@ -42,7 +43,7 @@ class ConvertOptions:
     export: bool = False  # an export for serving: model weights only, never optimizer state
     to_hf: str | None = None  # "llama": Megatron GPT -> LlamaForCausalLM names, layouts and config.json
     config_from: str | None = None  # an export's side files (config, tokenizer) from this folder (`sidefiles`)
-    execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (CKPT_EXECUTOR)
+    execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (default: the config's)
 
     def __post_init__(self) -> None:
         if self.export and self.keys.only != "model":
@@ -80,9 +81,10 @@ class ConvertResult:
                 "side_files": self.side_files.to_dict() if self.side_files else None}
 
 
-def inspect(uri: str, source_format: str | None = None) -> CheckpointIndex:
+def inspect(uri: str, source_format: str | None = None, config: EngineConfig | None = None) -> CheckpointIndex:
     """Metadata only: reads no tensor data (DCP records are not even opened)."""
-    return load_index(uri, source_format, locate=False)
+    with use(config):
+        return load_index(uri, source_format, locate=False)
 
 
 def _drop_tied(index: CheckpointIndex, names: list[str], copier: Copier) -> dict[str, str]:
@@ -100,11 +102,18 @@ def _drop_tied(index: CheckpointIndex, names: list[str], copier: Copier) -> dict
     return ties
 
 
-@storage.with_io_errors
 def convert(source: str, target: str, options: ConvertOptions | None = None,
             on_progress: Callable[[Progress], None] | None = None,
-            reader: storage.RangeReader | None = None) -> ConvertResult:
-    """Convert the checkpoint at `source` into `target` (a folder, or a `.safetensors`/`.pt` file)."""
+            reader: storage.RangeReader | None = None, config: EngineConfig | None = None) -> ConvertResult:
+    """Convert the checkpoint at `source` into `target` (a folder, or a `.safetensors`/`.pt` file), under
+    `config` (default: the engine config in force)."""
+    with use(config):
+        return _convert(source, target, options, on_progress, reader)
+
+
+@storage.with_io_errors
+def _convert(source: str, target: str, options: ConvertOptions | None,
+             on_progress: Callable[[Progress], None] | None, reader: storage.RangeReader | None) -> ConvertResult:
     options = options or ConvertOptions()
     storage.check_target(target, options.overwrite)
     own_reader = reader is None
@@ -221,12 +230,19 @@ def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: C
 
 def verify(a: str, b: str, *, keys: KeyOptions | None = None, atol: float = 0.0, rtol: float = 0.0,
            a_format: str | None = None, b_format: str | None = None,
-           memory_limit: int = DEFAULT_MEMORY_LIMIT) -> VerifyReport:
+           memory_limit: int = DEFAULT_MEMORY_LIMIT, config: EngineConfig | None = None) -> VerifyReport:
     """Compare two checkpoints tensor by tensor after the same key clean-up; then `b` (a DCP folder, a
     safetensors or torch file) read by its consumer's own loader must hold the same values as we read.
 
     Without `keys`, when `b` is an export of ours (its manifest says so), `a` is compared as the export saw
-    it: its model weights under the export's names, cast as the export cast them, tied copies dropped."""
+    it: its model weights under the export's names, cast as the export cast them, tied copies dropped.
+    Runs under `config` (default: the engine config in force)."""
+    with use(config):
+        return _verify(a, b, keys, atol, rtol, a_format, b_format, memory_limit)
+
+
+def _verify(a: str, b: str, keys: KeyOptions | None, atol: float, rtol: float, a_format: str | None,
+            b_format: str | None, memory_limit: int) -> VerifyReport:
     reader = storage.RangeReader()
     try:
         a_index = load_index(a, a_format, reader=reader)

@@ -155,6 +155,24 @@ class EngineConfig:
         return replace(self, **changes)
 
 
+def env_positive_int(var: str, default: int, unit: str, environ: Mapping[str, str] | None = None) -> int:
+    """`var` as a positive integer, `default` when unset or empty; a bad value is one line naming the variable."""
+    text = (os.environ if environ is None else environ).get(var, "").strip()
+    if not text:
+        return default
+    value = _whole(text)
+    if value <= 0:
+        raise OptionError(f"{var}={text!r}: give a positive number of {unit}")
+    return value
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 0
+
+
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise OptionError(f"{name}={value!r}: give a positive whole number", field=name)
@@ -181,10 +199,7 @@ def _parse(var: str, name: str, text: str) -> Any:
         if not isinstance(items, list):
             raise OptionError(f"{var}: not a JSON list of roots")
         return tuple(str(r) for r in items if str(r).strip())
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = _whole(text)
     if value <= 0:
         raise OptionError(f"{var}={text!r}: give a positive whole number")
     return value

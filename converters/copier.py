@@ -22,6 +22,7 @@ from functools import partial
 
 from . import dtypes
 from .checksum import crc32, crc32_zeros
+from .config import ContextPool
 from .errors import SourceError
 from .index import TensorEntry
 from .readahead import Budget, Buffer, ReadAhead
@@ -163,7 +164,7 @@ class Copier:
         streams = [partial(self.stream, entry, cast_to, box) for entry, cast_to, box in jobs]
         with ExitStack() as stack:
             if pool is None:
-                pool = stack.enter_context(ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-ahead"))
+                pool = stack.enter_context(ContextPool(self.threads, thread_name_prefix="ckpt-ahead"))
             ahead = stack.enter_context(ReadAhead(pool, streams, self.ahead))
             yield [ahead.blocks(i) for i in range(len(jobs))]
 

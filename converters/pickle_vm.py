@@ -14,13 +14,12 @@ total may not pass a budget that the pickle's size justifies (`memory_budget`), 
 
 from __future__ import annotations
 
-import os
 import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
+from .config import PickleLimits, current
 from .errors import FormatError, UnsafePickleError
 from .pickle_types import (
     Bad,
@@ -35,45 +34,9 @@ from .pickle_types import (
 )
 
 
-@dataclass(frozen=True)
-class PickleLimits:
-    """Bounds on one pickle; each can be raised with its environment variable (`CKPT_MAX_PICKLE_*`)."""
-
-    max_bytes: int = 1 << 30  # CKPT_MAX_PICKLE_BYTES: size of one pickle
-    max_memo: int = 20_000_000  # CKPT_MAX_PICKLE_MEMO: memo entries
-    max_objects: int = 100_000_000  # CKPT_MAX_PICKLE_OBJECTS: objects built
-    max_shared: int = 10_000_000  # CKPT_MAX_PICKLE_SHARED: elements reached again through shared references
-    max_depth: int = 100  # CKPT_MAX_PICKLE_DEPTH: nesting depth of containers and MARKs
-    max_memory: int | None = None  # CKPT_MAX_PICKLE_MEMORY: bytes of objects built (None: `memory_budget`)
-
-
-_ENV = {"max_bytes": "CKPT_MAX_PICKLE_BYTES", "max_memo": "CKPT_MAX_PICKLE_MEMO",
-        "max_objects": "CKPT_MAX_PICKLE_OBJECTS", "max_shared": "CKPT_MAX_PICKLE_SHARED",
-        "max_depth": "CKPT_MAX_PICKLE_DEPTH", "max_memory": "CKPT_MAX_PICKLE_MEMORY"}
-_overrides: dict[str, int] = {}
-
-
-def set_limits(**values: int) -> PickleLimits:
-    """Override limits for this process (e.g. `set_limits(max_depth=500)`); returns the limits now in force."""
-    for key, value in values.items():
-        if key not in _ENV or not isinstance(value, int) or value < 1:
-            raise ValueError(f"unknown or invalid pickle limit {key}={value!r}")
-    _overrides.update(values)
-    return limits()
-
-
 def limits() -> PickleLimits:
-    """The limits in force: `set_limits` overrides, then the environment, then the defaults."""
-    values: dict[str, int] = {}
-    for key, var in _ENV.items():
-        raw = os.environ.get(var)
-        if raw:
-            try:
-                values[key] = int(raw)
-            except ValueError:
-                raise FormatError(f"{var}={raw!r}: not an integer") from None
-    values.update(_overrides)
-    return replace(PickleLimits(), **values)
+    """The limits in force: the engine config's (`EngineConfig.pickle`, `CKPT_MAX_PICKLE_*` for the CLI)."""
+    return current().pickle
 
 
 MEMORY_FLOOR = 64 << 20  # any pickle may build this much

@@ -10,7 +10,6 @@ part is done and checked, writes the files that describe the whole (index, `.met
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 
 from . import storage
 from .checksum import crc32
+from .config import EXECUTORS, ContextPool, current
 from .copier import Copier
 from .errors import OptionError
 from .output import Output
@@ -36,9 +36,6 @@ def greedy_groups(items: list[Any], limit: int) -> list[list[Any]]:
         size += item.nbytes
     return groups
 
-EXECUTORS = ("local", "ray")
-EXECUTOR_ENV = "CKPT_EXECUTOR"
-RAY_ADDRESS_ENV = "CKPT_RAY_ADDRESS"
 
 
 class Part(Protocol):
@@ -82,18 +79,20 @@ class Plan:
 @dataclass
 class Execution:
     """Which executor runs a plan: `local`, or `ray` at `address` (`ray://host:10001`, `auto`, or a GCS
-    address); `None` fields come from CKPT_EXECUTOR / CKPT_RAY_ADDRESS."""
+    address); `None` fields come from the engine config (`current()`: executor, ray_address); an address alone
+    means Ray."""
 
     executor: str | None = None
     address: str | None = None
 
     def resolve(self) -> Execution:
-        executor = self.executor or os.environ.get(EXECUTOR_ENV, "").strip() or "local"
+        config = current()
+        executor = self.executor or config.executor
         if self.address and not self.executor:
             executor = "ray"
         if executor not in EXECUTORS:
-            raise OptionError(f"{EXECUTOR_ENV}={executor}: choose local or ray")
-        address = self.address or os.environ.get(RAY_ADDRESS_ENV, "").strip() or "auto"
+            raise OptionError(f"executor {executor}: choose local or ray")
+        address = self.address or config.ray_address
         return Execution(executor, address if executor == "ray" else None)
 
 
@@ -126,9 +125,9 @@ def run_part(part: Any, out: Output, copier: Copier, pool: ThreadPoolExecutor | 
 def run_local(plan: Plan, out: Output, copier: Copier) -> list[PartResult]:
     """Run the parts in this process, in threads, as the writers always did."""
     if plan.parallel:
-        with ThreadPoolExecutor(max(1, min(copier.threads, len(plan.parts))), thread_name_prefix="ckpt-part") as pool:
+        with ContextPool(max(1, min(copier.threads, len(plan.parts))), thread_name_prefix="ckpt-part") as pool:
             return list(pool.map(lambda part: run_part(part, out, copier, None), plan.parts))
-    with ThreadPoolExecutor(copier.threads, thread_name_prefix="ckpt-write") as pool:
+    with ContextPool(copier.threads, thread_name_prefix="ckpt-write") as pool:
         return [run_part(part, out, copier, pool) for part in plan.parts]
 
 

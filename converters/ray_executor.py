@@ -1,7 +1,7 @@
-"""Run a conversion plan's parts as Ray tasks across a cluster (imported only when CKPT_EXECUTOR=ray).
+"""Run a conversion plan's parts as Ray tasks across a cluster (imported only when the executor is `ray`).
 
-Parts are grouped into tasks that each move at most `part_bytes` (CKPT_RAY_PART_BYTES, default 1 GiB; a
-single larger part is its own task), scheduled with SPREAD so that bandwidth adds up across nodes, each
+Parts are grouped into tasks that each move at most `EngineConfig.ray_part_bytes` (CKPT_RAY_PART_BYTES,
+default 1 GiB; a single larger part is its own task), scheduled with SPREAD so that bandwidth adds up across nodes, each
 asking Ray for `memory_limit` bytes of memory and running its copier within that same limit. Tasks write
 into the temporary target (a shared filesystem path, or the object-storage prefix) and return each file's
 size and CRC-32; the driver checks every size against the file itself before it finishes the output.
@@ -20,14 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import storage
+from .config import EngineConfig, current, use
 from .copier import Copier, Progress
-from .env import positive_int
 from .errors import CkptError, TargetError
 from .output import Output
 from .plan import PartResult, Plan, greedy_groups, run_part
 
-PART_BYTES_ENV = "CKPT_RAY_PART_BYTES"
-DEFAULT_PART_BYTES = 1 << 30
 MAX_RETRIES = 3
 POLL_SECONDS = 0.1
 REPORT_SECONDS = 0.5
@@ -70,12 +68,20 @@ class _Reporter:
         self.sent, self.last = done, now
 
 
-def run_batch(target: Target, parts: list[Any], memory_limit: int, threads: int, read_roots: list[str] | None,
+def run_batch(target: Target, parts: list[Any], memory_limit: int, threads: int, config: EngineConfig,
               sink: Any, run: str) -> list[PartResult]:
-    """The Ray task: run `parts` into `target`; return each file's size, CRC-32 and this node's id."""
+    """The Ray task: run `parts` into `target` under the driver's engine config; return each file's size,
+    CRC-32 and this node's id."""
+    # until storage reads `current().read_roots`, confine this worker process as the driver is confined
+    storage.confine_reads(None if config.read_roots is None else list(config.read_roots))
+    with use(config):
+        return _run_batch(target, parts, memory_limit, threads, sink, run)
+
+
+def _run_batch(target: Target, parts: list[Any], memory_limit: int, threads: int, sink: Any,
+               run: str) -> list[PartResult]:
     import ray
 
-    storage.confine_reads(read_roots)
     out = target.output()
     reporter = _Reporter(sink, run)
     reader = storage.RangeReader()
@@ -179,14 +185,14 @@ def run_ray(plan: Plan, out: Output, copier: Copier, address: str) -> list[PartR
     from ray.exceptions import RayError, RayTaskError
 
     memory_limit = copier.memory_limit
-    part_bytes = positive_int(PART_BYTES_ENV, DEFAULT_PART_BYTES, "bytes")
+    config = current()
     task = ray.remote(run_batch).options(num_cpus=1, memory=memory_limit, scheduling_strategy="SPREAD",
                                          max_retries=MAX_RETRIES, retry_exceptions=[OSError])
     sink, run = _progress_sink(ray), uuid.uuid4().hex  # if the sink is lost, progress stops, not the job
     target = Target(out.uri, out.root, out.single_file)
-    roots = storage.read_roots()
-    refs = [task.remote(target, group, memory_limit, copier.threads, roots, sink, run)
-            for group in batches(plan.parts, part_bytes)]
+    # the task carries the driver's config (with its read roots): a worker runs under it, not under its own
+    refs = [task.remote(target, group, memory_limit, copier.threads, config, sink, run)
+            for group in batches(plan.parts, config.ray_part_bytes)]
     try:
         pending = list(refs)
         while pending:

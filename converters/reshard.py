@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from . import dtypes, storage
 from .classify import optimizer_owners
+from .config import EngineConfig, use
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import OptionError
 from .formats import load_index
@@ -38,7 +39,7 @@ class ReshardOptions:
     memory_limit: int = DEFAULT_MEMORY_LIMIT
     overwrite: bool = False
     verify: bool = False
-    execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (CKPT_EXECUTOR)
+    execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (default: the config's)
     output_layout: str = "auto"  # the source framework's folder layout (framework_layouts), or "flat": one DCP
 
     def __post_init__(self) -> None:
@@ -64,10 +65,17 @@ class ReshardResult:
                 "verify": self.verify.to_dict() if self.verify else None}
 
 
-@storage.with_io_errors
 def reshard(source: str, target: str, options: ReshardOptions,
             on_progress: Callable[[Progress], None] | None = None,
-            reader: storage.RangeReader | None = None) -> ReshardResult:
+            reader: storage.RangeReader | None = None, config: EngineConfig | None = None) -> ReshardResult:
+    """Reshard `source` into `target` under `config` (default: the engine config in force)."""
+    with use(config):
+        return _reshard(source, target, options, on_progress, reader)
+
+
+@storage.with_io_errors
+def _reshard(source: str, target: str, options: ReshardOptions, on_progress: Callable[[Progress], None] | None,
+             reader: storage.RangeReader | None) -> ReshardResult:
     storage.check_target(target, options.overwrite)
     layout = make_layout(options.layout, options.dim_rules)
     own_reader = reader is None

@@ -49,7 +49,7 @@ from .pickle_types import (  # noqa: F401  (re-exported: the readers' vocabulary
     hashable,
     stub,
 )
-from .pickle_vm import Interpreter, PickleLimits, limits, set_limits  # noqa: F401
+from .pickle_vm import Interpreter, PickleLimits, limits  # noqa: F401
 
 # ---------------------------------------------------------------------------------------------- handlers
 

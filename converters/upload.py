@@ -30,17 +30,15 @@ from .checksum import crc32, crc32_combine
 
 UPLOAD_BLOCK = 16 * 1024 * 1024  # part size; S3 needs >= 5 MiB for every part but the last
 MIN_PART = 5 * 1024 * 1024  # a file this large is uploaded in parts (even one part): S3's smallest part
-PARALLEL_ENV = "CKPT_UPLOAD_PARALLEL"
-DEFAULT_PARALLEL = 4  # the copier's default thread count
 GROW_EVERY = 1000  # parts: the part size grows by UPLOAD_BLOCK every 1000 parts (S3 allows 10,000)
 SETTLE_S = 60.0  # bound on waiting for requests in flight before aborting
 
 
 def parallel() -> int:
-    """Parts in flight per output: CKPT_UPLOAD_PARALLEL, default 4."""
-    from .env import positive_int
+    """Parts in flight per output: the engine config's `upload_parallel` (CKPT_UPLOAD_PARALLEL), default 4."""
+    from .config import current
 
-    return positive_int(PARALLEL_ENV, DEFAULT_PARALLEL, "parts")
+    return current().upload_parallel
 
 
 def supports(fs: Any) -> bool:

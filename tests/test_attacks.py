@@ -445,15 +445,17 @@ def test_attack_is_refused_in_process(attack: Attack, bases: dict[str, Path], tm
     CkptError line naming the file, writes nothing and imports nothing."""
     from ckpt_service.executor import engine_call
     from ckpt_service.job_requests import build
+    from converters.config import EngineConfig, use
     from converters.errors import CkptError
 
     ckpt = kit.copy_base(bases[attack.reader], tmp_path / "ckpt")
     (tmp_path / "out").mkdir()
     attack.breaker(ckpt, tmp_path)
-    for key, value in attack.env.items():
-        monkeypatch.setenv(key, value.format(ckpt=ckpt))
+    env = {key: value.format(ckpt=ckpt) for key, value in attack.env.items()}
+    for key, value in env.items():  # storage reads its two variables itself until it reads the config
+        monkeypatch.setenv(key, value)
     before = _snapshot(tmp_path)
-    with pytest.raises(CkptError) as caught:
+    with use(EngineConfig.from_env(env)), pytest.raises(CkptError) as caught:
         engine_call(build("export", {}), str(ckpt), str(tmp_path / "out" / "export"))(None)
     message = str(caught.value)
     assert attack.expect in message and "\n" not in message, message

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from converters.api import ConvertOptions, convert
+from converters.config import EngineConfig
 from converters.output import MANIFEST
 from converters.plan import Execution
 from converters.reshard import ReshardOptions, reshard
@@ -26,6 +27,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 NODE_MEMORY = 100 * 1000 * 1000
 RAY = Execution("ray")
+SMALL_TASKS = EngineConfig(ray_part_bytes=1)  # one output file per task
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +139,7 @@ def test_cli_export_ray_and_both_nodes(cluster, sources, tmp_path: Path, monkeyp
     _same(tmp_path / "local", tmp_path / "ray")
     result = convert(str(sources["big"]), str(tmp_path / "again"),
                      ConvertOptions(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20,
-                                    execution=RAY))
+                                    execution=RAY), config=SMALL_TASKS)
     assert len(result.parts) == 17
     assert {part.node for part in result.parts} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
@@ -158,8 +160,7 @@ def _pin_blockers(cluster) -> list:
     return blockers
 
 
-def test_retry_after_node_dies(cluster, sources, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("CKPT_RAY_PART_BYTES", "1")
+def test_retry_after_node_dies(cluster, sources, tmp_path: Path) -> None:
     options = dict(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20)
     convert(str(sources["big"]), str(tmp_path / "local"), ConvertOptions(**options))
     base = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -183,7 +184,8 @@ def test_retry_after_node_dies(cluster, sources, tmp_path: Path, monkeypatch) ->
 
     watcher = threading.Thread(target=kill_when_writing)
     watcher.start()
-    result = convert(str(sources["big"]), str(tmp_path / "ray"), ConvertOptions(**options, execution=RAY))
+    result = convert(str(sources["big"]), str(tmp_path / "ray"), ConvertOptions(**options, execution=RAY),
+                     config=SMALL_TASKS)
     watcher.join()
     assert 0 < len(killed) < len(result.parts)  # killed mid-run
     _same(tmp_path / "local", tmp_path / "ray")
@@ -196,8 +198,7 @@ class Cancelled(Exception):
     pass
 
 
-def test_cancel_leaves_nothing(cluster, sources, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("CKPT_RAY_PART_BYTES", "1")
+def test_cancel_leaves_nothing(cluster, sources, tmp_path: Path) -> None:
     calls: list[int] = []
 
     def on_progress(progress) -> None:
@@ -208,7 +209,8 @@ def test_cancel_leaves_nothing(cluster, sources, tmp_path: Path, monkeypatch) ->
     with pytest.raises(Cancelled):  # casting through 1 MiB of memory: seconds of work
         convert(str(sources["huge"]), str(tmp_path / "out"),
                 ConvertOptions(export=True, keys=KeyOptions(only="model", clean=True), max_shard_size=1 << 20,
-                               dtype="bfloat16", memory_limit=1 << 20, execution=RAY), on_progress)
+                               dtype="bfloat16", memory_limit=1 << 20, execution=RAY), on_progress,
+                config=SMALL_TASKS)
     assert calls and calls[0] < 24 * 16384 * 64 * 4  # cancelled before all source bytes were read
     assert list(tmp_path.iterdir()) == []  # no target, no temporary sibling, no late write from a task
     time.sleep(1.0)

@@ -24,6 +24,7 @@ import torch
 
 from converters import storage, tensorio, upload
 from converters.api import ConvertOptions, convert
+from converters.config import EngineConfig, use
 from converters.errors import FormatError, SourceError, TargetError
 from converters.formats import load_index
 from converters.formats.dcp import DcpReader
@@ -72,11 +73,10 @@ def write_in_pieces(fh: Any, data: bytes, piece: int = 3 * MIB + 17) -> None:
         fh.write(view[at: at + piece])
 
 
-def test_large_file_uploads_k_parts_at_once(s3: S3, slots_seen: list[upload.Slots],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(upload.PARALLEL_ENV, "2")
+def test_large_file_uploads_k_parts_at_once(s3: S3, slots_seen: list[upload.Slots]) -> None:
     data = payload(4 * PART + 123)
-    with open_output(s3.uri("out/one.bin"), overwrite=False, kind="test", single_file=True) as out, \
+    with use(EngineConfig(upload_parallel=2)), \
+            open_output(s3.uri("out/one.bin"), overwrite=False, kind="test", single_file=True) as out, \
             out.open() as fh:
         write_in_pieces(fh, data)
     assert s3.get("out/one.bin") == data
@@ -96,7 +96,7 @@ def test_small_file_is_one_put_and_files_share_the_slots(s3: S3, slots_seen: lis
             write_in_pieces(fh, large)
     assert (s3.get("out/small.bin"), s3.get("out/large.bin")) == (small, large)
     assert (part_count(s3, "out/small.bin"), part_count(s3, "out/large.bin")) == (1, 2)
-    assert len(slots_seen) == 1 and slots_seen[0].count == upload.DEFAULT_PARALLEL
+    assert len(slots_seen) == 1 and slots_seen[0].count == EngineConfig().upload_parallel == 4
     assert s3.keys("out") == ["ckpt-manifest.json", "large.bin", "small.bin"]
 
 
@@ -124,12 +124,11 @@ def test_multipart_upload_opens_while_its_first_part_fills(s3: S3, monkeypatch: 
                          "one-part.bin": {"bytes": len(one_part), "crc32": zlib.crc32(one_part)}}
 
 
-def test_producer_waits_while_k_parts_are_in_flight(s3: S3, slots_seen: list[upload.Slots],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_producer_waits_while_k_parts_are_in_flight(s3: S3, slots_seen: list[upload.Slots]) -> None:
     """Memory stays at (K + 1) parts: with K = 1 every part waits for the one before it to land."""
-    monkeypatch.setenv(upload.PARALLEL_ENV, "1")
     data = payload(3 * PART, 3)
-    with open_output(s3.uri("out/k1.bin"), overwrite=False, kind="test", single_file=True) as out, out.open() as fh:
+    with use(EngineConfig(upload_parallel=1)), \
+            open_output(s3.uri("out/k1.bin"), overwrite=False, kind="test", single_file=True) as out, out.open() as fh:
         write_in_pieces(fh, data)
         writer = fh
         assert len(writer.parts) == 3 and all(f.done() for f in writer.parts[:2])

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from converters.config import EngineConfig, use
 from converters.errors import FormatError, UnsafePickleError
 from converters.formats.torchsave import flatten
 from converters.unpickle import loads, torch_storage_loader
@@ -209,10 +210,9 @@ def test_deep_nesting_is_a_format_error_not_recursion(data: bytes) -> None:
     ("CKPT_MAX_PICKLE_SHARED", b"](" + b"K\x01" * 10 + b"e" + put(0) + b"0(" + get(0) * 200 + b"t.",
      "shared references"),
 ])
-def test_limits_are_settings(monkeypatch: pytest.MonkeyPatch, var: str, data: bytes, message: str) -> None:
+def test_limits_are_settings(var: str, data: bytes, message: str) -> None:
     _load(data)  # fine with the defaults
-    monkeypatch.setenv(var, "1000")
-    with pytest.raises(FormatError, match=f"{message}.*{var}|{var}"):
+    with use(EngineConfig.from_env({var: "1000"})), pytest.raises(FormatError, match=f"{message}.*{var}|{var}"):
         _load(data)
 
 

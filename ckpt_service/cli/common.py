@@ -132,6 +132,20 @@ def errors() -> Iterator[None]:
 
 
 @contextmanager
+def engine_config(ray: str | None = None) -> Iterator[Any]:
+    """Run the block under the engine config the `CKPT_*` variables describe, with `--ray ADDRESS` applied
+    (a bad variable is one line naming it: run this inside `errors()`)."""
+    from converters import EngineConfig
+    from converters.config import use
+
+    config = EngineConfig.from_env()
+    if ray:
+        config = config.replace(executor="ray", ray_address=ray)
+    with use(config):
+        yield config
+
+
+@contextmanager
 def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
     if quiet or not sys.stderr.isatty():
         yield None

@@ -19,7 +19,20 @@ from ..errors import DIFFERENT
 from ..executor import engine_call
 from ..job_requests import REQUESTS, InspectRequest, JobRequest, dtype_name
 from ..units import human
-from .common import AsJson, Quiet, app, err, errors, fail, job_command, keyword, make_table, out, progress_bar
+from .common import (
+    AsJson,
+    Quiet,
+    app,
+    engine_config,
+    err,
+    errors,
+    fail,
+    job_command,
+    keyword,
+    make_table,
+    out,
+    progress_bar,
+)
 
 
 def print_result(result: Any, as_json: bool) -> None:
@@ -35,7 +48,7 @@ def print_result(result: Any, as_json: bool) -> None:
 
 
 def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> None:
-    with errors():
+    with errors(), engine_config():
         info = engine_call(request, source)(None)
     if as_json:
         out.print_json(json.dumps(info))
@@ -67,18 +80,14 @@ def run_write(request: JobRequest, source: str, target: str, quiet: bool = False
               ray: str | None = None) -> None:
     """convert, export and reshard: one output, a progress bar on a terminal; with `--ray`, its files are
     written by Ray tasks (what CKPT_EXECUTOR=ray / CKPT_RAY_ADDRESS select, for this run)."""
-    if ray:
-        from converters.plan import EXECUTOR_ENV, RAY_ADDRESS_ENV
-
-        os.environ.update({EXECUTOR_ENV: "ray", RAY_ADDRESS_ENV: ray})
-    with errors(), progress_bar(quiet or as_json) as update:
+    with errors(), engine_config(ray), progress_bar(quiet or as_json) as update:
         result = engine_call(request, source, target)(update)
     print_result(result, as_json)
 
 
 def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> None:
     """Compare; exit 1 when the checkpoints differ."""
-    with errors():
+    with errors(), engine_config():
         try:
             report = engine_call(request, a, b)(None)
         except VerifyError as exc:

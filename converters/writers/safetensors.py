@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from .. import dtypes
+from ..config import ContextPool
 from ..copier import Copier, pwrite_all
 from ..index import CheckpointIndex, TensorEntry
 from ..names import SAFETENSORS_INDEX as INDEX_NAME
@@ -102,7 +103,7 @@ class ShardPart:
         if pool is not None:
             write_file(out, self.name, self.items, copier, self.cast_to, self.metadata, pool)
             return
-        with ThreadPoolExecutor(copier.threads, thread_name_prefix="ckpt-write") as own:
+        with ContextPool(copier.threads, thread_name_prefix="ckpt-write") as own:
             write_file(out, self.name, self.items, copier, self.cast_to, self.metadata, own)
 
 
