@@ -104,8 +104,11 @@ class JobRunner(threading.Thread):
                                str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second))
 
     def run(self) -> None:
+        from converters.config import use
+
         try:
-            self._run()
+            with use(self.pool.engine):  # cleaning a target reads and lists under the service's confinement
+                self._run()
         except Exception:
             logs.event("job.runner_error", job_id=self.job.id, attempt=self.attempt, exc_info=True)
             self._kill()
@@ -197,6 +200,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._runners: dict[str, JobRunner] = {}
         self._thread: threading.Thread | None = None
+        self.engine = settings.engine_config()  # what this pool's threads run under (storage calls in them)
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -245,6 +249,12 @@ class WorkerPool:
     # -- the scheduler loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        from converters.config import use
+
+        with use(self.engine):
+            self._schedule()
+
+    def _schedule(self) -> None:
         s = self.settings
         next_chores = 0.0
         while not self._stop.is_set():
