@@ -3,16 +3,18 @@ FP8 checkpoint in the compressed-tensors layout that llm-compressor writes and v
 sharded safetensors (`<m>.weight` float8_e4m3fn, `<m>.weight_scale` in the weight's dtype, everything else as
 it was) plus the index, config.json with `quantization_config`, and the other side files an export carries.
 
-Streaming: one tensor at a time, in row slabs of at most a quarter of `memory_limit`. The scales of a shard are
-computed first (small; one pass over each quantized weight), because a file holds its wider tensors first
-(safetensors' order, which keeps every tensor aligned) and so the scales before the FP8 weights; the weights
-are then read again and written quantized slab by slab. The output appears only when complete (`open_output`).
+Streaming: one tensor at a time, in row slabs of an eighth of `memory_limit` (a slab, its quotient and its
+FP8 copy are held at once), read into one reused buffer. The scales of a shard are computed first (small; one
+pass over each quantized weight), because a file holds its wider tensors first (safetensors' order, which keeps
+every tensor aligned) and so the scales before the FP8 weights; the weights are then read again and written
+quantized slab by slab. The output appears only when complete (`open_output`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +70,23 @@ class _Item:
         return dtypes.numel(self.shape) * dtypes.itemsize(self.dtype)
 
 
+def _trimmer() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _trimmer()
+
+
+def _release() -> None:
+    """Hand freed heap back to the system between slabs: glibc keeps the slab-sized temporaries torch frees
+    (its mmap threshold rises to their size), and RSS would creep up by a few slabs."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -78,6 +97,17 @@ class _Quantizer:
     def __init__(self, reader: storage.RangeReader, chosen: Scheme, budget: int) -> None:
         self.reader, self.chosen, self.budget = reader, chosen, budget
         self.scales: dict[str, torch.Tensor] = {}
+        self._buffer = bytearray(0)  # one read buffer for every slab, grown to the largest
+
+    def read(self, entry: TensorEntry, box: tuple[tuple[int, ...], tuple[int, ...]]) -> memoryview:
+        """The bytes of `entry[box]` in the shared read buffer (valid until the next read)."""
+        nbytes = dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype)
+        _release()
+        if len(self._buffer) < nbytes:
+            self._buffer = bytearray(nbytes)
+        view = memoryview(self._buffer)[:nbytes]
+        read_box(self.reader, entry, box, view)
+        return view
 
     def slabs(self, entry: TensorEntry) -> Iterator[torch.Tensor]:
         rows, cols = entry.shape
@@ -85,12 +115,11 @@ class _Quantizer:
         step = max(BLOCK[0], self.budget // row_bytes // BLOCK[0] * BLOCK[0])
         for start in range(0, rows, step):
             n = min(step, rows - start)
-            buf = bytearray(n * row_bytes)
-            if buf:
-                read_box(self.reader, entry, ((start, 0), (n, cols)), memoryview(buf))
-                yield torch.frombuffer(buf, dtype=_torch_dtype(entry.dtype)).reshape(n, cols)
-            else:
+            if not n * row_bytes:
                 yield torch.empty((n, cols), dtype=_torch_dtype(entry.dtype))
+                continue
+            view = self.read(entry, ((start, 0), (n, cols)))
+            yield torch.frombuffer(view, dtype=_torch_dtype(entry.dtype)).reshape(n, cols)  # until the next slab
 
     def scale(self, entry: TensorEntry) -> torch.Tensor:
         found = self.scales.get(entry.name)
@@ -100,7 +129,7 @@ class _Quantizer:
                 amax = torch.zeros((), dtype=_torch_dtype(entry.dtype))
                 for rows in self.slabs(entry):
                     if rows.numel():
-                        amax = torch.maximum(amax, rows.abs().amax())
+                        amax = torch.maximum(amax, torch.maximum(rows.amax(), rows.amin().neg_()))
                 found = fp8.scale_of(amax.reshape(1))
             else:
                 pick = fp8.amax_rows if strategy == "channel" else fp8.amax_blocks
@@ -108,7 +137,7 @@ class _Quantizer:
             self.scales[entry.name] = found
         return found
 
-    def weight(self, entry: TensorEntry) -> Iterator[bytes]:
+    def weight(self, entry: TensorEntry) -> Iterator[memoryview]:
         scale, strategy = self.scale(entry), self.chosen.strategy
         at = 0
         for rows in self.slabs(entry):
@@ -119,15 +148,15 @@ class _Quantizer:
             else:
                 part = scale
             at += rows.shape[0]
-            yield fp8.quantize_rows(rows, part, strategy).view(torch.uint8).numpy().tobytes()
+            yield fp8.quantize_rows(rows, part, strategy).view(torch.uint8).numpy().data.cast("B")
 
 
-def _copy_blocks(reader: storage.RangeReader, entry: TensorEntry, budget: int) -> Iterator[bytes]:
-    for box in slabs(entry.shape, dtypes.itemsize(entry.dtype), budget):
-        buf = bytearray(dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype))
-        if buf:
-            read_box(reader, entry, box, memoryview(buf))
-            yield bytes(buf)
+def _copy_blocks(quantizer: _Quantizer, entry: TensorEntry) -> Iterator[memoryview]:
+    """The bytes of a tensor kept as it is, slab by slab through the quantizer's read buffer."""
+    for box in slabs(entry.shape, dtypes.itemsize(entry.dtype), quantizer.budget):
+        nbytes = dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype)
+        if nbytes:
+            yield quantizer.read(entry, box)
 
 
 def _plan(tensors: dict[str, TensorEntry], quantized: set[str], chosen: Scheme) -> list[_Item]:
@@ -154,7 +183,7 @@ def _plan(tensors: dict[str, TensorEntry], quantized: set[str], chosen: Scheme) 
     return sorted(items, key=lambda item: item.name)
 
 
-def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantizer, budget: int) -> None:
+def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantizer) -> None:
     items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
     planned = [Planned(item.name, TensorEntry(item.name, item.dtype, item.shape, []), item.dtype) for item in items]
     header = header_bytes(planned, {"format": "pt"})
@@ -168,7 +197,7 @@ def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantiz
                 fh.write(quantizer.scale(item.entry).contiguous().view(torch.uint8).numpy().tobytes())
                 continue
             blocks = quantizer.weight(item.entry) if item.kind == "weight" else \
-                _copy_blocks(quantizer.reader, item.entry, budget)
+                _copy_blocks(quantizer, item.entry)
             for block in blocks:
                 fh.write(block)
     for item in items:  # a weight's scale is written with it or in a later shard: done with both now
@@ -224,8 +253,8 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
                               field="ignore")
         config_bytes = _config(side.data, source, chosen, chosen_modules.ignored)
         items = _plan(view.tensors, set(chosen_modules.quantized), chosen)
-        budget = max(memory_limit // 4, 1024 * 1024)
-        quantizer = _Quantizer(reader, chosen, budget)
+        # a slab of the source, its quotient (same size) and FP8 copy (half) at once
+        quantizer = _Quantizer(reader, chosen, max(memory_limit // 8, 1024 * 1024))
         report = [f"{chosen.name}: {len(chosen_modules.quantized)} Linear weights to FP8; kept: "
                   + (", ".join(chosen_modules.ignored) or "none"), side.report()]
         if chosen.strategy == "block":
@@ -240,7 +269,7 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
             names = ["model.safetensors"] if len(shards) == 1 else \
                 [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
             for name, shard in zip(names, shards):
-                _write_shard(out, name, shard, quantizer, budget)
+                _write_shard(out, name, shard, quantizer)
             if len(shards) > 1:
                 doc = {"metadata": {"total_size": sum(i.nbytes for i in items)},
                        "weight_map": {item.name: name for name, shard in zip(names, shards) for item in shard}}

@@ -33,16 +33,23 @@ def _no_zero(scale: torch.Tensor) -> torch.Tensor:
 
 
 def amax_rows(rows: torch.Tensor) -> torch.Tensor:
-    """|max| of each row: [n, 1]."""
-    return rows.abs().amax(dim=1, keepdim=True)
+    """|max| of each row: [n, 1] (max(-min, max), as calculate_qparams takes it, without an |rows| copy)."""
+    return torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+
+
+def _blocks(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` as [R, 128, C, 128] blocks, zero-padded to whole blocks (a copy only when padding is needed)."""
+    bh, bw = BLOCK
+    n, cols = rows.shape
+    if n % bh or cols % bw:
+        rows = torch.nn.functional.pad(rows, (0, -cols % bw, 0, -n % bh))
+    return rows.reshape(rows.shape[0] // bh, bh, rows.shape[1] // bw, bw)
 
 
 def amax_blocks(rows: torch.Tensor) -> torch.Tensor:
     """|max| of each 128x128 block of `rows` (zero-padded to whole blocks): [ceil(n/128), ceil(cols/128)]."""
-    bh, bw = BLOCK
-    n, cols = rows.shape
-    padded = torch.nn.functional.pad(rows.abs(), (0, -cols % bw, 0, -n % bh))
-    return padded.reshape(padded.shape[0] // bh, bh, padded.shape[1] // bw, bw).amax(dim=(1, 3))
+    blocks = _blocks(rows)
+    return torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_())
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
@@ -52,15 +59,14 @@ def scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(rows: torch.Tensor, scale: torch.Tensor, strategy: str) -> torch.Tensor:
     """FP8 values of `rows` ([n, cols]) given their scales: [n, 1] (channel), [ceil(n/128), ceil(cols/128)]
-    (block) or [1] (tensor)."""
+    (block) or [1] (tensor). One temporary of the rows' size (the quotient, clamped in place)."""
     if strategy == "block":
-        bh, bw = BLOCK
         n, cols = rows.shape
-        full = scale.repeat_interleave(bh, dim=0)[:n].repeat_interleave(bw, dim=1)[:, :cols]
+        scaled = _blocks(rows) / scale[:, None, :, None]
+        scaled = scaled.reshape(scaled.shape[0] * BLOCK[0], -1)[:n, :cols]
     else:
-        full = scale
-    scaled = torch.clamp(rows / full, -FP8_MAX, FP8_MAX)
-    return scaled.to(FP8)
+        scaled = rows / scale
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
