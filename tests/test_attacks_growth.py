@@ -153,11 +153,13 @@ def test_running_out_of_memory_in_a_pickle_is_one_line(tmp_path: Path) -> None:
     refused(proc, str(metadata), "needs more memory than is available")
 
 
-def test_memory_budget_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memory_budget_is_a_setting() -> None:
+    from converters.config import EngineConfig, use
+
     data = _empty_sets(100_000)  # 100 kB, 40 MB of objects: within the floor every pickle is allowed
     assert len(unpickle.loads(data, "x")["x"]) == 100_000
-    monkeypatch.setenv("CKPT_MAX_PICKLE_MEMORY", str(10 << 20))
-    with pytest.raises(FormatError, match="x: the pickle of 100012 bytes builds more than 10485760 bytes"):
+    with use(EngineConfig.from_env({"CKPT_MAX_PICKLE_MEMORY": str(10 << 20)})), \
+            pytest.raises(FormatError, match="x: the pickle of 100012 bytes builds more than 10485760 bytes"):
         unpickle.loads(data, "x")
 
 
