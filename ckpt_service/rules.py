@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from converters.config import ContextThread
 from converters.errors import CkptError
 
 from . import logs, roots, sandbox
@@ -459,9 +460,10 @@ def _trigger(row: Any) -> TriggerView:
                        job_id=row["job_id"], detail=row["detail"], claimed_at=when(row["claimed_at"]))  # type: ignore[arg-type]
 
 
-class Scheduler(threading.Thread):
+class Scheduler(ContextThread):
     """Discovery every `discover_seconds` (0: pushes only, and what max_concurrent held back is retried every
-    HELD_BACK_SECONDS) and GC every `gc_seconds` (0: off), inside the API process."""
+    HELD_BACK_SECONDS) and GC every `gc_seconds` (0: off), inside the API process (under the engine config in
+    force where it was made: the service's confinement)."""
 
     def __init__(self, rules: Rules, retention: Any, discover_seconds: float, gc_seconds: float) -> None:
         super().__init__(name="ckpt-manage", daemon=True)

@@ -53,9 +53,13 @@ def pid_alive(pid: int) -> bool:
 
 def confine(settings: Settings) -> None:
     """Confine this service process's reads (API, scheduler, worker) to its read and write roots, as its
-    job processes are: defence in depth, since they leave reading checkpoints to job processes."""
+    job processes are: defence in depth, since they leave reading checkpoints to job processes. Call it from
+    the process's main thread before the server starts: the engine config it installs reaches the API's
+    requests (asyncio tasks and their worker threads copy the context) and the threads made from it."""
     from converters import storage
+    from converters.config import install
 
+    install(settings.engine_config())
     storage.confine_reads([str(r) for r in (*settings.read_locations, *settings.write_locations)])
 
 

@@ -6,15 +6,17 @@ environment: `EngineConfig.from_env` is the one builder from today's `CKPT_*` va
 the service builds one from its `Settings`, and job processes and Ray tasks receive it as one JSON document
 (`to_json` / `from_json`) and install it with `use`.
 
-With no config installed, `current()` is `EngineConfig()`: the defaults, never the environment.
-Threads do not inherit a `ContextVar`: pools that run engine work are `ContextPool`s, which run each task
-in the context of the thread that submitted it.
+With no config installed, `current()` is `EngineConfig()`: the defaults, never the environment. A process's
+entry point may `install` one for the rest of its main thread. Threads do not inherit a `ContextVar`: pools
+that run engine work are `ContextPool`s (each task runs in the context of the thread that submitted it), and
+long-lived threads that reach storage are `ContextThread`s (they run in the context they were made in).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -226,6 +228,23 @@ def use(config: EngineConfig | None) -> Iterator[EngineConfig]:
         yield config
     finally:
         _current.reset(token)
+
+
+def install(config: EngineConfig) -> None:
+    """Put `config` in force for the rest of this context: for a process's entry point (its main thread), so
+    that what it runs, and what it starts that copies the context (`ContextPool`, `ContextThread`, asyncio
+    tasks and the threads they hand work to), run under it. Library code uses `use`."""
+    _current.set(config)
+
+
+class ContextThread(threading.Thread):
+    """A thread that runs in (a copy of) the context of the thread that created it, so `current()` in it is
+    the config in force where it was made; subclasses override `run` as usual."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        context, run = copy_context(), self.run
+        self.run = lambda: context.run(run)  # type: ignore[method-assign]
 
 
 _P = ParamSpec("_P")

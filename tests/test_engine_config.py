@@ -3,15 +3,27 @@ function, carried as one JSON document, installed with `use`, read below the ent
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import copy_context
 from pathlib import Path
 
 import pytest
 
-from converters.config import ENV_VARS, ContextPool, EngineConfig, PickleLimits, current, use
+from converters.config import (
+    ENV_VARS,
+    ContextPool,
+    ContextThread,
+    EngineConfig,
+    PickleLimits,
+    current,
+    install,
+    use,
+)
 from converters.errors import OptionError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +141,33 @@ def test_use_nests_restores_and_reaches_pool_threads() -> None:
         with use(None):  # None keeps the config in force
             assert current() is outer
         assert current() is outer
+    assert current() == EngineConfig()
+
+
+def test_install_reaches_what_the_entry_point_starts() -> None:
+    """A process's entry point installs its config once: threads made after it (`ContextThread`, subclassed or
+    with a target), asyncio tasks and the threads they hand work to all see it; a plain thread does not."""
+    config = EngineConfig(upload_parallel=5)
+
+    class Loop(ContextThread):
+        def run(self) -> None:
+            seen.append(current())
+
+    async def request() -> EngineConfig:
+        return await asyncio.to_thread(current)
+
+    def entry() -> None:
+        install(config)
+        threads = [ContextThread(target=lambda: seen.append(current())), Loop(), threading.Thread(
+            target=lambda: seen.append(current()))]
+        for thread in threads:
+            thread.start()
+            thread.join()
+        seen.append(asyncio.run(request()))
+
+    seen: list[EngineConfig] = []
+    copy_context().run(entry)  # this test's own context stays as it was
+    assert seen == [config, config, EngineConfig(), config]
     assert current() == EngineConfig()
 
 
