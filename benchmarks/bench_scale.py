@@ -52,6 +52,7 @@ def parse_size(text: str) -> int:
 def driver(source: str, target: str, address: str, dtype: str, shard_size: int) -> None:
     """One export in this process; prints its numbers as JSON (the parent measures the rest)."""
     from converters.api import ConvertOptions, convert
+    from converters.config import EngineConfig
     from converters.plan import Execution
     from converters.transforms import KeyOptions
 
@@ -63,7 +64,7 @@ def driver(source: str, target: str, address: str, dtype: str, shard_size: int) 
 
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     started = time.perf_counter()
-    result = convert(source, target, options)
+    result = convert(source, target, options, config=EngineConfig.from_env())  # CKPT_RAY_PART_BYTES from the parent
     seconds = time.perf_counter() - started
     print(json.dumps({"seconds": seconds, "peak_rss_kb": _status_kb(os.getpid())[1],
                       "parts": [{"name": p.name, "bytes": p.size, "node": p.node or "local", "seconds": p.seconds}
