@@ -93,8 +93,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.manual_seed(0)
     model = net_for_size(args.size) if args.size else Net()
     vocab = model.emb.num_embeddings
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                      config=config(args.stage, args.dtype, args.world_size, args.aligned))
+    cfg = config(args.stage, args.dtype, args.world_size, args.aligned)
+    if args.universal:  # DeepSpeed 0.19 clips at 1.0 by default and ZeRO-1/2 keep that in the checkpoint
+        cfg["gradient_clipping"] = 0.0
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
     steps = 1 if args.size else 2
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -104,8 +106,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         engine.backward(loss)
         engine.step()
         if step == 0 and steps == 2:  # an older tag beside the latest one
-            engine.save_checkpoint(str(Path(args.out) / "ckpt"))
-    engine.save_checkpoint(str(Path(args.out) / "ckpt"))
+            engine.save_checkpoint(str(Path(args.out) / "ckpt"), client_state=universal_info(args))
+    engine.save_checkpoint(str(Path(args.out) / "ckpt"), client_state=universal_info(args))
     if args.no_reference:
         return
     ref: dict = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
@@ -134,6 +136,69 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     ref["names"] = sorted(names.values())
     if rank == 0:
         torch.save(ref, Path(args.out) / "engine.pt")
+
+
+def universal_info(args: argparse.Namespace) -> dict:
+    """`--universal`: the client state ds_to_universal needs to convert a ZeRO-1/2 save (Megatron-DeepSpeed writes
+    it; a plain model has no tensor parallelism, so the version alone says "no patterns")."""
+    return {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}} if args.universal else {}
+
+
+def _resume_universal(rank: int, args: argparse.Namespace, port: int) -> None:
+    """DeepSpeed's own resume of a universal checkpoint (OUT/ckpt, `latest_universal`) at world size N: writes
+    OUT/universal-loaded.pt with the per-parameter fp32 masters and Adam state it loaded, then (fp32 only) the
+    masters after one step on `shared_batch` (the same batch on every rank)."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.world_size),
+                       "LOCAL_WORLD_SIZE": str(args.world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(1)  # other values than the checkpoint: loading must overwrite them all
+    model = Net()
+    # except the frozen layer: a universal checkpoint holds only trainable parameters and DeepSpeed's universal
+    # load leaves frozen ones as the model was built, so build them as training did (seed 0, never changed)
+    torch.manual_seed(0)
+    model.frozen.load_state_dict(Net().frozen.state_dict())
+    cfg = config(args.stage, args.dtype, args.world_size)
+    cfg["checkpoint"] = {"load_universal": True}
+    cfg["gradient_clipping"] = 0.0  # as the save was made (--universal); the FSDP2 resume step does not clip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    engine.load_checkpoint(str(Path(args.out) / "ckpt"))
+
+    def masters(with_state: bool) -> dict:
+        if with_state and hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+            engine.optimizer._hp_optimizer_states_linked = False
+            engine.optimizer._lazy_init_hp_params_optimizer_state()
+        out: dict = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, param in engine.module.named_parameters():
+            if param.requires_grad:
+                out["fp32"][name] = safe_get_full_fp32_param(param).detach().cpu().clone()
+                for key in ("exp_avg", "exp_avg_sq") if with_state else ():
+                    out[key][name] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
+        return out
+
+    loaded = masters(True)
+    if args.stage == 3:
+        import deepspeed.runtime.zero as zero
+
+        with zero.GatheredParameters(list(engine.module.parameters())):
+            loaded["module"] = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    else:
+        loaded["module"] = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    loaded["step"] = sorted({int(v["step"]) for v in engine.optimizer.optimizer.state.values()})
+    tokens = shared_batch(model.emb.num_embeddings)
+    logits = engine(tokens[:, :-1])
+    vocab = model.emb.num_embeddings
+    loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    engine.backward(loss)
+    engine.step()
+    stepped = masters(True)
+    if rank == 0:
+        torch.save({"loaded": loaded, "stepped": stepped}, Path(args.out) / "universal-loaded.pt")
+    end_rank()
 
 
 def shared_batch(vocab: int) -> torch.Tensor:
@@ -201,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--aligned", action="store_true", help="ZeRO-1/2 parameter_alignment + round_robin_gradients")
     parser.add_argument("--resume", action="store_true", help="OUT is a DCP folder: load it into FSDP2 and step")
+    parser.add_argument("--universal", action="store_true", help="save the client state ds_to_universal needs")
+    parser.add_argument("--resume-universal", action="store_true",
+                        help="OUT/ckpt holds a universal checkpoint: DeepSpeed loads it at --world-size and steps")
     args = parser.parse_args(argv)
     import socket
 
@@ -209,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         port = s.getsockname()[1]
     if args.resume:
         mp.start_processes(_resume, args=(args, port), nprocs=args.world_size, start_method="spawn")
+        return
+    if args.resume_universal:
+        mp.start_processes(_resume_universal, args=(args, port), nprocs=args.world_size, start_method="spawn")
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     mp.start_processes(_worker, args=(args, port), nprocs=args.world_size, start_method="spawn")

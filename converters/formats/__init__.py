@@ -21,6 +21,7 @@ class FormatSpec:
     name: str
     target: type[BaseReader] | str
     install: str | None = None  # the pip command that provides an optional format's dependencies
+    specificity: int = 0  # see BaseReader.specificity: `detect` takes the most specific format that says yes
 
     def load(self) -> type[BaseReader]:
         if not isinstance(self.target, str):
@@ -43,12 +44,15 @@ READERS = FORMATS
 
 
 def register_format(name: str, cls: type[BaseReader] | str, *, detect: bool = True, before: str | None = None,
-                    install: str | None = None) -> None:
-    """Add a format. `detect`: try its `sniff` in `detect` (after every earlier one, or just `before` another);
-    `cls` as "module:Class" makes it optional: imported when used, with `install` named if that fails."""
+                    install: str | None = None, specificity: int | None = None) -> None:
+    """Add a format. `detect`: try its `sniff` in `detect` (after every earlier one of the same specificity, or
+    just `before` another); `specificity` (default: the class's own) ranks it above generic formats whatever the
+    order; `cls` as "module:Class" makes it optional: imported when used, with `install` named if that fails."""
     if name in FORMATS:
         raise ValueError(f"format {name!r} is already registered")
-    FORMATS[name] = FormatSpec(name, cls, install)
+    if specificity is None:
+        specificity = 0 if isinstance(cls, str) else cls.specificity
+    FORMATS[name] = FormatSpec(name, cls, install, specificity)
     if detect:
         DETECT_ORDER.insert(DETECT_ORDER.index(before) if before else len(DETECT_ORDER), name)
 
@@ -60,8 +64,9 @@ def reader_class(name: str) -> type[BaseReader]:
 
 
 def _sniffers() -> list[tuple[str, type[BaseReader]]]:
+    """The detected formats, most specific first (a stable sort: then in DETECT_ORDER)."""
     found = []
-    for name in DETECT_ORDER:
+    for name in sorted(DETECT_ORDER, key=lambda n: -FORMATS[n].specificity):
         try:
             found.append((name, FORMATS[name].load()))
         except OptionError:  # an optional format whose package is missing cannot be the one
@@ -169,21 +174,26 @@ def _register_builtin() -> None:
     from .accelerate import AccelerateReader
     from .dcp import DcpReader
     from .deepspeed import DeepSpeedModuleReader, DeepSpeedReader
+    from .deepspeed_universal import DeepSpeedUniversalReader
     from .lightning import LightningReader
     from .megatron import MegatronReader
     from .rankfiles import RankFilesReader
     from .safetensors import SafetensorsReader
     from .torchsave import TorchSaveReader
 
-    for name, cls, detected in (("dcp", DcpReader, True), ("accelerate", AccelerateReader, True),
-                                ("hf-dcp", SafetensorsReader, False), ("safetensors", SafetensorsReader, True),
-                                ("torch", TorchSaveReader, True), ("rank-files", RankFilesReader, True),
-                                ("megatron", MegatronReader, True), ("lightning", LightningReader, True),
-                                ("deepspeed", DeepSpeedReader, True),
-                                ("deepspeed-module", DeepSpeedModuleReader, False)):
-        register_format(name, cls, detect=detected)
-    # a folder can match several sniffs: the most specific layouts first
-    DETECT_ORDER[:] = ["megatron", "lightning", "dcp", "deepspeed", "safetensors", "torch", "rank-files", "accelerate"]
+    # specificity: 0 a generic file format, 1 a framework's folder layout, 2 a layout built on another one
+    for name, cls, detected, level in (
+            ("dcp", DcpReader, True, 1), ("accelerate", AccelerateReader, True, 1),
+            ("hf-dcp", SafetensorsReader, False, 0), ("safetensors", SafetensorsReader, True, 0),
+            ("torch", TorchSaveReader, True, 0), ("rank-files", RankFilesReader, True, 0),
+            ("megatron", MegatronReader, True, 2), ("lightning", LightningReader, True, 2),
+            ("deepspeed", DeepSpeedReader, True, 1), ("deepspeed-module", DeepSpeedModuleReader, False, 1),
+            ("deepspeed-universal", DeepSpeedUniversalReader, True, 2)):
+        register_format(name, cls, detect=detected, specificity=level)
+    # a folder can match several sniffs: `detect` tries the most specific first (`BaseReader.specificity`), then
+    # this order
+    DETECT_ORDER[:] = ["megatron", "lightning", "deepspeed-universal", "dcp", "deepspeed", "accelerate",
+                       "safetensors", "torch", "rank-files"]
 
 
 _register_builtin()
