@@ -214,16 +214,31 @@ def test_reshard_to_fsdp2_steps_like_deepspeeds_universal_resume(universal_runs:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncated", "garbled"])
-def test_a_damaged_state_file_is_refused_in_one_line_naming_it(universal_runs: UniversalRuns, damage: str,
-                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize(("damage", "stage", "named"), [
+    ("truncated", 2, "zero/blocks.0.1.weight/fp32.pt"), ("garbled", 2, "zero/blocks.0.1.weight/fp32.pt"),
+    ("other shape", 3, "zero/blocks.0.1.weight/fp32.pt"), ("no exp_avg", 3, "zero/blocks.0.1.weight/exp_avg.pt"),
+    ("no rank 1", 3, "copy every rank's file"), ("no optimizer state", 2, "zero/optimizer_state.pt")])
+def test_a_damaged_universal_checkpoint_is_refused_in_one_line_naming_it(universal_runs: UniversalRuns, damage: str,
+                                                                         stage: int, named: str,
+                                                                         tmp_path: Path) -> None:
     folder = tmp_path / TAG
-    shutil.copytree(universal_runs.get(2, "bf16") / "ckpt" / TAG, folder)
+    shutil.copytree(universal_runs.get(stage, "bf16") / "ckpt" / TAG, folder)
     bad = folder / "zero" / "blocks.0.1.weight" / "fp32.pt"
     data = bad.read_bytes()
-    bad.write_bytes(data[: len(data) // 2] if damage == "truncated" else data[:40] + b"\xff" * 64 + data[104:])
+    if damage == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    elif damage == "garbled":
+        bad.write_bytes(data[:40] + b"\xff" * 64 + data[104:])
+    elif damage == "other shape":
+        shutil.copyfile(folder / "zero" / "emb.weight" / "fp32.pt", bad)
+    elif damage == "no exp_avg":
+        (bad.parent / "exp_avg.pt").unlink()
+    elif damage == "no rank 1":
+        (folder / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    else:
+        (folder / "zero" / "optimizer_state.pt").unlink()
     proc = ckptctl("export", folder, tmp_path / "out", check=False)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and str(bad) in lines[0], proc.stderr
+    assert len(lines) == 1 and named in lines[0] and str(folder) in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()

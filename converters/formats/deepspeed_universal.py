@@ -64,8 +64,8 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
 
     def folder(self) -> str:
         names = storage.listdir(self.uri)
-        if self.tag is None and is_universal_tag(self.uri, names):
-            return self.uri
+        if self.tag is None and ZERO in names and storage.isdir(storage.join(self.uri, ZERO)):
+            return self.uri  # a tag folder (its model states file is checked when read)
         tag = self.tag
         if tag is None:
             if LATEST not in names:
@@ -109,8 +109,15 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
 
     def _universal_index(self, index: CheckpointIndex, folder: str) -> None:
         model_files, stage = self._model_files(folder)
+        if not storage.exists(model_files[0]):
+            raise FormatError(f"{model_files[0]}: missing; copy it from the universal checkpoint", uri=model_files[0])
         models = [self._archive(p) for p in model_files]
         state = models[0].obj
+        world = state.get("dp_world_size")
+        if stage == 3 and type(world) is int and world != len(models):
+            raise FormatError(f"{folder}: the model states say {world} ranks but {len(models)} "
+                              "zero_pp_rank_*_mp_rank_00_model_states.pt files are here; copy every rank's file",
+                              uri=folder)
         zero = storage.join(folder, ZERO)
         optim_path = storage.join(zero, OPTIMIZER_STATE)
         if not storage.exists(optim_path):
