@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from converters.errors import FormatError
 from converters.formats import DETECT_ORDER, FORMATS, FormatSpec, _sniffers, detect, load_index
 from converters.formats.base import BaseReader
 
@@ -73,6 +74,13 @@ def test_detect_takes_the_most_specific_format_and_never_a_folder_for_its_file(t
     # the file itself, and a folder of nothing but that one file, are torch files
     assert detect(str(ckpt / TAG / "mp_rank_00_model_states.pt")) == "torch"
     assert detect(str(tmp_path / "plain")) == "torch"
+    # a folder that holds folders beside its one torch file is a layout: refused, never read as that file
+    (tmp_path / "plain" / "pieces").mkdir()
+    with pytest.raises(FormatError, match=r"holds the folder\(s\) pieces beside its one torch file"):
+        detect(str(tmp_path / "plain"))
+    proc = ckptctl("inspect", tmp_path / "plain", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert str(tmp_path / "plain") in proc.stderr
 
 
 def test_detect_order_is_by_specificity_whatever_the_registration_order(tmp_path: Path,

@@ -9,7 +9,7 @@ from .. import storage
 from ..errors import FormatError, OptionError, SourceError, reading
 from ..index import CheckpointIndex
 from ..jsonsafe import read_json
-from ..names import MANIFEST, TORCH_SUFFIXES, WRITING
+from ..names import MANIFEST, TORCH_INDEX, TORCH_SUFFIXES, WRITING
 from .base import BaseReader
 from .dcp import METADATA, dcp_subfolders
 
@@ -22,6 +22,7 @@ class FormatSpec:
     target: type[BaseReader] | str
     install: str | None = None  # the pip command that provides an optional format's dependencies
     specificity: int = 0  # see BaseReader.specificity: `detect` takes the most specific format that says yes
+    one_file: bool = False  # its folder sniff means "the one file in it": never for a folder that holds folders
 
     def load(self) -> type[BaseReader]:
         if not isinstance(self.target, str):
@@ -44,15 +45,17 @@ READERS = FORMATS
 
 
 def register_format(name: str, cls: type[BaseReader] | str, *, detect: bool = True, before: str | None = None,
-                    install: str | None = None, specificity: int | None = None) -> None:
+                    install: str | None = None, specificity: int | None = None, one_file: bool = False) -> None:
     """Add a format. `detect`: try its `sniff` in `detect` (after every earlier one of the same specificity, or
     just `before` another); `specificity` (default: the class's own) ranks it above generic formats whatever the
-    order; `cls` as "module:Class" makes it optional: imported when used, with `install` named if that fails."""
+    order; `one_file`: its folder sniff takes a folder for the one file in it, which `detect` refuses for a folder
+    that also holds folders (a layout); `cls` as "module:Class" makes it optional: imported when used, with `install`
+    named if that fails."""
     if name in FORMATS:
         raise ValueError(f"format {name!r} is already registered")
     if specificity is None:
         specificity = 0 if isinstance(cls, str) else cls.specificity
-    FORMATS[name] = FormatSpec(name, cls, install, specificity)
+    FORMATS[name] = FormatSpec(name, cls, install, specificity, one_file)
     if detect:
         DETECT_ORDER.insert(DETECT_ORDER.index(before) if before else len(DETECT_ORDER), name)
 
@@ -90,6 +93,8 @@ def detect(uri: str) -> str:
     with reading(uri):
         for name, cls in _sniffers():
             if cls.sniff(uri, names):
+                if names is not None and FORMATS[name].one_file and TORCH_INDEX not in names:
+                    _refuse_layout(uri, names, name)
                 return name
     if names is None:
         if storage.basename(uri) == METADATA:
@@ -105,6 +110,15 @@ def detect(uri: str) -> str:
                           "point at one file", uri=uri)
     raise FormatError(f"{uri}: no checkpoint found (no .metadata, .safetensors, .pt/.bin or rank files); "
                       "point at the checkpoint folder", uri=uri)
+
+
+def _refuse_layout(uri: str, names: list[str], fmt: str) -> None:
+    """A folder is never taken for one of its files: beside sub-folders that file is part of a layout no format
+    here recognised (e.g. a DeepSpeed universal folder whose `zero/` is missing its pieces)."""
+    folders = sorted(n for n in names if not n.startswith(".") and storage.isdir(storage.join(uri, n)))
+    if folders:
+        raise FormatError(f"{uri}: holds the folder(s) {', '.join(folders[:5])} beside its one {fmt} file, so it is "
+                          f"a checkpoint layout, not that file; point at the file itself or pass --from", uri=uri)
 
 
 def index_files(uri: str) -> list[str]:
@@ -189,7 +203,7 @@ def _register_builtin() -> None:
             ("megatron", MegatronReader, True, 2), ("lightning", LightningReader, True, 2),
             ("deepspeed", DeepSpeedReader, True, 1), ("deepspeed-module", DeepSpeedModuleReader, False, 1),
             ("deepspeed-universal", DeepSpeedUniversalReader, True, 2)):
-        register_format(name, cls, detect=detected, specificity=level)
+        register_format(name, cls, detect=detected, specificity=level, one_file=name == "torch")
     # a folder can match several sniffs: `detect` tries the most specific first (`BaseReader.specificity`), then
     # this order
     DETECT_ORDER[:] = ["megatron", "lightning", "deepspeed-universal", "dcp", "deepspeed", "accelerate",
