@@ -21,10 +21,11 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from converters.pathsafety import has_control, segments_below
+
 from .errors import InvalidRequest, OutsideRoots
 
 MAX_URI_LENGTH = 4096
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Location:
     def contains(self, other: Location) -> bool:
         """True when `other` is this location or lies below it (whole segments only)."""
         return ((self.scheme, self.bucket) == (other.scheme, other.bucket)
-                and other.segments[:len(self.segments)] == self.segments)
+                and segments_below(self.segments, other.segments))
 
     def __str__(self) -> str:
         return self.uri()
@@ -72,7 +73,7 @@ def _basic_checks(uri: str, what: str, field: str | None) -> None:
         raise InvalidRequest(f"{what}: empty URI", field)
     if len(uri) > MAX_URI_LENGTH:
         raise InvalidRequest(f"{what}: URI longer than {MAX_URI_LENGTH} characters", field)
-    if _CONTROL.search(uri) or "\\" in uri:
+    if has_control(uri):
         raise InvalidRequest(f"{what}: control characters or backslashes in the URI", field)
 
 

@@ -10,7 +10,7 @@ Every byte the engine reads from a checkpoint goes through this module, which co
   (absolute paths, `..`, backslashes, percent-escapes and their Unicode-normalised forms);
 - local files are opened only when they are regular files (never a FIFO, device or socket: checked
   before opening, and again on the open descriptor, which is opened non-blocking);
-- with read roots set (`confine_reads(roots)`, or the `CKPT_CONFINE_READS` environment variable: a JSON
+- with read roots set (the engine config's `read_roots`, or `confine_reads(roots)`: a JSON
   list of roots, or one root; every service process (API, scheduler, worker, job, inspection) sets it to
   its read roots plus its write roots, since it reads back what it writes), every local file and every
   folder listed must resolve, symlinks followed, inside one of them, files checked before opening and
@@ -23,12 +23,9 @@ Every byte the engine reads from a checkpoint goes through this module, which co
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import stat
 import threading
-import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,9 +34,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial, wraps
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
-from .env import positive_int
-from .errors import CkptError, FormatError, OptionError, SourceError, TargetError
+from .config import current
+from .errors import CkptError, FormatError, SourceError, TargetError
 from .names import MANIFEST, WRITING, tmp_prefix
+from .pathsafety import bad_name, inside_any, overlap
 
 #: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
 #: cost few requests; larger reads fetch their own range, taking the ends that cached blocks hold from them.
@@ -62,22 +60,17 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _T = TypeVar("_T")
 
-READ_ROOTS_ENV = "CKPT_CONFINE_READS"
-MAX_METADATA_ENV = "CKPT_MAX_METADATA_BYTES"
-DEFAULT_MAX_METADATA = 256 * 1024 * 1024
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")  # and lone surrogates: not valid text
-_DRIVE = re.compile(r"^[A-Za-z]:")
 _roots: list[str] | None = None
 
 
 def max_metadata_bytes() -> int:
-    """The cap on every whole-file read (metadata, index JSON, zip directory, pickles): CKPT_MAX_METADATA_BYTES."""
-    return positive_int(MAX_METADATA_ENV, DEFAULT_MAX_METADATA, "bytes")
+    """The cap on every whole-file read (metadata, index JSON, zip directory, pickles): the engine config's."""
+    return current().max_metadata_bytes
 
 
 def confine_reads(roots: list[str] | None) -> None:
-    """Allow reads only inside `roots` (local folders or URI prefixes), symlinks resolved; None: no check
-    beyond the `CKPT_CONFINE_READS` environment variable."""
+    """Compatibility for callers that set roots process-wide (the service worker, Ray tasks): allow reads only
+    inside `roots`; None: the engine config's `read_roots` decide."""
     global _roots
     _roots = None if roots is None else [_root(r) for r in roots]
 
@@ -87,21 +80,11 @@ def _root(text: str) -> str:
 
 
 def read_roots() -> list[str] | None:
-    """The read roots in force: set by `confine_reads`, else from CKPT_CONFINE_READS, else None (no check)."""
+    """The read roots in force: set by `confine_reads`, else the engine config's, else None (no check)."""
     if _roots is not None:
         return _roots
-    text = os.environ.get(READ_ROOTS_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        items = json.loads(text) if text.startswith("[") else [text]
-    except ValueError:
-        raise OptionError(f"{READ_ROOTS_ENV}: not a JSON list of roots") from None
-    return [_root(str(r)) for r in items if str(r).strip()]
-
-
-def _inside(path: str, roots: list[str]) -> bool:
-    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+    roots = current().read_roots
+    return None if roots is None else [_root(r) for r in roots if r.strip()]
 
 
 def _check_roots(uri: str, real: str | None = None) -> None:
@@ -109,23 +92,9 @@ def _check_roots(uri: str, real: str | None = None) -> None:
     if roots is None:
         return
     where = real if real is not None else (os.path.realpath(local_path(uri)) if is_local(uri) else uri)
-    if not _inside(where, roots):
+    if not inside_any(where, roots):
         raise SourceError(f"{uri}: resolves outside the storage roots this process may read; refusing to read it",
                           uri=uri)
-
-
-def _bad_name(name: str) -> str | None:
-    """Why a file name from checkpoint metadata may not be used, or None when it stays inside the folder."""
-    if _CONTROL.search(name) or "\\" in name:
-        return "holds control characters, lone surrogates or backslashes"
-    if "%" in name:
-        return "holds percent-escapes"
-    for form in dict.fromkeys((name, unicodedata.normalize("NFKC", name))):
-        if "://" in form or form.startswith("/") or _DRIVE.match(form) or "\\" in form:
-            return "is an absolute path or a URI"
-        if any(part in ("", ".", "..") for part in form.split("/")):
-            return "has '..', '.' or empty path segments"
-    return None
 
 
 def member(base: str, name: object, where: str) -> str:
@@ -134,7 +103,7 @@ def member(base: str, name: object, where: str) -> str:
     Names that would leave the folder are refused before anything is looked up."""
     if not isinstance(name, str) or not name:
         raise FormatError(f"{where}: names a data file {name!r}, which is not a file name; the metadata is damaged")
-    why = _bad_name(name)
+    why = bad_name(name)
     if why:
         raise FormatError(f"{where}: names the data file {name!r}, which {why}; a checkpoint may only name files "
                           "inside its own folder, so it was not read")
@@ -389,7 +358,7 @@ def size(uri: str, missing: str = "no such file") -> int:
 
 def _too_big(uri: str, cap: int) -> FormatError:
     return FormatError(f"{uri}: larger than the {cap}-byte limit for metadata files; the file is damaged or not "
-                       f"what its name says (if it is genuine, raise {MAX_METADATA_ENV})")
+                       f"what its name says (if it is genuine, raise CKPT_MAX_METADATA_BYTES)")
 
 
 def read_all(uri: str, cap: int | None = None) -> bytes:
@@ -814,9 +783,7 @@ def with_io_errors(fn: Callable[Concatenate[str, str, _P], _R]) -> Callable[Conc
     (unless the target lies in it: that one changes)."""
     @wraps(fn)
     def run(source: str, target: str, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        root = source.rstrip("/")
-        static = not (target.rstrip("/") == root or target.startswith(root + "/") or source.startswith(
-            target.rstrip("/") + "/"))
+        static = not overlap(source, target)
         with io_errors(source, target), (static_source(source) if static else nullcontext()):
             return fn(source, target, *args, **kwargs)
     return run
