@@ -37,7 +37,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 from .config import current
 from .errors import CkptError, FormatError, SourceError, TargetError
 from .names import MANIFEST, WRITING, tmp_prefix
-from .pathsafety import bad_name, inside_any, overlap
+from .pathsafety import bad_name, inside, inside_any, overlap
 
 #: Remote reads smaller than this fetch the whole aligned block (cached), so many small header reads
 #: cost few requests; larger reads fetch their own range, taking the ends that cached blocks hold from them.
@@ -281,7 +281,7 @@ def _listed(uri: str) -> _Listing | None:
     a missing folder lists empty), else None."""
     key = uri.rstrip("/")
     with _static_lock:
-        cache = next((c for root, (_, c) in _static.items() if key == root or key.startswith(root + "/")), None)
+        cache = next((c for root, (_, c) in _static.items() if inside(key, root)), None)
         if cache is None or key in cache:
             return None if cache is None else cache[key]
     own = key.split("://", 1)[-1]
