@@ -46,64 +46,71 @@ def key_options(request: KeyedRequest) -> Any:
 
 
 def engine_call(request: JobRequest, source: str, target: str | None = None) -> EngineCall:
-    """The engine call for a job of `request`'s kind: the one mapping from request models to the engine, used
-    by the offline commands and by jobs. Option objects are built now, so bad options raise OptionError here;
-    a verify whose checkpoints differ raises VerifyError carrying the report."""
+    """The engine call for a job of `request`'s kind (its declaration's `engine`, `job_kinds`): the one mapping
+    from request models to the engine, used by the offline commands and by jobs. Option objects are built
+    now, so bad options raise OptionError here; a verify whose checkpoints differ raises VerifyError carrying
+    the report."""
+    from .job_kinds import kind_of
+
     if getattr(request, "tag", None) is not None or getattr(request, "weights", None) is not None:
         from converters.formats.deepspeed import source_for
 
         source, fmt = source_for(source, request.source_format, request.tag, request.weights)  # type: ignore[attr-defined]
         request = request.model_copy(update={"source_format": fmt, "tag": None, "weights": None})
-    if isinstance(request, InspectRequest):
-        from converters import inspect
+    return kind_of(request.kind).engine(request, source, target)
 
-        from .summary import summarize
 
-        opts = request
-        return lambda _progress: summarize(inspect(source, opts.source_format), opts.tensors)
-    if not isinstance(request, KeyedRequest):
-        raise TypeError(f"no engine call for {type(request).__name__}")
-    keys, out = key_options(request), target or ""
-    if isinstance(request, VerifyRequest):
-        from converters import verify
+def inspect_call(request: InspectRequest, source: str, target: str | None) -> EngineCall:
+    from converters import inspect
 
-        keys.nest = False
-        vr = request
-        # the default selection: the engine compares an export as it was made (its manifest says how)
-        defaults = VerifyRequest()
-        chosen = None if all(getattr(vr, n) == getattr(defaults, n) for n in KEY_FIELDS) else keys
+    from .summary import summarize
 
-        def run_verify(_progress: Callable[[Any], None] | None) -> Any:
-            report = verify(source, out, keys=chosen, atol=vr.atol, rtol=vr.rtol, a_format=vr.source_format,
-                            b_format=vr.target_format, memory_limit=int(vr.memory_limit))
-            if not report.ok:
-                raise VerifyError(report.summary(), report=report)
-            return report
-        return run_verify
-    if isinstance(request, ReshardRequest):
-        from converters import ReshardOptions, reshard
-        from converters.layouts import parse_dim_rules
+    return lambda _progress: summarize(inspect(source, request.source_format), request.tensors)
 
-        reshard_options = ReshardOptions(world_size=request.world_size, layout=request.layout,
-                                         dim_rules=parse_dim_rules(request.shard_dim_rule), keys=keys,
-                                         source_format=request.source_format, dtype=request.dtype,
-                                         dtype_optim=request.dtype_optim, memory_limit=int(request.memory_limit),
-                                         overwrite=request.overwrite, verify=request.verify,
-                                         output_layout=request.output_layout)
-        return lambda progress: reshard(source, out, reshard_options, progress)
-    if not isinstance(request, ConvertRequest | ExportRequest):
-        raise TypeError(f"no engine call for {type(request).__name__}")
+
+def verify_call(request: VerifyRequest, source: str, target: str | None) -> EngineCall:
+    from converters import verify
+
+    keys = key_options(request)
+    keys.nest = False
+    # the default selection: the engine compares an export as it was made (its manifest says how)
+    defaults = VerifyRequest()
+    chosen = None if all(getattr(request, n) == getattr(defaults, n) for n in KEY_FIELDS) else keys
+
+    def run_verify(_progress: Callable[[Any], None] | None) -> Any:
+        report = verify(source, target or "", keys=chosen, atol=request.atol, rtol=request.rtol,
+                        a_format=request.source_format, b_format=request.target_format,
+                        memory_limit=int(request.memory_limit))
+        if not report.ok:
+            raise VerifyError(report.summary(), report=report)
+        return report
+    return run_verify
+
+
+def reshard_call(request: ReshardRequest, source: str, target: str | None) -> EngineCall:
+    from converters import ReshardOptions, reshard
+    from converters.layouts import parse_dim_rules
+
+    options = ReshardOptions(world_size=request.world_size, layout=request.layout,
+                             dim_rules=parse_dim_rules(request.shard_dim_rule), keys=key_options(request),
+                             source_format=request.source_format, dtype=request.dtype,
+                             dtype_optim=request.dtype_optim, memory_limit=int(request.memory_limit),
+                             overwrite=request.overwrite, verify=request.verify, output_layout=request.output_layout)
+    return lambda progress: reshard(source, target or "", options, progress)
+
+
+def convert_call(request: ConvertRequest | ExportRequest, source: str, target: str | None) -> EngineCall:
+    """convert and export (an export: safetensors, never optimizer state, optionally mapped to an HF model)."""
     from converters import ConvertOptions, convert
 
-    to = request.to if isinstance(request, ConvertRequest) else "safetensors"
-    convert_options = ConvertOptions(to=to, source_format=request.source_format, keys=keys, dtype=request.dtype,
-                                     max_shard_size=int(request.max_shard_size),
-                                     memory_limit=int(request.memory_limit), overwrite=request.overwrite,
-                                     drop_tied=list(request.drop_tied), verify=request.verify,
-                                     export=isinstance(request, ExportRequest),
-                                     to_hf=request.to_hf if isinstance(request, ExportRequest) else None,
-                                     config_from=request.config_from if isinstance(request, ExportRequest) else None)
-    return lambda progress: convert(source, out, convert_options, progress)
+    export = request if isinstance(request, ExportRequest) else None
+    options = ConvertOptions(to=request.to if isinstance(request, ConvertRequest) else "safetensors",
+                             source_format=request.source_format, keys=key_options(request), dtype=request.dtype,
+                             max_shard_size=int(request.max_shard_size), memory_limit=int(request.memory_limit),
+                             overwrite=request.overwrite, drop_tied=list(request.drop_tied), verify=request.verify,
+                             export=export is not None, to_hf=export.to_hf if export else None,
+                             config_from=export.config_from if export else None)
+    return lambda progress: convert(source, target or "", options, progress)
 
 
 class ProgressWriter:
@@ -195,20 +202,12 @@ def inspection(uri: str, source_format: str | None, tensors: bool, complete: boo
 
 
 def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: Any) -> bool:
+    from .job_kinds import kind_of
     from .registry import Registry
 
-    result: dict[str, Any]
-    output = None
-    if spec.kind == "inspect":
-        result = value
-    elif spec.kind == "verify":
-        result = {**value.to_dict(), "summary": value.summary()}
-    else:
-        result = value.to_dict()
-        result["total_bytes"] = sum(o["bytes"] for o in result["outputs"])
-        if value.verify is not None:
-            result["verify_summary"] = value.verify.summary()
-        output = _summary(spec.target or "")
+    kind = kind_of(spec.kind)
+    result = kind.result(value)
+    output = _summary(spec.target or "") if kind.writes else None
     registry = Registry(store)
     source_summary = None
     if output is not None and registry.find_uri(spec.source) is None:
@@ -228,11 +227,11 @@ def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: A
 
 def recheck_roots(spec: JobSpec, read: list[roots.Location], write: list[roots.Location]) -> None:
     """Check the roots again where the job runs: a symlink swapped in since the job was queued is caught."""
-    from .jobs import WRITING_KINDS
+    from .job_kinds import kind_of
 
     roots.check(spec.source, read, field="source", purpose="read")
     if spec.target is not None:
-        writing = spec.kind in WRITING_KINDS
+        writing = kind_of(spec.kind).writes
         roots.check(spec.target, write if writing else read, field="target", purpose="write" if writing else "read")
 
 
@@ -263,8 +262,10 @@ def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float 
                    seconds=round(time.monotonic() - started, 3))
         return 0 if ok else 3
     except VerifyError as exc:
+        from .job_kinds import report_result
+
         report = exc.report
-        result = {**report.to_dict(), "summary": report.summary()} if report is not None else None
+        result = report_result(report) if report is not None else None
         message = f"checkpoints differ: {exc}" if report is not None else str(exc)
         store.finish_now(job_id, attempt, "failed", result=result, error=("VerifyError", message))
         logs.event("job.failed", job_id=job_id, attempt=attempt, error_type="VerifyError")

@@ -101,9 +101,11 @@ Rename = Annotated[Texts, Field(description="REGEX=REPLACEMENT applied to parame
                    flag("--rename", metavar="REGEX=REPLACEMENT")]
 Include = Annotated[Texts, Field(description="Keep only names matching this glob."), flag("--include", metavar="GLOB")]
 Exclude = Annotated[Texts, Field(description="Drop names matching this glob."), flag("--exclude", metavar="GLOB")]
-DType = Annotated[choice(Literal["float32", "bfloat16", "float16"], "dtype") | None, BeforeValidator(dtype_name),
-                  Field(description="Cast floating-point tensors: float32, bfloat16, float16 (also bf16, fp16, "
-                                    "half, fp32, float)."), flag("--dtype")]
+#: The engine's cast targets (`converters.dtypes.CAST_TARGETS`).
+CastTarget = Literal[dtypes.CAST_TARGETS]  # type: ignore[valid-type]
+DType = Annotated[choice(CastTarget, "dtype") | None, BeforeValidator(dtype_name),
+                  Field(description=f"Cast floating-point tensors: {', '.join(dtypes.CAST_TARGETS)} (also bf16, "
+                                    "fp16, half, fp32, float)."), flag("--dtype")]
 ShardSize = Annotated[Size, Field(description="Largest safetensors shard: bytes, or a size such as 5GB."),
                       flag("--max-shard-size", metavar="SIZE")]
 MemoryLimit = Annotated[Size, Field(description="Cap on tensor bytes held in memory: bytes, or a size such as "
@@ -124,8 +126,8 @@ class JobRequest(BaseModel):
 
     # validators are built on first use: a command line builds only its own kind's
     model_config = ConfigDict(extra="forbid", defer_build=True)
+    #: the kind's name and whether it takes a target, set by its declaration (`job_kinds.declare`)
     kind: ClassVar[str]
-    #: what the positional arguments are (`target` is the output, or the second checkpoint for verify)
     takes_target: ClassVar[bool] = True
 
 
@@ -142,7 +144,6 @@ class KeyedRequest(JobRequest):
 class ConvertRequest(KeyedRequest):
     """Convert a checkpoint to one safetensors/torch output (model and optimizer, keys as they are)."""
 
-    kind: ClassVar[str] = "convert"
     to: Annotated[choice(Literal["safetensors", "torch"], "output format"),
                   Field(description="Output format: safetensors or torch."), flag("--to")] = "safetensors"
     source_format: SourceFormat = None
@@ -161,7 +162,6 @@ class ConvertRequest(KeyedRequest):
 class ExportRequest(KeyedRequest):
     """Export model weights to HF-style sharded safetensors for serving (clean keys, never optimizer state)."""
 
-    kind: ClassVar[str] = "export"
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None
@@ -186,7 +186,6 @@ class ExportRequest(KeyedRequest):
 class ReshardRequest(KeyedRequest):
     """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
 
-    kind: ClassVar[str] = "reshard"
     world_size: Annotated[int, Field(ge=1, le=65536, description="Target ranks."), flag("--world-size", metavar="N")]
     layout: Annotated[choice(Literal["fsdp2"], "layout"),
                       Field(description="Sharding policy: fsdp2 (dim-0 torch.chunk pieces)."),
@@ -215,7 +214,6 @@ class ReshardRequest(KeyedRequest):
 class VerifyRequest(KeyedRequest):
     """Compare two checkpoints tensor by tensor (exact unless atol/rtol)."""
 
-    kind: ClassVar[str] = "verify"
     only: Only = "all"
     clean_keys: CleanKeys = True
     atol: Annotated[float, Field(ge=0, le=1e6, description="Absolute tolerance (for cast outputs)."),
@@ -234,23 +232,29 @@ class VerifyRequest(KeyedRequest):
 class InspectRequest(JobRequest):
     """Describe a checkpoint from its metadata alone (no tensor data is read)."""
 
-    kind: ClassVar[str] = "inspect"
-    takes_target: ClassVar[bool] = False
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None
     tensors: Annotated[bool, Field(description="Include the tensor table."), flag("--tensors")] = False
 
 
-REQUESTS: dict[str, type[JobRequest]] = {model.kind: model for model in (
-    ConvertRequest, ExportRequest, ReshardRequest, VerifyRequest, InspectRequest)}
-#: Which options each kind takes; setting another is a 422 naming the option.
-APPLIES: dict[str, frozenset[str]] = {kind: frozenset(model.model_fields) for kind, model in REQUESTS.items()}
+def __getattr__(name: str) -> Any:
+    """`REQUESTS` (each kind's request model) and `APPLIES` (which options each kind takes; setting another is
+    a 422 naming the option), derived from the kinds' declarations (`job_kinds`) when first asked for."""
+    if name == "REQUESTS":
+        from .job_kinds import kinds
+
+        return {kind.name: kind.request for kind in kinds().values()}
+    if name == "APPLIES":
+        from .job_kinds import kinds
+
+        return {kind.name: frozenset(kind.request.model_fields) for kind in kinds().values()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def plain(annotation: Any) -> Any:
     """`annotation` without its Annotated layers, unions flattened: `Annotated[Literal[...], v] | None` is
-    `Literal[...] | None` (what a form or a command line asks for)."""
+    `Literal[...] | None`."""
     if get_origin(annotation) is Annotated:
         return plain(get_args(annotation)[0])
     if get_origin(annotation) in (Union, types.UnionType):
@@ -264,6 +268,36 @@ def plain(annotation: Any) -> Any:
     return annotation
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What an option's value is, as a form or a command line asks for it: `kind` is bool, int, float, list
+    (of text), choice (one of `choices`) or text (anything else: sizes, paths, patterns); `optional` when
+    null (unset) is allowed."""
+
+    kind: Literal["bool", "int", "float", "list", "choice", "text"]
+    optional: bool = False
+    choices: tuple[Any, ...] = ()
+
+
+def shape(annotation: Any) -> Shape:
+    """The one reading of an option's annotation (the CLI's flags, the dashboard's widgets and the REST
+    options object all use it)."""
+    annotation = plain(annotation)
+    args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    optional = type(None) in args
+    inner = [a for a in args if a is not type(None)]
+    if len(inner) == 1:
+        value = inner[0]
+        if get_origin(value) is Literal:
+            return Shape("choice", optional, get_args(value))
+        if get_origin(value) is list:
+            return Shape("list", optional)
+        simple = {bool: "bool", int: "int", float: "float"}.get(value)
+        if simple is not None:
+            return Shape(simple, optional)  # type: ignore[arg-type]
+    return Shape("text", optional)
+
+
 def default_of(info: FieldInfo) -> Any:
     """A field's default (PydanticUndefined when it is required). A factory (here always a plain one, such
     as `list`) is called directly: pydantic's `get_default` first inspects its signature, which costs the
@@ -273,7 +307,9 @@ def default_of(info: FieldInfo) -> Any:
 
 def shared_default(name: str) -> Any:
     """Option `name`'s default where every kind that takes it agrees on one, else None (the kind decides)."""
-    defaults = [model.model_fields[name] for model in REQUESTS.values() if name in model.model_fields]
+    from .job_kinds import kinds
+
+    defaults = [k.request.model_fields[name] for k in kinds().values() if name in k.request.model_fields]
     values = [None if f.is_required() else default_of(f) for f in defaults]
     return values[0] if all(v == values[0] for v in values) else None
 
@@ -298,4 +334,6 @@ def problems(error: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
 
 def build(kind: str, values: dict[str, Any]) -> JobRequest:
     """The request model of `kind` from option values; None values take the kind's defaults."""
-    return REQUESTS[kind].model_validate({k: v for k, v in values.items() if v is not None})
+    from .job_kinds import kind_of
+
+    return kind_of(kind).request.model_validate({k: v for k, v in values.items() if v is not None})

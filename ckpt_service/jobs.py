@@ -10,20 +10,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Literal, Optional, get_origin, get_type_hints
+from typing import Any, Literal, Optional, get_type_hints
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 
-from .job_requests import APPLIES, REQUESTS, Format, JobRequest, build, plain, shared_default
+from . import job_kinds
+from .job_requests import Format, JobRequest, build, shape, shared_default
 
 __all__ = ["APPLIES", "KINDS", "STATES", "TERMINAL", "WRITING_KINDS", "Format", "JobOptions", "JobSpec"]
 
-Kind = Literal["convert", "export", "reshard", "verify", "inspect"]
+#: the job kinds (`job_kinds`), fixed from here on: the models below are built from them
+_KINDS = job_kinds.freeze(__name__)
+KINDS: tuple[str, ...] = job_kinds.names()
+WRITING_KINDS = frozenset(job_kinds.names(writes=True))
+REQUESTS: dict[str, type[JobRequest]] = {kind.name: kind.request for kind in _KINDS.values()}
+#: Which options each kind takes; setting another is a 422 naming the option.
+APPLIES: dict[str, frozenset[str]] = {name: frozenset(model.model_fields) for name, model in REQUESTS.items()}
+Kind = Literal[KINDS]  # type: ignore[valid-type]
 State = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-KINDS: tuple[str, ...] = Kind.__args__
 STATES: tuple[str, ...] = State.__args__
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-WRITING_KINDS = frozenset({"convert", "export", "reshard"})
 
 
 def _options_model() -> type[BaseModel]:
@@ -37,9 +43,9 @@ def _options_model() -> type[BaseModel]:
             if name in fields:
                 continue
             kinds = ", ".join(k for k in REQUESTS if name in APPLIES[k])
-            default, kind = shared_default(name), plain(hints[name])
+            default, value = shared_default(name), shape(hints[name])
             # flags, tolerances and lists always have a value (as before); the rest may be null
-            valued = default is not None and (kind in (bool, float) or get_origin(kind) is list)
+            valued = default is not None and not value.optional and value.kind in ("bool", "float", "list")
             annotation = hints[name] if valued else Optional[hints[name]]  # noqa: UP045 (built at run time)
             fields[name] = (annotation, Field(default, description=f"{info.description} ({kinds})"))
     return create_model("JobOptions", __config__=ConfigDict(extra="forbid"), **fields)

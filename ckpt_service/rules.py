@@ -40,7 +40,7 @@ from . import logs, roots, sandbox
 from .auth import Principal
 from .catalog import NAME, check_owner, when
 from .errors import Conflict, InvalidRequest, NotFound, ServiceError
-from .jobs import JobOptions, JobSpec
+from .jobs import KINDS, WRITING_KINDS, JobOptions, JobSpec
 from .store import new_id
 
 if TYPE_CHECKING:
@@ -52,10 +52,14 @@ MAX_SKIPPED = 100  # candidates shown per rule as left by its last look
 _GLOB = set("*?[")
 
 
+#: the kinds a rule may run: those that write an output (`job_kinds`), in declaration order
+TemplateKind = Literal[tuple(k for k in KINDS if k in WRITING_KINDS)]  # type: ignore[valid-type]
+
+
 class JobTemplate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["convert", "export", "reshard"]
+    kind: TemplateKind
     target: str = Field(min_length=1, max_length=4096, description="With {run}, {step} and {name} (the source's "
                         "last path segment), e.g. s3://bucket/exports/{run}/{step}.")
     options: JobOptions = Field(default_factory=JobOptions)  # type: ignore[valid-type]

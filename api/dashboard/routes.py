@@ -1,13 +1,13 @@
 """`GET /` (the dashboard shell) and `/dashboard/static/*` (its assets), with a strict Content-Security-Policy.
 
-The shell holds no data: the job form's fields are rendered from `JobOptions` and `APPLIES`, so the form
-always offers exactly the options each kind takes, and the browser fills in everything else from the API.
+The shell holds no data: the job form's kinds and fields are rendered from the kinds' declarations
+(`job_kinds`, through `JobOptions` and `APPLIES`), so the form always offers exactly the kinds the API takes
+and the options each kind takes, and the browser fills in everything else from the API.
 """
 
 from __future__ import annotations
 
 import hashlib
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,8 @@ from fastapi.templating import Jinja2Templates
 from starlette.responses import Response
 from starlette.types import Scope
 
-from ckpt_service.job_requests import plain
+from ckpt_service.job_kinds import kinds
+from ckpt_service.job_requests import shape
 from ckpt_service.jobs import APPLIES, KINDS, STATES, TERMINAL, Format, JobOptions
 
 HERE = Path(__file__).parent
@@ -60,18 +61,15 @@ class Assets(StaticFiles):
 
 
 def _widget(annotation: Any) -> dict[str, Any]:
-    """How the form asks for one option: a select for a Literal, a tick box for a bool, lines for a list."""
-    annotation = plain(annotation)
-    args = typing.get_args(annotation)
-    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
-    inner = [a for a in args if a is not type(None)] if optional else [annotation]
-    if len(inner) == 1 and typing.get_origin(inner[0]) is typing.Literal:
-        return {"widget": "select", "choices": list(typing.get_args(inner[0]))}
-    if inner == [bool]:
-        return {"widget": "tristate" if optional else "check", "choices": ["true", "false"]}
-    if len(inner) == 1 and typing.get_origin(inner[0]) is list:
+    """How the form asks for one option: a select for a choice, a tick box for a bool, lines for a list."""
+    value = shape(annotation)
+    if value.kind == "choice":
+        return {"widget": "select", "choices": list(value.choices)}
+    if value.kind == "bool":
+        return {"widget": "tristate" if value.optional else "check", "choices": ["true", "false"]}
+    if value.kind == "list":
         return {"widget": "lines"}
-    return {"widget": "number" if inner in ([int], [float]) else "text"}
+    return {"widget": "number" if value.kind in ("int", "float") else "text"}
 
 
 def option_fields() -> list[dict[str, Any]]:
@@ -90,6 +88,7 @@ def mount(app: FastAPI) -> None:
     version = asset_version()
     templates = Jinja2Templates(directory=HERE / "templates")
     context = {"asset": lambda name: f"{STATIC_URL}/{name}?v={version}", "kinds": KINDS, "states": STATES,
+               "target_kinds": " ".join(k.name for k in kinds().values() if k.takes_target),
                "terminal": " ".join(state for state in STATES if state in TERMINAL),
                "formats": typing.get_args(Format), "options": option_fields(), "version": app.version}
     router = APIRouter(include_in_schema=False)

@@ -2,7 +2,8 @@
 queue the same as jobs on a server (`client`), manage checkpoints there (`manage`: tags, aliases, runs,
 rules, retention and GC), and run the service (`service`).
 
-The job commands' flags come from the request models (`ckpt_service.job_requests`). Nothing here
+The job commands and their flags come from the job kinds' declarations (`ckpt_service.job_kinds`) and
+their request models (`ckpt_service.job_requests`). Nothing here
 imports the HTTP app (`api`) until `ckptctl serve` runs, and an offline command loads only `offline`:
 `main` registers the other modules' commands only when the command line names none of its commands
 (`app`, taken from this package, always has every command).
@@ -17,15 +18,15 @@ from typing import Any
 import typer
 from typer._click import exceptions as click  # typer vendors click
 
-from ..job_requests import REQUESTS
+from ..job_kinds import names
 from . import common
 
 __all__ = ["app", "main"]
 
 #: the modules that register commands on `common.app`, in this order
 MODULES = ("offline", "client", "manage", "service")
-#: the commands `offline` registers: one per request model, and `sample`
-OFFLINE_COMMANDS = frozenset({*REQUESTS, "sample"})
+#: the commands `offline` registers: one per job kind, and `sample`
+OFFLINE_COMMANDS = frozenset({*names(), "sample"})
 
 
 def load(names: tuple[str, ...] = MODULES) -> None:

@@ -18,7 +18,8 @@ import typer
 
 from ..client import DEFAULT_SERVER, ServiceClient
 from ..errors import DIFFERENT, ClientError, exit_code
-from ..job_requests import REQUESTS, JobRequest
+from ..job_kinds import kinds, names
+from ..job_requests import JobRequest
 from ..units import human
 from .common import AsJson, From, Quiet, app, err, fail, in_cli_words, job_command, keyword, make_table, out, shown
 
@@ -71,9 +72,9 @@ def print_job(job: dict[str, Any]) -> None:
         out.print(f"  wrote {len(result['outputs'])} file(s), {human(result.get('total_bytes', 0))}"
                   + (f"; registered as {result['checkpoint_id']}" if result.get("checkpoint_id") else ""),
                   highlight=False)
-    if result.get("verify_summary") or (job["kind"] == "verify" and result.get("summary")):
+    if result.get("verify_summary") or isinstance(result.get("summary"), str):  # a verify report says `summary`
         out.print(f"  verify: {result.get('verify_summary') or result['summary']}", highlight=False)
-    if job["kind"] == "inspect" and job["state"] == "succeeded":
+    if job["state"] == "succeeded" and "format" in result:  # a checkpoint's summary (inspect)
         for key in ("format", "world_size", "tensors", "total_bytes", "has_optimizer"):
             out.print(f"  {key}: {shown(result.get(key))}", highlight=False)
 
@@ -139,18 +140,15 @@ app.add_typer(submit_app, name="submit")
 SUBMIT_EXTRAS = [keyword("wait", Wait, False), keyword("quiet", Quiet, False), keyword("as_json", AsJson, False),
                  keyword("callback_url", Callback, None), keyword("idempotency_key", IdemKey, None),
                  keyword("server", Server, DEFAULT_SERVER), keyword("token", Token, None)]
-_ARGUMENTS = {"verify": [("a", "The first checkpoint."), ("b", "The second checkpoint.")],
-              "inspect": [("source", "Checkpoint path or URI.")]}
-for _kind, _model in REQUESTS.items():
-    job_command(submit_app, _model, _ARGUMENTS.get(_kind, [("source", "Checkpoint path or URI."),
-                                                           ("target", "The output.")]),
-                SUBMIT_EXTRAS, submit_job, help=f"{_model.__doc__} On the server.")
+for _kind in kinds().values():
+    job_command(submit_app, _kind.request, list(_kind.arguments), SUBMIT_EXTRAS, submit_job,
+                help=f"{_kind.help} On the server.")
 
 
 @app.command()
 def jobs(state: Annotated[str | None, typer.Option("--state", help="queued, running, succeeded, failed, "
                                                    "cancelled.")] = None,
-         kind: Annotated[str | None, typer.Option("--kind")] = None,
+         kind: Annotated[str | None, typer.Option("--kind", help=f"{', '.join(names())}.")] = None,
          limit: Annotated[int, typer.Option("--limit")] = 50, as_json: AsJson = False,
          server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """List jobs on the server, newest first."""

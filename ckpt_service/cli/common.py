@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import inspect
 import sys
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
 import typer
 from pydantic import ValidationError
@@ -21,7 +20,7 @@ from typer.core import TyperArgument, TyperCommand
 from converters import CkptError
 
 from ..errors import exit_code, worded
-from ..job_requests import REQUESTS, JobRequest, build, default_of, flag_of, plain, problems
+from ..job_requests import REQUESTS, JobRequest, build, default_of, flag_of, problems, shape
 from ..units import exact
 
 if TYPE_CHECKING:
@@ -169,23 +168,12 @@ def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
 def cli_type(annotation: Any) -> Any:
     """The command-line type of a model field: bool, int, float, list[str], or str (choices and sizes, which
     the model checks)."""
-    annotation = plain(annotation)
-    args = [annotation]
-    if get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-    if len(args) == 1:
-        if args[0] in (bool, int, float):
-            return args[0]
-        if get_origin(args[0]) is list:
-            return list[str]
-    return str
+    return {"bool": bool, "int": int, "float": float, "list": list[str]}.get(shape(annotation).kind, str)
 
 
 def choices_of(annotation: Any) -> tuple[str, ...]:
-    """The values a Literal field takes (`Literal[...] | None` included), else ()."""
-    annotation = plain(annotation)
-    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-    return tuple(v for m in members if get_origin(m) is Literal for v in get_args(m))
+    """The values a choice field takes (`Literal[...] | None` included), else ()."""
+    return shape(annotation).choices
 
 
 def default_words(model: type[JobRequest], name: str, kind: Any, default: Any) -> str:

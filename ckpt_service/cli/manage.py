@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from ..client import DEFAULT_SERVER, ServiceClient
+from ..job_kinds import names
 from ..units import human
 from .client import Ref, Server, Token, as_uri, checkpoints_app, connect
 from .common import AsJson, app, fail, make_table, out, shown
@@ -217,7 +218,7 @@ app.add_typer(rules_app, name="rules")
 
 @rules_app.command("add")
 def rules_add(name: str, pattern: Annotated[str, typer.Argument(help="e.g. '/data/runs/*/step_*' (quote it).")],
-              kind: Annotated[str, typer.Option("--kind", help="export, convert or reshard.")],
+              kind: Annotated[str, typer.Option("--kind", help=f"{', '.join(names(writes=True))}.")],
               target: Annotated[str, typer.Option("--target", help="With {run}, {step}, {name}.")],
               option: Annotated[list[str] | None, typer.Option("--option", help="KEY=VALUE job option, e.g. "
                                                                "dtype=bfloat16 (repeatable; JSON values).")] = None,

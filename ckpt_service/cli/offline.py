@@ -17,6 +17,7 @@ from converters import VerifyError
 
 from ..errors import DIFFERENT
 from ..executor import engine_call
+from ..job_kinds import kinds
 from ..job_requests import REQUESTS, InspectRequest, JobRequest, dtype_name
 from ..units import human
 from .common import (
@@ -107,16 +108,15 @@ def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> No
 
 
 PATH = "Checkpoint path or URI."
-OUTPUTS = {"convert": "The output (a folder, or a .safetensors/.pt file).", "export": "The output folder or file.",
-           "reshard": "The output DCP folder."}
 Ray = Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="Write the output files as Ray tasks on "
                                          "the cluster at ADDRESS (ray://host:10001, auto); default: "
                                          "CKPT_EXECUTOR / CKPT_RAY_ADDRESS, else this process.")]
 WRITE_EXTRAS = [keyword("quiet", Quiet, False), keyword("as_json", AsJson, False), keyword("ray", Ray, None)]
 
 job_command(app, REQUESTS["inspect"], [("source", PATH)], [keyword("as_json", AsJson, False)], run_inspect)
-for _kind in ("convert", "export", "reshard"):
-    job_command(app, REQUESTS[_kind], [("source", PATH), ("target", OUTPUTS[_kind])], WRITE_EXTRAS, run_write)
+for _kind in kinds().values():  # every kind that writes an output, as its declaration says (`job_kinds`)
+    if _kind.writes:
+        job_command(app, _kind.request, list(_kind.arguments), WRITE_EXTRAS, run_write)
 job_command(app, REQUESTS["verify"], [("a", "The first checkpoint."), ("b", "The second checkpoint.")],
             [keyword("as_json", AsJson, False)], run_verify,
             help="Compare two checkpoints tensor by tensor (exact unless --atol/--rtol); exit 1 when they differ.")
