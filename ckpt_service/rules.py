@@ -53,7 +53,8 @@ _GLOB = set("*?[")
 
 
 #: the kinds a rule may run: those that write an output (`job_kinds`), in declaration order
-TemplateKind = Literal[tuple(k for k in KINDS if k in WRITING_KINDS)]  # type: ignore[valid-type]
+TEMPLATE_KINDS = tuple(k for k in KINDS if k in WRITING_KINDS)
+TemplateKind = Literal[TEMPLATE_KINDS]  # type: ignore[valid-type]
 
 
 class JobTemplate(BaseModel):
