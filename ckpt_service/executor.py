@@ -1,5 +1,6 @@
-"""Run one job: map its spec to the engine call the offline command makes, store progress (throttled),
-and record the outcome with the registry entries of its output, in one transaction.
+"""Run one job: map its spec to the engine call the offline command makes (its kind's `engine`, declared in
+`job_kinds`; the engine functions are here), store progress (throttled), and record the outcome (its kind's
+`result`) with the registry entries of its output, in one transaction.
 
 This runs inside the job's own process (`python -m ckpt_service.worker_main`); `worker.py` starts and
 watches that process. `engine_call` is also used at submit time to reject bad options before queueing,

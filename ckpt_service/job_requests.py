@@ -2,8 +2,9 @@
 
 These models are the single source of each option: the offline commands (`ckptctl convert ...`) and
 `ckptctl submit ...` generate their flags from them, `ckptctl submit` sends `model_dump()`, the REST
-schema's `options` object is derived from them (`jobs.JobOptions`), and the job executor maps a model to
-its engine call (`executor.engine_call`, the only such mapping).
+schema's `options` object is derived from them (`jobs.JobOptions`), and each kind's declaration
+(`job_kinds`) pairs its model with its engine call. `shape` is the one reading of an option's annotation
+(flag type, form widget, whether null is allowed).
 
 Key clean-up defaults: `convert` keeps keys exactly as stored, `export` cleans them (a serving
 checkpoint), `verify` compares cleaned names, and `reshard` leaves it to the engine (`clean_keys: null`:
