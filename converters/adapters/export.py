@@ -1,0 +1,338 @@
+"""The engine's adapter exports: `export_adapter` (the adapter alone, as a PEFT folder) and `export_merged` (the
+base with the adapter merged into it, as PEFT's `merge_and_unload()` leaves it, as sharded safetensors).
+
+Any source the engine reads (PEFT's own folder, a DCP/FSDP, Accelerate or DeepSpeed training checkpoint) is
+opened through `load_index` under its wrapper-cleaned model names; the adapter is found by structure (`detect`).
+The merged export streams one output tensor at a time, a LoRA Linear in row slabs of about an eighth of
+`memory_limit` (a slab of W, of lora_B, the delta and the result at once); the output appears only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import dtypes, storage
+from ..copier import DEFAULT_MEMORY_LIMIT
+from ..errors import FormatError, OptionError
+from ..formats import load_index
+from ..index import CheckpointIndex, TensorEntry
+from ..jsonsafe import read_json
+from ..names import SAFETENSORS_INDEX
+from ..output import Output, open_output
+from ..plan import greedy_groups
+from ..sidefiles import collect
+from ..tensorio import read_box, slabs
+from ..transforms import KeyOptions, apply
+from ..writers.safetensors import Planned, header_bytes
+from . import merge
+from .detect import Adapter, LoraModule, find_adapter
+from .peft_folder import adapter_config, config_bytes, saved_names
+from .settings import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, settings_for
+
+DEFAULT_SHARD_SIZE = 5 * 1000**3
+MIN_SLAB = 1 << 20  # bytes: the smallest row slab a LoRA Linear is merged in (tests lower it)
+
+
+@dataclass
+class AdapterResult:
+    target: str
+    adapter: dict  # `describe`
+    outputs: list[tuple[str, int]]
+    report: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "adapter": self.adapter,
+                "outputs": [{"name": n, "bytes": b} for n, b in self.outputs], "report": self.report}
+
+
+def describe(adapter: Adapter, settings: LoraSettings, tensors: dict[str, TensorEntry]) -> dict:
+    """What `inspect` shows of an adapter: name, ranks, alpha, variant, target and saved modules, size."""
+    return {"name": adapter.name, "modules": len(adapter.modules),
+            "ranks": sorted({m.rank for m in adapter.modules.values()}), "alpha": settings.alpha,
+            "variants": sorted(adapter.variants), "use_rslora": settings.use_rslora,
+            "target_modules": sorted({m.name.rpartition(".")[2] for m in adapter.modules.values()}),
+            "modules_to_save": sorted(adapter.replaced), "bytes": adapter.nbytes(tensors),
+            "other_adapters": adapter.other_adapters}
+
+
+@dataclass
+class _Opened:
+    index: CheckpointIndex  # model tensors, wrapper-cleaned
+    adapter: Adapter
+    settings: LoraSettings
+
+
+def _open(source: str, reader: storage.RangeReader, source_format: str | None, adapter: str | None,
+          settings: LoraSettings) -> _Opened:
+    raw = load_index(source, source_format, reader=reader)
+    index = apply(raw, KeyOptions(only="model"), reader).index
+    saved_file = storage.basename(source.rstrip("/")) == ADAPTER_WEIGHTS or (
+        storage.isdir(source) and storage.exists(storage.join(source.rstrip("/"), ADAPTER_WEIGHTS)))
+    found = find_adapter(index, adapter, saved_file=saved_file)
+    if found is None:
+        raise FormatError(f"{source}: holds no LoRA adapter (no lora_A / lora_B tensors); export it with convert",
+                          uri=source)
+    for module in found.modules.values():  # rank and alpha known (or refused) before anything is written
+        settings.scaling(module.name, module.rank)
+    return _Opened(index, found, settings)
+
+
+def _check_common(memory_limit: int, max_shard_size: int, target: str) -> None:
+    if max_shard_size <= 0:
+        raise OptionError("max_shard_size must be positive", field="max_shard_size")
+    if memory_limit < 1024 * 1024:
+        raise OptionError("memory_limit must be at least 1MiB", field="memory_limit")
+    if target.endswith(".safetensors"):
+        raise OptionError(f"{target}: an adapter export is a folder; name a folder", field="target")
+
+
+@storage.with_io_errors
+def export_adapter(source: str, target: str, *, adapter: str | None = None, alpha: float | None = None,
+                   use_rslora: bool | None = None, fan_in_fan_out: bool | None = None,
+                   base_model_name_or_path: str | None = None, adapter_config_from: str | None = None,
+                   overwrite: bool = False, source_format: str | None = None,
+                   memory_limit: int = DEFAULT_MEMORY_LIMIT) -> AdapterResult:
+    """Write the LoRA adapter in `source` as a PEFT folder at `target`: adapter_model.safetensors (the adapter's
+    tensors in their stored dtype, under PEFT's saved names) and adapter_config.json."""
+    _check_common(memory_limit, DEFAULT_SHARD_SIZE, target)
+    settings = settings_for(source, alpha, use_rslora, fan_in_fan_out, adapter_config_from)
+    storage.check_target(target, overwrite)
+    reader = storage.RangeReader()
+    try:
+        opened = _open(source, reader, source_format, adapter, settings)
+        names = saved_names(opened.adapter)
+        source_doc = read_json(settings.found_in) if settings.found_in else None
+        doc = adapter_config(opened.adapter, settings, source_doc if isinstance(source_doc, dict) else None,
+                             base_model_name_or_path or settings.base_model_name_or_path)
+        items = [_Item(out, opened.index.tensors[name].dtype, opened.index.tensors[name].shape,
+                       _copy(reader, opened.index.tensors[name], None, memory_limit)) for out, name in names.items()]
+        with open_output(target, overwrite, "safetensors") as out:
+            out.about["adapter_export"] = {"adapter": opened.adapter.name}
+            _write_file(out, ADAPTER_WEIGHTS, items)
+            with out.open(ADAPTER_CONFIG) as fh:
+                fh.write(config_bytes(doc))
+            outputs = [(n, f["bytes"]) for n, f in out.files.items()]
+        report = [f"adapter {opened.adapter.name!r}: {len(opened.adapter.modules)} LoRA modules, "
+                  f"{len(opened.adapter.replaced)} modules_to_save tensors", *reader.fetch_note()]
+        return AdapterResult(target, describe(opened.adapter, settings, opened.index.tensors), outputs, report)
+    finally:
+        reader.close()
+
+
+@dataclass
+class _Item:
+    """One output tensor and the slabs of its bytes (produced when written)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    blocks: Callable[[], Iterator[memoryview]]
+
+    @property
+    def nbytes(self) -> int:
+        return dtypes.numel(self.shape) * dtypes.itemsize(self.dtype)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.contiguous().view(torch.uint8).numpy().data.cast("B")
+
+
+def _copy(reader: storage.RangeReader, entry: TensorEntry, cast_to: str | None,
+          memory_limit: int) -> Callable[[], Iterator[memoryview]]:
+    def blocks() -> Iterator[memoryview]:
+        item = dtypes.itemsize(entry.dtype)
+        for box in slabs(entry.shape, item, max(memory_limit // 4, 1 << 20)):
+            nbytes = dtypes.numel(box[1]) * item
+            if not nbytes:
+                continue
+            buffer = bytearray(nbytes)
+            read_box(reader, entry, box, memoryview(buffer))
+            if cast_to is None or cast_to == entry.dtype:
+                yield memoryview(buffer)
+            else:
+                tensor = torch.frombuffer(buffer, dtype=merge.torch_dtype(entry.dtype))
+                yield _bytes(tensor.to(merge.torch_dtype(cast_to)))
+    return blocks
+
+
+def _write_file(out: Output, name: str, items: list[_Item]) -> None:
+    items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
+    planned = [Planned(item.name, TensorEntry(item.name, item.dtype, item.shape, []), item.dtype) for item in items]
+    with out.open(name) as fh:
+        fh.write(header_bytes(planned, {"format": "pt"}))
+        for item in items:
+            written = 0
+            for block in item.blocks():
+                fh.write(block)
+                written += len(block)
+            if written != item.nbytes:  # a merge that produced the wrong size would corrupt the file
+                raise FormatError(f"{item.name}: produced {written} bytes, expected {item.nbytes}", key=item.name)
+
+
+class _Merger:
+    """The merged tensors of one adapter: base weights from `base`, adapter tensors from `lora` (indexes of model
+    tensors, both read through `reader`)."""
+
+    def __init__(self, reader: storage.RangeReader, lora: CheckpointIndex, adapter: Adapter, settings: LoraSettings,
+                 cast_to: str | None, memory_limit: int) -> None:
+        self.reader, self.lora, self.adapter, self.settings = reader, lora, adapter, settings
+        self.cast_to, self.budget = cast_to, max(memory_limit // 8, MIN_SLAB)
+
+    def _out(self, tensor: torch.Tensor) -> memoryview:
+        if self.cast_to and tensor.dtype.is_floating_point:
+            tensor = tensor.to(merge.torch_dtype(self.cast_to))
+        return _bytes(tensor)
+
+    def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return merge.read_tensor(self.reader, self.lora.tensors[name], rows)
+
+    def weight(self, module: LoraModule, base: TensorEntry) -> Callable[[], Iterator[memoryview]]:
+        scaling = self.settings.scaling(module.name, module.rank)
+        fifo = self.settings.fan_in_fan_out and module.kind == "linear"
+
+        def blocks() -> Iterator[memoryview]:
+            a = self._read(module.a)
+            magnitude = self._read(module.magnitude) if module.magnitude else None
+            if module.kind == "embedding" or fifo:
+                weight = merge.read_tensor(self.reader, base)
+                delta = merge.delta_weight(a, self._read(module.b), scaling, fifo, module.kind == "embedding")
+                yield self._out(merge.merge_dora(weight, delta, magnitude, fifo) if magnitude is not None
+                                else merge.merge_lora(weight, delta))
+                return
+            rows_out, cols = base.shape
+            row_bytes = max(cols * 4, 1)
+            step = max(1, self.budget // row_bytes)
+            for start in range(0, rows_out, step):
+                n = min(step, rows_out - start)
+                weight = merge.read_tensor(self.reader, base, (start, n))
+                delta = merge.delta_weight(a, self._read(module.b, (start, n)), scaling, False)
+                if magnitude is not None:
+                    yield self._out(merge.merge_dora(weight, delta, magnitude[start: start + n], False))
+                else:
+                    yield self._out(merge.merge_lora(weight, delta))
+        return blocks
+
+    def bias(self, module: LoraModule, base: TensorEntry) -> Callable[[], Iterator[memoryview]]:
+        scaling = self.settings.scaling(module.name, module.rank)
+
+        def blocks() -> Iterator[memoryview]:
+            assert module.b_bias
+            yield self._out(merge.merge_bias(merge.read_tensor(self.reader, base), self._read(module.b_bias),
+                                             scaling))
+        return blocks
+
+
+def _base_tensors(opened: _Opened, base: str | None, base_format: str | None,
+                  reader: storage.RangeReader) -> dict[str, TensorEntry]:
+    """Base weight name -> entry: the checkpoint's own base weights, or the separate base's with the checkpoint's
+    copies (PEFT's saved embedding layers) over them."""
+    own = {name: opened.index.tensors[where] for name, where in opened.adapter.base.items()}
+    if base is None:
+        if not own:
+            raise OptionError(f"{opened.index.uri}: holds the adapter only, no base weights; pass base=DIR (--base), "
+                              "the HF folder of the model it was trained on", field="base")
+        return own
+    index = apply(load_index(base, base_format, reader=reader), KeyOptions(only="model"), reader).index
+    if find_adapter(index) is not None:
+        raise OptionError(f"{base}: holds a LoRA adapter itself; pass the plain base model as base", field="base")
+    return {**index.tensors, **{n: e for n, e in own.items() if n in index.tensors}}
+
+
+def _check_base(opened: _Opened, tensors: dict[str, TensorEntry], where: str) -> None:
+    """Every target and saved module is in the base, with the shape the adapter expects."""
+    fifo = opened.settings.fan_in_fan_out
+    for module in opened.adapter.modules.values():
+        entry = tensors.get(module.weight)
+        if entry is None:
+            raise FormatError(f"{module.a}: the adapter targets {module.name}, which the base ({where}) does not have "
+                              f"(no {module.weight}); pass the base model the adapter was trained on",
+                              key=module.weight)
+        if module.kind == "embedding":
+            want: tuple[int, ...] = (module.in_features, module.out_features)
+        else:
+            want = (module.in_features, module.out_features) if fifo else (module.out_features, module.in_features)
+        if entry.shape != want:
+            raise FormatError(f"{module.weight}: base weight of shape {list(entry.shape)}, the adapter on "
+                              f"{module.name} expects {list(want)}; pass the base model the adapter was trained on",
+                              key=module.weight)
+        if entry.dtype not in dtypes.FLOATING:
+            raise FormatError(f"{module.weight}: a {entry.dtype} base weight cannot take a LoRA merge (a quantized "
+                              "base?); merge into the unquantized base", key=module.weight)
+        if module.b_bias and f"{module.name}.bias" not in tensors:
+            raise FormatError(f"{module.b_bias}: the adapter has lora_bias but the base {module.name} has no bias; "
+                              "pass the base model the adapter was trained on", key=module.b_bias)
+    for name, saved in opened.adapter.replaced.items():
+        if name not in tensors:
+            raise FormatError(f"{saved}: modules_to_save replaces {name}, which the base ({where}) does not have; "
+                              "pass the base model the adapter was trained on", key=name)
+
+
+@storage.with_io_errors
+def export_merged(source: str, target: str, base: str | None = None, *, adapter: str | None = None,
+                  alpha: float | None = None, use_rslora: bool | None = None, fan_in_fan_out: bool | None = None,
+                  adapter_config_from: str | None = None, dtype: str | None = None,
+                  max_shard_size: int = DEFAULT_SHARD_SIZE, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                  overwrite: bool = False, config_from: str | None = None, source_format: str | None = None,
+                  base_format: str | None = None) -> AdapterResult:
+    """Write the base model with the LoRA adapter in `source` merged into it, as `merge_and_unload()` would, to
+    `target` (sharded safetensors + index + the base's config and tokenizer files). The base: the checkpoint's
+    own base weights, or the HF folder `base`."""
+    _check_common(memory_limit, max_shard_size, target)
+    cast_to = dtypes.cast_target(dtype)
+    settings = settings_for(source, alpha, use_rslora, fan_in_fan_out, adapter_config_from)
+    storage.check_target(target, overwrite)
+    reader = storage.RangeReader()
+    try:
+        opened = _open(source, reader, source_format, adapter, settings)
+        tensors = _base_tensors(opened, base, base_format, reader)
+        _check_base(opened, tensors, base or source)
+        merger = _Merger(reader, opened.index, opened.adapter, settings, cast_to, memory_limit)
+        merged_bias = {f"{m.name}.bias": m for m in opened.adapter.modules.values() if m.b_bias}
+        items = []
+        for name, entry in sorted(tensors.items()):
+            out_dtype = cast_to if cast_to and entry.dtype in dtypes.FLOATING else entry.dtype
+            module = opened.adapter.modules.get(name.rpartition(".")[0])
+            if name in opened.adapter.replaced:
+                saved = opened.index.tensors[opened.adapter.replaced[name]]
+                if saved.shape != entry.shape:
+                    raise FormatError(f"{opened.adapter.replaced[name]}: modules_to_save copy of shape "
+                                      f"{list(saved.shape)}, the base {name} is {list(entry.shape)}; pass the base the "
+                                      "adapter was trained on", key=name)
+                out_dtype = cast_to if cast_to and saved.dtype in dtypes.FLOATING else saved.dtype
+                items.append(_Item(name, out_dtype, saved.shape, _copy(reader, saved, cast_to, memory_limit)))
+            elif module is not None and name == module.weight:
+                items.append(_Item(name, out_dtype, entry.shape, merger.weight(module, entry)))
+            elif name in merged_bias:
+                items.append(_Item(name, out_dtype, entry.shape, merger.bias(merged_bias[name], entry)))
+            else:
+                items.append(_Item(name, out_dtype, entry.shape, _copy(reader, entry, cast_to, memory_limit)))
+        for item in items:
+            dtypes.to_safetensors(item.dtype, item.name)
+        side = collect(base or source, config_from, cast_to)
+        shards = greedy_groups(items, max_shard_size)
+        with open_output(target, overwrite, "safetensors") as out:
+            out.about["adapter_merge"] = {"adapter": opened.adapter.name, "dtype": cast_to}
+            names = ["model.safetensors"] if len(shards) == 1 else \
+                [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+            for name, shard in zip(names, shards):
+                _write_file(out, name, shard)
+            if len(shards) > 1:
+                doc = {"metadata": {"total_size": sum(i.nbytes for i in items)},
+                       "weight_map": {item.name: name for name, shard in zip(names, shards) for item in shard}}
+                with out.open(SAFETENSORS_INDEX) as fh:
+                    fh.write(json.dumps(doc, indent=2).encode())
+            for name, data in side.data.items():
+                with out.open(name) as fh:
+                    fh.write(data)
+            outputs = [(n, f["bytes"]) for n, f in out.files.items()]
+        variants = ", ".join(sorted(opened.adapter.variants))
+        report = [f"merged adapter {opened.adapter.name!r} ({variants}) into {len(opened.adapter.modules)} modules, "
+                  f"{len(opened.adapter.replaced)} modules_to_save tensors replaced", side.report(),
+                  *reader.fetch_note()]
+        return AdapterResult(target, describe(opened.adapter, settings, opened.index.tensors), outputs, report)
+    finally:
+        reader.close()

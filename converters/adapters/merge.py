@@ -1,0 +1,83 @@
+"""PEFT's merge, module by module, in the same operations, order and dtypes as `merge_and_unload()` (peft 0.21:
+`tuners/lora/layer.py` `Linear.get_delta_weight` / `Linear.merge`, `Embedding.get_delta_weight`,
+`tuners/lora/variants.py` `DoraLinearVariant.merge_unsafe`, `tuners/lora/dora.py` `get_weight_norm`), so fp32
+results are bit for bit PEFT's.
+
+    delta = transpose(B @ A, fan_in_fan_out) * scaling   (A, B in float32 when they are 16-bit, cast back)
+    LoRA:  W += delta                                     (in place: W's dtype, torch's promotion)
+    DoRA:  n = ||transpose(W) + 1 * transpose(delta)||_row  (in W's dtype);  W = (m / n) * (W + delta)
+    lora_bias: b += lora_B.bias * scaling
+    Embedding: delta = transpose(B @ A, True) * scaling
+
+Row slabs: a LoRA or DoRA Linear (without fan_in_fan_out) is merged `rows` output rows at a time: every output
+element and every row norm depends on its own row only, so memory stays bounded by the slab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dtypes import numel
+from ..index import TensorEntry
+from ..storage import RangeReader
+from ..tensorio import read_box
+
+_SIXTEEN = (torch.float16, torch.bfloat16)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def read_tensor(reader: RangeReader, entry: TensorEntry, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """`entry` (or its rows [start, start + n)) as a torch tensor over a fresh buffer."""
+    shape = entry.shape
+    if rows is not None:
+        shape = (rows[1], *shape[1:])
+    box = ((rows[0] if rows else 0, *(0,) * (len(shape) - 1)), shape) if shape else ((), ())
+    size = numel(shape) * torch.empty((), dtype=torch_dtype(entry.dtype)).element_size()
+    if not size:
+        return torch.empty(shape, dtype=torch_dtype(entry.dtype))
+    buffer = bytearray(size)
+    read_box(reader, entry, box, memoryview(buffer))
+    return torch.frombuffer(buffer, dtype=torch_dtype(entry.dtype)).reshape(shape)
+
+
+def _t(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
+    """PEFT's `transpose`."""
+    return weight.T if fan_in_fan_out else weight
+
+
+def delta_weight(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool,
+                 embedding: bool = False) -> torch.Tensor:
+    """`get_delta_weight`: Linear casts by lora_B's dtype, Embedding by lora_embedding_A's."""
+    dtype = a.dtype if embedding else b.dtype
+    cast = dtype in _SIXTEEN
+    if cast:
+        a, b = a.float(), b.float()
+    out = _t(b @ a, True if embedding else fan_in_fan_out) * scaling
+    return out.to(dtype=dtype) if cast else out
+
+
+def merge_lora(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """`base_layer.weight.data += delta_weight`."""
+    weight += delta
+    return weight
+
+
+def merge_dora(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor,
+               fan_in_fan_out: bool) -> torch.Tensor:
+    """`DoraLinearVariant.merge_unsafe` (weight norm by `get_weight_norm` with scaling=1)."""
+    orig_dtype = weight.dtype
+    norm_input = _t(weight, fan_in_fan_out)
+    norm_input = norm_input + 1 * _t(delta, fan_in_fan_out)
+    weight_norm = torch.linalg.norm(norm_input, dim=1).to(norm_input.dtype).detach()
+    factor = magnitude / weight_norm
+    factor = _t(factor.view(-1, 1), fan_in_fan_out)
+    return (factor * (weight.data + delta)).to(orig_dtype)
+
+
+def merge_bias(bias: torch.Tensor, b_bias: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`base_layer.bias.data += lora_B.bias * scaling`."""
+    bias += b_bias * scaling
+    return bias

@@ -1,0 +1,227 @@
+"""LoRA adapters (converters.adapters), proven against PEFT itself:
+
+- PEFT's own save_pretrained folder (plain LoRA with lora_bias and rank/alpha patterns, rsLoRA, DoRA,
+  modules_to_save) -> our merged export equals `merge_and_unload()` tensor by tensor, bit for bit in fp32, and
+  loads with transformers' from_pretrained; our adapter export loads with `PeftModel.from_pretrained` and gives
+  PEFT's logits exactly (fast);
+- a training checkpoint: the PEFT model under FSDP2 (fully_shard, 2 gloo ranks), trained 2 steps, saved with
+  torch.distributed.checkpoint -> our adapter export gives the trained model's logits, our merged export equals
+  its `merge_and_unload()` (slow: spawns ranks; tests/adapter_job.py);
+- refusals in one line with an exit-2 error: target module missing from the base, rank mismatch, unknown variant,
+  alpha unknown.
+
+CI needs: pip install peft==0.21.2 (torch stays as it is). peft 0.21 refuses torchao < 0.16 when it creates LoRA
+layers; the torchao installed for torchtitan is older, so the tests tell PEFT's LoRA dispatcher torchao is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckpt_service.errors import exit_code
+from converters.adapters import export_adapter, export_merged
+from converters.errors import CkptError, FormatError, OptionError
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import peft.tuners.lora.torchao as _peft_torchao  # noqa: E402
+
+_peft_torchao.is_torchao_available = lambda: False  # type: ignore[assignment]  # see the module docstring
+
+TOKENS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29], [2, 4, 8, 16, 32, 60, 3, 7]])
+VARIANTS = {
+    "lora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], lora_bias=True,
+                 rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 3}),
+    "rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
+    "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "k_proj", "gate_proj"]),
+    "saved": dict(r=4, lora_alpha=4, target_modules=["q_proj", "up_proj"], modules_to_save=["lm_head"]),
+}
+
+
+def tiny_base(folder: Path, layers: int = 2) -> Path:
+    """A random tiny Llama saved by transformers (fp32, untied head, biases for lora_bias)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def load_base(folder: Path) -> torch.nn.Module:
+    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def peft_model(base: Path, variant: str) -> torch.nn.Module:
+    """The PEFT model of `variant` with every adapter tensor random (as after training; B is not zero)."""
+    model = peft.get_peft_model(load_base(base), peft.LoraConfig(**VARIANTS[variant]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif "modules_to_save" in name:
+                param.mul_(1.5)
+    return model.eval()
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=TOKENS).logits
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_base(tmp_path_factory.mktemp("base") / "llama")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_peft_folder_merged_equals_merge_and_unload(base: Path, tmp_path: Path, variant: str) -> None:
+    model = peft_model(base, variant)
+    model.save_pretrained(tmp_path / "adapter")
+    want = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+    result = export_merged(str(tmp_path / "adapter"), str(tmp_path / "merged"), str(base))
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in want.items())
+    assert result.adapter["variants"] == (["dora"] if variant == "dora" else ["lora"])
+
+
+def test_merged_in_row_slabs_is_the_same(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Merged 3 output rows at a time (slabs of 384 bytes): no bit changes (each row is its own)."""
+    from converters.adapters import export as adapter_export
+
+    monkeypatch.setattr(adapter_export, "MIN_SLAB", 3 * 32 * 4)
+    for variant in ("lora", "dora"):
+        model = peft_model(base, variant)
+        model.save_pretrained(tmp_path / variant)
+        want = model.merge_and_unload().state_dict()
+        export_merged(str(tmp_path / variant), str(tmp_path / f"{variant}-out"), str(base), memory_limit=1 << 20)
+        got = load_file(tmp_path / f"{variant}-out" / "model.safetensors")
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_adapter_export_loads_in_peft_with_the_same_logits(base: Path, tmp_path: Path, variant: str) -> None:
+    model = peft_model(base, variant)
+    model.save_pretrained(tmp_path / "adapter")
+    want = logits(model)
+    export_adapter(str(tmp_path / "adapter"), str(tmp_path / "out"))
+    assert sorted(load_file(tmp_path / "out" / "adapter_model.safetensors")) == \
+        sorted(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    loaded = peft.PeftModel.from_pretrained(load_base(base), tmp_path / "out").eval()
+    assert torch.equal(logits(loaded), want)
+
+
+def test_merged_cast_to_bfloat16_is_the_fp32_merge_cast(base: Path, tmp_path: Path) -> None:
+    model = peft_model(base, "dora")
+    model.save_pretrained(tmp_path / "adapter")
+    want = model.merge_and_unload().state_dict()
+    export_merged(str(tmp_path / "adapter"), str(tmp_path / "merged"), str(base), dtype="bfloat16")
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+# ---- refusals ----------------------------------------------------------------------------------------------------
+
+
+def _refused(exc: pytest.ExceptionInfo[CkptError], *words: str) -> None:
+    text = str(exc.value)
+    assert "\n" not in text and exit_code(exc.value) == 2, text
+    for word in words:
+        assert word in text, text
+
+
+def test_target_module_missing_from_base_is_refused(base: Path, tmp_path: Path) -> None:
+    peft_model(base, "lora").save_pretrained(tmp_path / "adapter")
+    small = tiny_base(tmp_path / "one-layer", layers=1)
+    with pytest.raises(FormatError) as exc:
+        export_merged(str(tmp_path / "adapter"), str(tmp_path / "out"), str(small))
+    _refused(exc, "model.layers.1.", "does not have")
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_mismatch_is_refused(base: Path, tmp_path: Path) -> None:
+    peft_model(base, "lora").save_pretrained(tmp_path / "adapter")
+    file = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(file)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[key] = tensors[key][:, :3].contiguous()
+    save_file(tensors, file)
+    for call in (export_adapter, lambda s, t: export_merged(s, t, str(base))):
+        with pytest.raises(FormatError) as exc:
+            call(str(tmp_path / "adapter"), str(tmp_path / "out"))
+        _refused(exc, key, "rank mismatch")
+
+
+def test_rank_disagreeing_with_the_config_is_refused(base: Path, tmp_path: Path) -> None:
+    peft_model(base, "lora").save_pretrained(tmp_path / "adapter")
+    config = tmp_path / "adapter" / "adapter_config.json"
+    doc = json.loads(config.read_text())
+    config.write_text(json.dumps({**doc, "rank_pattern": {}}))
+    with pytest.raises(FormatError) as exc:
+        export_merged(str(tmp_path / "adapter"), str(tmp_path / "out"), str(base))
+    _refused(exc, "o_proj", "r=4", "rank 2")
+
+
+def test_unknown_variant_is_refused(base: Path, tmp_path: Path) -> None:
+    loha = peft.get_peft_model(load_base(base), peft.LoHaConfig(r=4, alpha=8, target_modules=["q_proj"]))
+    loha.save_pretrained(tmp_path / "loha")
+    with pytest.raises(FormatError) as exc:
+        export_adapter(str(tmp_path / "loha"), str(tmp_path / "out"))
+    _refused(exc, "LOHA", "unknown adapter variant")
+    (tmp_path / "loha" / "adapter_config.json").unlink()  # no config: the tensors say it
+    with pytest.raises(FormatError) as exc:
+        export_adapter(str(tmp_path / "loha"), str(tmp_path / "out"), alpha=8)
+    _refused(exc, "hada_w1_a", "LoHa")
+
+
+def test_alpha_unknown_is_refused(base: Path, tmp_path: Path) -> None:
+    peft_model(base, "rslora").save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / "adapter_config.json").unlink()
+    with pytest.raises(OptionError) as exc:
+        export_merged(str(tmp_path / "adapter"), str(tmp_path / "out"), str(base))
+    _refused(exc, "alpha", "alpha=NUMBER")
+
+
+def test_adapter_alone_needs_a_base_to_merge(base: Path, tmp_path: Path) -> None:
+    peft_model(base, "lora").save_pretrained(tmp_path / "adapter")
+    with pytest.raises(OptionError) as exc:
+        export_merged(str(tmp_path / "adapter"), str(tmp_path / "out"))
+    _refused(exc, "base=DIR")
+
+
+# ---- a training checkpoint: FSDP2 at 2 gloo ranks, saved with torch.distributed.checkpoint (slow) -------------------
+
+
+@pytest.mark.slow
+def test_fsdp2_training_checkpoint(base: Path, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tests.adapter_job", str(base), str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checkpoint = str(tmp_path / "checkpoint")
+    settings = json.loads((tmp_path / "lora.json").read_text())
+    # alpha and rsLoRA are not in the weights: given by the caller, as the training run set them
+    export_adapter(checkpoint, str(tmp_path / "adapter"), alpha=settings["lora_alpha"],
+                   use_rslora=settings["use_rslora"])
+    loaded = peft.PeftModel.from_pretrained(load_base(base), tmp_path / "adapter").eval()
+    assert torch.equal(logits(loaded), load_file(tmp_path / "trained.safetensors")["logits"])
+    export_merged(checkpoint, str(tmp_path / "merged"), alpha=settings["lora_alpha"],
+                  use_rslora=settings["use_rslora"], config_from=str(base))
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    want = load_file(tmp_path / "merged_by_peft.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
