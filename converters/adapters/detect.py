@@ -179,8 +179,6 @@ def find_adapter(index: CheckpointIndex, adapter: str | None = None, saved_file:
             entry.b_bias = name
         else:
             setattr(entry, p.role, name)
-    for base in list(found.replaced):
-        found.base.pop(base, None)
     for lora_module in found.modules.values():
         _shape(lora_module, index.tensors, index.uri)
     return found
