@@ -3,8 +3,10 @@ base with the adapter merged into it, as PEFT's `merge_and_unload()` leaves it, 
 
 Any source the engine reads (PEFT's own folder, a DCP/FSDP, Accelerate or DeepSpeed training checkpoint) is
 opened through `load_index` under its wrapper-cleaned model names; the adapter is found by structure (`detect`).
-The merged export streams one output tensor at a time, a LoRA Linear in row slabs of about an eighth of
-`memory_limit` (a slab of W, of lora_B, the delta and the result at once); the output appears only when complete.
+The merged export streams one output tensor at a time: a LoRA Linear in row slabs of 1/32 of `memory_limit`
+(a slab of W, of lora_B, B @ A and the scaled delta at once), other tensors in slabs of 1/16, freed heap handed
+back between slabs (2.3 GB fp32 base + rank-64 LoRA on every Linear: 278 MB peak RSS, 228 MB of it torch).
+The output appears only when complete.
 """
 
 from __future__ import annotations
@@ -145,10 +147,11 @@ def _copy(reader: storage.RangeReader, entry: TensorEntry, cast_to: str | None,
           memory_limit: int) -> Callable[[], Iterator[memoryview]]:
     def blocks() -> Iterator[memoryview]:
         item = dtypes.itemsize(entry.dtype)
-        for box in slabs(entry.shape, item, max(memory_limit // 4, 1 << 20)):
+        for box in slabs(entry.shape, item, max(memory_limit // 16, 1 << 20)):
             nbytes = dtypes.numel(box[1]) * item
             if not nbytes:
                 continue
+            merge.release()
             buffer = bytearray(nbytes)
             read_box(reader, entry, box, memoryview(buffer))
             if cast_to is None or cast_to == entry.dtype:
@@ -180,7 +183,7 @@ class _Merger:
     def __init__(self, reader: storage.RangeReader, lora: CheckpointIndex, adapter: Adapter, settings: LoraSettings,
                  cast_to: str | None, memory_limit: int) -> None:
         self.reader, self.lora, self.adapter, self.settings = reader, lora, adapter, settings
-        self.cast_to, self.budget = cast_to, max(memory_limit // 8, MIN_SLAB)
+        self.cast_to, self.budget = cast_to, max(memory_limit // 32, MIN_SLAB)
 
     def _out(self, tensor: torch.Tensor) -> memoryview:
         if self.cast_to and tensor.dtype.is_floating_point:
@@ -208,6 +211,7 @@ class _Merger:
             step = max(1, self.budget // row_bytes)
             for start in range(0, rows_out, step):
                 n = min(step, rows_out - start)
+                merge.release()
                 weight = merge.read_tensor(self.reader, base, (start, n))
                 delta = merge.delta_weight(a, self._read(module.b, (start, n)), scaling, False)
                 if magnitude is not None:

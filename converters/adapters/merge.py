@@ -15,6 +15,9 @@ element and every row norm depends on its own row only, so memory stays bounded 
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
+
 import torch
 
 from ..dtypes import numel
@@ -25,22 +28,36 @@ from ..tensorio import read_box
 _SIXTEEN = (torch.float16, torch.bfloat16)
 
 
+def _trimmer() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _trimmer()
+
+
+def release() -> None:
+    """Hand freed heap back to the system between slabs (glibc keeps slab-sized temporaries torch freed)."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
 def read_tensor(reader: RangeReader, entry: TensorEntry, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """`entry` (or its rows [start, start + n)) as a torch tensor over a fresh buffer."""
+    """`entry` (or its rows [start, start + n)) as a new torch tensor."""
     shape = entry.shape
     if rows is not None:
         shape = (rows[1], *shape[1:])
     box = ((rows[0] if rows else 0, *(0,) * (len(shape) - 1)), shape) if shape else ((), ())
-    size = numel(shape) * torch.empty((), dtype=torch_dtype(entry.dtype)).element_size()
-    if not size:
-        return torch.empty(shape, dtype=torch_dtype(entry.dtype))
-    buffer = bytearray(size)
-    read_box(reader, entry, box, memoryview(buffer))
-    return torch.frombuffer(buffer, dtype=torch_dtype(entry.dtype)).reshape(shape)
+    tensor = torch.empty(shape, dtype=torch_dtype(entry.dtype))  # not zeroed: read_box fills every byte
+    if numel(shape):
+        read_box(reader, entry, box, tensor.view(-1).view(torch.uint8).numpy().data.cast("B"))
+    return tensor
 
 
 def _t(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
