@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -35,12 +35,18 @@ from converters.copier import DEFAULT_MEMORY_LIMIT
 
 from .units import parse_size
 
-#: The engine's reader names, in its order (`converters.formats.READERS`).
-Format = Literal[tuple(READERS)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    #: A reader name. Formats are registered at run time (`converters.register_format`), so to a type checker
+    #: a format is a string; the schema and validation see the Literal of the names registered at import.
+    Format = str
+else:
+    #: The engine's reader names, in its order (`converters.formats.READERS`).
+    Format = Literal[tuple(READERS)]
 
 
-def choice(values: Any, what: str) -> Any:
-    """A Literal whose refusal names what it is and the choices (`unknown format 'zarr'; choose one of ...`)."""
+def one_of(values: Any, what: str) -> WrapValidator:
+    """The validator of a Literal `values` whose refusal names what it is and the choices (`unknown format
+    'zarr'; choose one of ...`): `Annotated[Format, one_of(Format, "format")]`."""
     choices = ", ".join(get_args(values))
 
     def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -49,7 +55,7 @@ def choice(values: Any, what: str) -> Any:
         except ValidationError:
             raise ValueError(f"unknown {what} {value!r}; choose one of {choices}") from None
 
-    return Annotated[values, WrapValidator(check)]
+    return WrapValidator(check)
 
 
 Text = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -91,9 +97,10 @@ def _size(value: int | str) -> int:
 
 Size = Annotated[int | str, AfterValidator(_size)]
 
-SourceFormat = Annotated[choice(Format, "format") | None,
+SourceFormat = Annotated[Annotated[Format, one_of(Format, "format")] | None,
                          Field(description=f"Force the source format ({', '.join(READERS)})."), flag("--from")]
-Only = Annotated[choice(Literal["model", "optim", "all"], "selection"),
+Selection = Literal["model", "optim", "all"]
+Only = Annotated[Selection, one_of(Selection, "selection"),
                  Field(description="Which entries: model, optim or all."), flag("--only")]
 CleanKeys = Annotated[bool | None, Field(description="Strip wrapper prefixes and containers from names, or keep "
                                          "names exactly as stored."),
@@ -102,9 +109,9 @@ Rename = Annotated[Texts, Field(description="REGEX=REPLACEMENT applied to parame
                    flag("--rename", metavar="REGEX=REPLACEMENT")]
 Include = Annotated[Texts, Field(description="Keep only names matching this glob."), flag("--include", metavar="GLOB")]
 Exclude = Annotated[Texts, Field(description="Drop names matching this glob."), flag("--exclude", metavar="GLOB")]
-#: The engine's cast targets (`converters.dtypes.CAST_TARGETS`).
-CastTarget = Literal[dtypes.CAST_TARGETS]  # type: ignore[valid-type]
-DType = Annotated[choice(CastTarget, "dtype") | None, BeforeValidator(dtype_name),
+#: The engine's cast targets (`converters.dtypes.CAST_TARGETS` is derived from it).
+CastTarget = dtypes.CastTarget
+DType = Annotated[Annotated[CastTarget, one_of(CastTarget, "dtype")] | None, BeforeValidator(dtype_name),
                   Field(description=f"Cast floating-point tensors: {', '.join(dtypes.CAST_TARGETS)} (also bf16, "
                                     "fp16, half, fp32, float)."), flag("--dtype")]
 ShardSize = Annotated[Size, Field(description="Largest safetensors shard: bytes, or a size such as 5GB."),
@@ -118,9 +125,15 @@ VerifyOutput = Annotated[bool, Field(description="Compare the output with the so
                          flag("--verify")]
 Tag = Annotated[str | None, Field(max_length=200, description="DeepSpeed: the tag folder to read (default: the one "
                                   "`latest` names)."), flag("--tag", metavar="TAG")]
-Weights = Annotated[choice(Literal["fp32", "module"], "weights") | None,
+WeightsChoice = Literal["fp32", "module"]
+Weights = Annotated[Annotated[WeightsChoice, one_of(WeightsChoice, "weights")] | None,
                     Field(description="DeepSpeed: fp32 (the master weights, the default) or module (the 16-bit "
                                       "module weights)."), flag("--weights")]
+OutputFormat = Literal["safetensors", "torch"]
+HFArchitecture = Literal["llama"]
+ShardLayout = Literal["fsdp2"]
+OutputLayout = Literal["auto", "flat"]
+
 
 class JobRequest(BaseModel):
     """Options of one job kind (the `options` object of a job of that kind)."""
@@ -145,7 +158,7 @@ class KeyedRequest(JobRequest):
 class ConvertRequest(KeyedRequest):
     """Convert a checkpoint to one safetensors/torch output (model and optimizer, keys as they are)."""
 
-    to: Annotated[choice(Literal["safetensors", "torch"], "output format"),
+    to: Annotated[OutputFormat, one_of(OutputFormat, "output format"),
                   Field(description="Output format: safetensors or torch."), flag("--to")] = "safetensors"
     source_format: SourceFormat = None
     tag: Tag = None
@@ -166,7 +179,7 @@ class ExportRequest(KeyedRequest):
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None
-    only: Annotated[choice(Literal["model", "optim", "all"], "selection"),
+    only: Annotated[Selection, one_of(Selection, "selection"),
                     Field(description="model (an export never holds optimizer state)."), flag("--only")] = "model"
     clean_keys: CleanKeys = True
     dtype: DType = None
@@ -175,7 +188,7 @@ class ExportRequest(KeyedRequest):
     overwrite: Overwrite = False
     drop_tied: DropTied = Field(default_factory=list)
     verify: VerifyOutput = False
-    to_hf: Annotated[choice(Literal["llama"], "architecture") | None,
+    to_hf: Annotated[Annotated[HFArchitecture, one_of(HFArchitecture, "architecture")] | None,
                      Field(description="Map a Megatron / NeMo GPT model to a Hugging Face architecture (llama) and "
                                        "write its config.json."), flag("--to-hf")] = None
     config_from: Annotated[Annotated[str, Field(min_length=1, max_length=4096)] | None,
@@ -188,7 +201,7 @@ class ReshardRequest(KeyedRequest):
     """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
 
     world_size: Annotated[int, Field(ge=1, le=65536, description="Target ranks."), flag("--world-size", metavar="N")]
-    layout: Annotated[choice(Literal["fsdp2"], "layout"),
+    layout: Annotated[ShardLayout, one_of(ShardLayout, "layout"),
                       Field(description="Sharding policy: fsdp2 (dim-0 torch.chunk pieces)."),
                       flag("--layout")] = "fsdp2"
     shard_dim_rule: Annotated[Texts, Field(description="REGEX=DIM: split matching parameters on DIM instead."),
@@ -196,7 +209,7 @@ class ReshardRequest(KeyedRequest):
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None
-    only: Annotated[choice(Literal["model", "optim", "all"], "selection"),
+    only: Annotated[Selection, one_of(Selection, "selection"),
                     Field(description="Which entries: all (the whole training state as stored, to resume "
                                       "training), model or optim."), flag("--only")] = "all"
     clean_keys: CleanKeys = None
@@ -205,7 +218,7 @@ class ReshardRequest(KeyedRequest):
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
     overwrite: Overwrite = False
     verify: VerifyOutput = False
-    output_layout: Annotated[choice(Literal["auto", "flat"], "output layout"),
+    output_layout: Annotated[OutputLayout, one_of(OutputLayout, "output layout"),
                              Field(description="auto: the source framework's own folder layout (Accelerate, "
                                                "Lightning, Megatron), so its resume call works; flat: one DCP "
                                                "folder."),
@@ -221,10 +234,10 @@ class VerifyRequest(KeyedRequest):
                     flag("--atol")] = 0.0
     rtol: Annotated[float, Field(ge=0, le=1e6, description="Relative tolerance (for cast outputs)."),
                     flag("--rtol")] = 0.0
-    source_format: Annotated[choice(Format, "format") | None,
+    source_format: Annotated[Annotated[Format, one_of(Format, "format")] | None,
                              Field(description="Force the format of the first checkpoint (A)."),
                              flag("--from-a")] = None
-    target_format: Annotated[choice(Format, "format") | None,
+    target_format: Annotated[Annotated[Format, one_of(Format, "format")] | None,
                              Field(description="Force the format of the second checkpoint (B)."),
                              flag("--from-b")] = None
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
@@ -280,6 +293,9 @@ class Shape:
     choices: tuple[Any, ...] = ()
 
 
+_SIMPLE: dict[Any, Literal["bool", "int", "float"]] = {bool: "bool", int: "int", float: "float"}
+
+
 def shape(annotation: Any) -> Shape:
     """The one reading of an option's annotation (the CLI's flags, the dashboard's widgets and the REST
     options object all use it)."""
@@ -293,9 +309,9 @@ def shape(annotation: Any) -> Shape:
             return Shape("choice", optional, get_args(value))
         if get_origin(value) is list:
             return Shape("list", optional)
-        simple = {bool: "bool", int: "int", float: "float"}.get(value)
+        simple = _SIMPLE.get(value)
         if simple is not None:
-            return Shape(simple, optional)  # type: ignore[arg-type]
+            return Shape(simple, optional)
     return Shape("text", optional)
 
 
@@ -303,7 +319,7 @@ def default_of(info: FieldInfo) -> Any:
     """A field's default (PydanticUndefined when it is required). A factory (here always a plain one, such
     as `list`) is called directly: pydantic's `get_default` first inspects its signature, which costs the
     command line's start-up."""
-    return info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+    return info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]  # a factory that takes the data is never used here
 
 
 def shared_default(name: str) -> Any:

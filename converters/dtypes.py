@@ -8,6 +8,8 @@ dtype: float8, uint16/32/64, complex32, float4, bits).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from .errors import FormatError, OptionError, short
 
 # canonical name -> (itemsize, safetensors code, torch legacy storage class name)
@@ -47,7 +49,9 @@ _ALIASES = {**_TORCH_ALIASES, "fp32": "float32", "fp16": "float16", "bf16": "bfl
 # dtypes torch.distributed.checkpoint cannot save or load (its planner has no element size for them)
 _NOT_IN_DCP = frozenset({"bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
-CAST_TARGETS = ("float32", "bfloat16", "float16")
+#: the dtypes a conversion casts floating-point tensors to, declared once as a type (the service's option)
+CastTarget = Literal["float32", "bfloat16", "float16"]
+CAST_TARGETS: tuple[str, ...] = get_args(CastTarget)
 
 _BY_SAFETENSORS = {code: name for name, (_, code, _) in _TABLE.items() if code}
 
