@@ -67,7 +67,7 @@ def _tool(name: str, module: str) -> list[str]:
 
 
 def _ckptctl(*args: str) -> list[str]:
-    return [*_tool("ckptctl", "ckpt_service.cli"), *args]
+    return [*_tool("ckptctl", "ckptctl"), *args]
 
 
 def _peer(name: str, src: Path, out: Path) -> list[str]:

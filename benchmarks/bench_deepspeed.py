@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = (ckpt / "latest").read_text().strip()
     source_bytes = sum(p.stat().st_size for p in (ckpt / tag).iterdir())
     cases = {
-        "ckptctl export": [sys.executable, "-m", "ckpt_service.cli", "export", str(ckpt), "{out}", "-q",
+        "ckptctl export": [sys.executable, "-m", "ckptctl", "export", str(ckpt), "{out}", "-q",
                            "--memory-limit", args.memory_limit],
         "zero_to_fp32": [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), "{out}", "--safe_serialization"],
     }

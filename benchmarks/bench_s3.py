@@ -189,7 +189,7 @@ def copy_objects(source: str, target: str) -> None:
 def make_sample(work: Path, size: str) -> Path:
     path = work / f"sample-ws4-{size}"
     if not (path / ".metadata").exists():
-        subprocess.run([sys.executable, "-m", "ckpt_service.cli", "sample", str(path), "--world-size", "4",
+        subprocess.run([sys.executable, "-m", "ckptctl", "sample", str(path), "--world-size", "4",
                         "--size", size, "--model-only"], check=True, timeout=3600)
     return path
 

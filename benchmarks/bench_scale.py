@@ -76,7 +76,7 @@ def sample(work: Path, size: str) -> Path:
     if not path.exists():
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "ckpt_service.cli", "sample", str(tmp), "--world-size", "4", "--size",
+        subprocess.run([sys.executable, "-m", "ckptctl", "sample", str(tmp), "--world-size", "4", "--size",
                         size, "--model-only", "--no-train"], check=True)
         tmp.rename(path)
     return path

@@ -110,7 +110,7 @@ def main() -> int:
     if args.job_nice is not None:
         env["CKPT_JOB_NICE"] = str(args.job_nice)
     log = open(data / "server.log", "wb")  # noqa: SIM115 (closed in finally)
-    server = subprocess.Popen([sys.executable, "-m", "ckpt_service.cli", "serve", "--port", str(port), "--workers",
+    server = subprocess.Popen([sys.executable, "-m", "ckptctl", "serve", "--port", str(port), "--workers",
                                "2", "--data-dir", str(data)], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -72,7 +72,7 @@ def fsdp1(samples: Samples) -> dict[str, Sample]:
 
 def ckptctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run the real `ckptctl` console entry point in a subprocess."""
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", *map(str, args)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", *map(str, args)], capture_output=True,
                           text=True, env={**os.environ, "COLUMNS": "200"}, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"ckptctl {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")

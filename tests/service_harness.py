@@ -86,7 +86,7 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> Server:
         # -P: like the `ckptctl` console script, the server does not have its working directory on sys.path
-        cmd = [sys.executable, "-P", "-m", "ckpt_service.cli", "serve", "--port", str(self.port), "--data-dir",
+        cmd = [sys.executable, "-P", "-m", "ckptctl", "serve", "--port", str(self.port), "--data-dir",
                str(self.data_dir), *self.args]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd)

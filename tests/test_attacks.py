@@ -388,7 +388,7 @@ def _limits() -> None:
 
 def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The real `ckptctl` in a subprocess, under 1 GiB of address space and a 30 s limit."""
-    return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ckptctl", *args], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=TIMEOUT,
                           preexec_fn=_limits)
 

@@ -34,7 +34,7 @@ def run_cli(args: list[str], address_space: int = 1 << 30, env: dict[str, str] |
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         resource.setrlimit(resource.RLIMIT_CPU, (timeout, timeout))
 
-    return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ckptctl", *args], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "200", **(env or {})}, timeout=timeout,
                           preexec_fn=limits)
 

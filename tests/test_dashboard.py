@@ -485,7 +485,7 @@ def test_wheel_ships_the_dashboard(tmp_path: Path) -> None:
 def _dcp(path: Path, world: int = 2) -> Path:
     """A DCP checkpoint written by `world` ranks' worth of files (.metadata plus one file per rank)."""
     plain = _save(path.parent / f"{path.name}-src.pt", {f"w{i}": torch.ones(64, 32) * i for i in range(3)})
-    subprocess.run([sys.executable, "-m", "ckpt_service.cli", "reshard", str(plain), str(path), "--world-size",
+    subprocess.run([sys.executable, "-m", "ckptctl", "reshard", str(plain), str(path), "--world-size",
                     str(world)], check=True, capture_output=True, timeout=120)
     return path
 

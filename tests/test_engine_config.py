@@ -222,7 +222,7 @@ def test_settings_build_the_engine_config(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_cli_config_applies_ray_onto_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt_service.cli.common import engine_config
+    from ckptctl.common import engine_config
 
     monkeypatch.setenv("CKPT_UPLOAD_PARALLEL", "2")
     with engine_config("ray://head:10001") as config:
@@ -234,7 +234,7 @@ def test_cli_config_applies_ray_onto_the_environment(monkeypatch: pytest.MonkeyP
 
 def test_cli_bad_variable_is_one_line(tmp_path: Path) -> None:
     env = {"CKPT_MAX_PICKLE_DEPTH": "deep", "COLUMNS": "200", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "inspect", str(tmp_path)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", "inspect", str(tmp_path)], capture_output=True,
                           text=True, timeout=60, env=env, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "error: CKPT_MAX_PICKLE_DEPTH='deep': give a positive whole number"

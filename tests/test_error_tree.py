@@ -74,7 +74,7 @@ def test_http_statuses_in_one_table() -> None:
 
 
 def test_the_cli_and_service_never_import_the_http_app() -> None:
-    code = ("import sys, ckpt_service.cli, ckpt_service.service, ckpt_service.worker, ckpt_service.executor; "
+    code = ("import sys, ckptctl, ckpt_service.service, ckpt_service.worker, ckpt_service.executor; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('api', 'fastapi', 'uvicorn')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout.strip()) == (0, "[]"), proc.stderr

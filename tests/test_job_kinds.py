@@ -47,7 +47,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from api.app import create_app
-from ckpt_service.cli import app as cli
+from ckptctl import app as cli
 from ckpt_service.executor import run_job
 from ckpt_service.settings import Settings
 

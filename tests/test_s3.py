@@ -127,7 +127,7 @@ def running_ckptctl(*args: str) -> Iterator[subprocess.Popen[str]]:
     """`ckptctl ARGS` in the background; killed (and reaped) on the way out if it is still running."""
     # Ctrl-C as a terminal delivers it: the child must not inherit an ignored SIGINT from this process (an
     # earlier test's framework may have left it ignored, and a Python started so never raises KeyboardInterrupt)
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_service.cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

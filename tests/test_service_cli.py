@@ -26,7 +26,7 @@ def ckptctl(server: Server, token: str | None, *args: str, check: bool = True) -
     env.update({"CKPT_SERVER": server.url, "COLUMNS": "200"})
     if token:
         env["CKPT_TOKEN"] = token
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", *args], capture_output=True, text=True,
                           timeout=120, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"ckptctl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -55,7 +55,7 @@ def test_submit_with_a_standalone_worker_then_status_jobs_and_checkpoints(
     assert queued["state"] == "queued"  # the API server has no job slots
     assert queued["spec"]["options"]["dtype"] == "bfloat16" and queued["spec"]["options"]["clean_keys"] is True
 
-    worker = subprocess.Popen([sys.executable, "-m", "ckpt_service.cli", "worker", "--workers", "1", "--data-dir",
+    worker = subprocess.Popen([sys.executable, "-m", "ckptctl", "worker", "--workers", "1", "--data-dir",
                                str(server.data_dir)], env=server.env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
@@ -110,7 +110,7 @@ def piped(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     """`ckptctl ARGS` with stdout and stderr piped, as a script or `| grep` sees it (no COLUMNS set)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_") and k != "COLUMNS"}
     clean.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ckptctl", *args], capture_output=True, text=True,
                           timeout=120, env=clean)
 
 
@@ -283,7 +283,7 @@ def test_serve_on_a_terminal_says_where_the_dashboard_is(tmp_path: Path) -> None
     port = free_port()
     leader, follower = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_service.cli", "serve", "--port", str(port), "--workers", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "serve", "--port", str(port), "--workers", "0",
                              "--data-dir", str(tmp_path / "data")], stdout=follower, stderr=subprocess.DEVNULL, env=env)
     os.close(follower)
     seen = b""

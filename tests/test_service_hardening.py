@@ -46,7 +46,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def ckptctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
-    return subprocess.run([sys.executable, "-m", "ckpt_service.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ckptctl", *args], capture_output=True, text=True,
                           timeout=60, env={**environ, "COLUMNS": "400", **(env or {})})
 
 

@@ -39,7 +39,7 @@ def start_worker(api: Server, name: str, slots: int) -> tuple[subprocess.Popen[b
     data = api.data_dir.parent / name
     data.mkdir()
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "ckpt_service.cli", "worker", "--workers", str(slots),
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "ckptctl", "worker", "--workers", str(slots),
                                  "--data-dir", str(data)], env=api.env, stdout=out, stderr=subprocess.STDOUT)
     return proc, log
 

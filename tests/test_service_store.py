@@ -98,10 +98,10 @@ def test_store_newer_than_the_code_is_refused_clearly(store_location: str, tmp_p
         JobStore(store_location)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     flags = ["--database-url", store_location] if is_url(store_location) else []
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "worker", "--data-dir", str(tmp_path), *flags],
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", "worker", "--data-dir", str(tmp_path), *flags],
                           capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "200"})
     assert proc.returncode == 2 and "upgrade ckpt-service" in proc.stderr
-    checked = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "store", "check", "--data-dir",
+    checked = subprocess.run([sys.executable, "-m", "ckptctl", "store", "check", "--data-dir",
                               str(tmp_path), *flags], capture_output=True, text=True, timeout=60, env=env)
     assert checked.returncode == 2 and f"schema version {migrations.LATEST + 7}" in checked.stderr
 
@@ -275,13 +275,13 @@ def test_print_config_masks_token_hashes(tmp_path: Path) -> None:
     _, entry = auth.create("admin", "ops")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     env.update({"CKPT_TOKENS": json.dumps([entry.line()]), "COLUMNS": "200"})
-    proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "serve", "--print-config", "--data-dir",
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", "serve", "--print-config", "--data-dir",
                            str(tmp_path), "--workers", "4"], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
     assert shown["workers"] == 4 and shown["tokens"] == ["ops:admin:sha256:****"]
     assert entry.digest not in proc.stdout and shown["effective_write_roots"] == [str(tmp_path.resolve())]
-    bad = subprocess.run([sys.executable, "-m", "ckpt_service.cli", "serve", "--print-config", "--workers", "-1"],
+    bad = subprocess.run([sys.executable, "-m", "ckptctl", "serve", "--print-config", "--workers", "-1"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "setting workers" in bad.stderr
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import typer.main
 
-from ckpt_service.cli import OFFLINE_COMMANDS, app
+from ckptctl import OFFLINE_COMMANDS, app
 
 #: never imported by an offline command on DCP or safetensors input, nor by `--help` (top-level packages)
 HEAVY = {"torch", "numpy", "ml_dtypes", "safetensors", "fastapi", "starlette", "uvicorn", "httpx", "psycopg",
@@ -28,7 +28,7 @@ SERVICE = {"ckpt_service.jobs", "ckpt_service.store", "ckpt_service.registry", "
            "ckpt_service.worker", "ckpt_service.settings", "ckpt_service.auth", "ckpt_service.webhooks",
            "ckpt_service.catalog"}
 #: what an offline command with -q leaves alone on top: the other command modules, progress bars, rich help
-NOT_OFFLINE = {"ckpt_service.cli.client", "ckpt_service.cli.manage", "ckpt_service.cli.service", "rich.progress",
+NOT_OFFLINE = {"ckptctl.client", "ckptctl.manage", "ckptctl.service", "rich.progress",
                "typer.rich_utils"}
 
 #: the torch and DCP writers (pickle and zip), which an export to safetensors never loads
@@ -38,7 +38,7 @@ OTHER_WRITERS = {"converters.picklewriter", "converters.zipwriter", "converters.
 RUN = """
 import json, sys
 sys.argv = ["ckptctl", *json.loads(sys.argv[1])]
-from ckpt_service.cli import common, main
+from ckptctl import common, main
 try:
     main()
 except SystemExit as exc:
@@ -80,7 +80,7 @@ def test_export_loads_only_the_offline_commands_and_no_torch(tiny: tuple[Path, P
     assert [m for m in got["modules"] if m in NOT_OFFLINE] == []
     assert set(got["commands"]) == OFFLINE_COMMANDS  # main registered offline's commands, and only those
     assert [m for m in got["modules"] if m in OTHER_WRITERS] == []  # a safetensors output needs no pickle writer
-    assert "ckpt_service.cli.offline" in got["modules"]
+    assert "ckptctl.offline" in got["modules"]
     out = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(out) == sorted(weights)
     assert all(torch.equal(out[name], tensor) for name, tensor in weights.items())
@@ -102,7 +102,7 @@ def test_offline_commands_import_no_torch_nor_service(command: tuple[str, ...], 
     assert got["code"] == 0, args
     assert heavy_in(got["modules"]) == []
     assert [m for m in got["modules"] if m in NOT_OFFLINE] == []
-    assert "ckpt_service.cli.offline" in got["modules"]
+    assert "ckptctl.offline" in got["modules"]
 
 
 def test_help_lists_every_command_without_the_service_stack() -> None:
@@ -111,7 +111,7 @@ def test_help_lists_every_command_without_the_service_stack() -> None:
     assert heavy_in(got["modules"]) == []
     assert got["commands"] == sorted(typer.main.get_command(app).commands)  # every command, as the package has them
     assert {"submit", "jobs", "serve", "worker", "checkpoints"} | OFFLINE_COMMANDS <= set(got["commands"])
-    assert {"ckpt_service.cli.client", "ckpt_service.cli.manage", "ckpt_service.cli.service"} <= set(got["modules"])
+    assert {"ckptctl.client", "ckptctl.manage", "ckptctl.service"} <= set(got["modules"])
 
 
 def test_importing_converters_loads_only_its_errors() -> None:

@@ -172,7 +172,7 @@ def test_cli_refuses_global_mutation_in_one_line(canary: Path, tmp_path: Path) -
     src = _torch_file(tmp_path / "evil.pt", pkl)
     for command in (["convert", src, tmp_path / "out.pt", "--to", "torch"], ["reshard", src, tmp_path / "re",
                                                                              "--world-size", "2"]):
-        proc = subprocess.run([sys.executable, "-m", "ckpt_service.cli", *map(str, command)], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "ckptctl", *map(str, command)], capture_output=True,
                               text=True, cwd=tmp_path, timeout=120, env={**os.environ, "COLUMNS": "200"})
         assert proc.returncode == 2, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "evil.pt" in proc.stderr

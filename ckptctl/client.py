@@ -16,11 +16,12 @@ from typing import Annotated, Any
 
 import typer
 
-from ..client import DEFAULT_SERVER, ServiceClient
-from ..errors import DIFFERENT, ClientError, exit_code
-from ..job_kinds import kinds, names
-from ..job_requests import JobRequest
-from ..units import human
+from ckpt_service.client import DEFAULT_SERVER, ServiceClient
+from ckpt_service.errors import DIFFERENT, ClientError, exit_code
+from ckpt_service.job_kinds import kinds, names
+from ckpt_service.job_requests import JobRequest
+from ckpt_service.units import human
+
 from .common import AsJson, From, Quiet, app, err, fail, in_cli_words, job_command, keyword, make_table, out, shown
 
 Server = Annotated[str, typer.Option("--server", envvar="CKPT_SERVER", help="Service URL.")]
@@ -172,7 +173,7 @@ def status(job_id: str, follow_events: Annotated[bool, typer.Option("--follow", 
                                                                     "ends (live progress bar).")] = False,
            quiet: Quiet = False, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Show a job; with --follow, wait for it to end (exit 1 unless it succeeds)."""
-    from ..jobs import TERMINAL
+    from ckpt_service.jobs import TERMINAL
 
     with connect(server, token) as client:
         job = client.job(job_id)

@@ -13,13 +13,13 @@ from typing import Annotated, Any
 
 import typer
 
+from ckpt_service.errors import DIFFERENT
+from ckpt_service.executor import engine_call
+from ckpt_service.job_kinds import kinds
+from ckpt_service.job_requests import REQUESTS, InspectRequest, JobRequest, dtype_name
+from ckpt_service.units import human
 from converters import VerifyError
 
-from ..errors import DIFFERENT
-from ..executor import engine_call
-from ..job_kinds import kinds
-from ..job_requests import REQUESTS, InspectRequest, JobRequest, dtype_name
-from ..units import human
 from .common import (
     AsJson,
     Quiet,
@@ -139,7 +139,7 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
 
     A TARGET that already holds a sample made with the same options is kept as it is (so the command can be
     re-run); one made with other options is refused unless --overwrite."""
-    from ..sample import make_recorded_sample, recorded_options
+    from ckpt_service.sample import make_recorded_sample, recorded_options
 
     options: dict[str, object] = {"world_size": world_size, "layout": layout, "size": size, "dtype": dtype_name(dtype),
                                   "tie_embeddings": tie_embeddings, "with_optim": not (model_only or no_train),

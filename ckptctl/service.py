@@ -33,8 +33,8 @@ def load_settings(config: Path | None, **flags: Any) -> Any:
     """Validated settings, or a clean exit naming every bad setting."""
     from pydantic import ValidationError
 
-    from ..errors import SettingsError
-    from ..settings import describe, load
+    from ckpt_service.errors import SettingsError
+    from ckpt_service.settings import describe, load
 
     try:
         return load(config, **flags)
@@ -46,9 +46,9 @@ def load_settings(config: Path | None, **flags: Any) -> Any:
 
 def open_store(settings: Any) -> Any:
     """The job store, checked (integrity, schema version) and migrated; a clean exit 2 when it cannot be used."""
-    from ..errors import StoreError
-    from ..store import JobStore
-    from ..store_check import check
+    from ckpt_service.errors import StoreError
+    from ckpt_service.store import JobStore
+    from ckpt_service.store_check import check
 
     try:
         settings.prepare()
@@ -97,9 +97,8 @@ def serve(host: Host = None, port: Port = None, workers: Workers = None, data_di
     import uvicorn
 
     from api.app import create_app
-
-    from .. import logs
-    from ..worker import WorkerPool, confine
+    from ckpt_service import logs
+    from ckpt_service.worker import WorkerPool, confine
 
     if sys.stdout.isatty():
         out.print(f"Dashboard: {dashboard_url(settings.host, settings.port)}  (API docs: /docs)", highlight=False)
@@ -119,8 +118,8 @@ def worker(workers: Workers = None, data_dir: DataDir = None, database_url: Data
     """Run job slots alone against the same store as a `ckptctl serve` (scale workers apart from the API)."""
     settings = load_settings(config, workers=workers, data_dir=data_dir, database_url=database_url,
                              log_level=log_level)
-    from .. import logs
-    from ..worker import WorkerPool, confine
+    from ckpt_service import logs
+    from ckpt_service.worker import WorkerPool, confine
 
     logs.setup(settings.log_level)
     store = open_store(settings)
@@ -142,7 +141,7 @@ def token_create(scope: Annotated[str, typer.Option("--scope", help="read, write
                  name: Annotated[str | None, typer.Option("--name", help="A label for logs and errors.")] = None,
                  as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Print a new token once (stdout) and the hashed entry to add to CKPT_TOKENS (stderr)."""
-    from ..auth import create
+    from ckpt_service.auth import create
 
     try:
         token, entry = create(scope, name)  # type: ignore[arg-type]
@@ -167,7 +166,7 @@ def sqlite_only(settings: Any, action: str) -> Any:
 
 
 def _store_run(action: Any) -> Any:
-    from ..errors import StoreError
+    from ckpt_service.errors import StoreError
 
     try:
         return action()
@@ -181,7 +180,7 @@ def _store_run(action: Any) -> Any:
 def store_check(data_dir: DataDir = None, database_url: DatabaseUrl = None, config: Config = None,
                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Run SQLite's integrity check (PostgreSQL: `SELECT 1`) and the schema checks on the job store (read-only)."""
-    from ..store_check import check
+    from ckpt_service.store_check import check
 
     settings = load_settings(config, data_dir=data_dir, database_url=database_url)
     report = _store_run(lambda: check(settings.store_location))
@@ -197,7 +196,7 @@ def store_backup(dest: Annotated[Path, typer.Argument(help="The backup file to w
                  overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing file.")] = False
                  ) -> None:
     """Copy the job store to DEST with SQLite's online backup API (consistent while the service runs)."""
-    from ..store_check import backup
+    from ckpt_service.store_check import backup
 
     settings = sqlite_only(load_settings(config, data_dir=data_dir), "backup")
     report = _store_run(lambda: backup(settings.db_path, dest.absolute(), overwrite))
@@ -209,7 +208,7 @@ def store_restore(backup_file: Annotated[Path, typer.Argument(metavar="BACKUP", 
                                                                "backup`.")],
                   data_dir: DataDir = None, config: Config = None) -> None:
     """Replace the job store with a checked backup (stop the service first); the old files are kept beside it."""
-    from ..store_check import restore
+    from ckpt_service.store_check import restore
 
     settings = sqlite_only(load_settings(config, data_dir=data_dir), "restore")
     report, aside = _store_run(lambda: restore(backup_file.absolute(), settings.db_path))

@@ -17,11 +17,10 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperArgument, TyperCommand
 
+from ckpt_service.errors import exit_code, worded
+from ckpt_service.job_requests import REQUESTS, JobRequest, build, default_of, flag_of, problems, shape
+from ckpt_service.units import exact
 from converters import CkptError
-
-from ..errors import exit_code, worded
-from ..job_requests import REQUESTS, JobRequest, build, default_of, flag_of, problems, shape
-from ..units import exact
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -18,7 +18,8 @@ from typing import Any
 import typer
 from typer._click import exceptions as click  # typer vendors click
 
-from ..job_kinds import names
+from ckpt_service.job_kinds import names
+
 from . import common
 
 __all__ = ["app", "main"]

@@ -9,9 +9,10 @@ from typing import Annotated, Any
 
 import typer
 
-from ..client import DEFAULT_SERVER, ServiceClient
-from ..job_kinds import names
-from ..units import human
+from ckpt_service.client import DEFAULT_SERVER, ServiceClient
+from ckpt_service.job_kinds import names
+from ckpt_service.units import human
+
 from .client import Ref, Server, Token, as_uri, checkpoints_app, connect
 from .common import AsJson, app, fail, make_table, out, shown
 

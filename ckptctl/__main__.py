@@ -1,0 +1,5 @@
+"""`python -m ckptctl`."""
+
+from ckptctl import main
+
+main()
