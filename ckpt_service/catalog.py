@@ -16,7 +16,7 @@ import json
 import re
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, overload
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -86,6 +86,10 @@ def check_owner(principal: Principal | None, owner: str | None, what: str) -> No
         raise Forbidden(f"{what} {whose}; only {'that token or ' if owner is not None else ''}an admin may change it")
 
 
+@overload
+def when(value: float) -> datetime: ...
+@overload
+def when(value: None) -> None: ...
 def when(value: float | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
 
@@ -286,7 +290,7 @@ class Catalog:
             raise NotFound(f"no alias {name}@{namespace}")
         return [AliasChange(namespace=r["namespace"], name=r["name"], checkpoint_id=r["checkpoint_id"],
                             previous_id=r["previous_id"], changed_by=r["changed_by"],
-                            changed_at=when(r["changed_at"])) for r in rows]  # type: ignore[arg-type]
+                            changed_at=when(r["changed_at"])) for r in rows]
 
     def aliases(self, namespace: str | None = None) -> list[dict[str, Any]]:
         sql = "SELECT namespace, name, checkpoint_id, updated_by, updated_at FROM aliases"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Literal, Optional, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, Optional, get_args, get_type_hints, overload
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 
@@ -26,9 +26,14 @@ WRITING_KINDS = frozenset(job_kinds.names(writes=True))
 REQUESTS: dict[str, type[JobRequest]] = {kind.name: kind.request for kind in _KINDS.values()}
 #: Which options each kind takes; setting another is a 422 naming the option.
 APPLIES: dict[str, frozenset[str]] = {name: frozenset(model.model_fields) for name, model in REQUESTS.items()}
-Kind = Literal[KINDS]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    #: A declared kind's name. Kinds are declared at run time (`job_kinds.declare`), so to a type checker a
+    #: kind is a string; the schema and validation see the Literal of the kinds declared at import.
+    Kind = str
+else:
+    Kind = Literal[KINDS]
 State = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-STATES: tuple[str, ...] = State.__args__
+STATES: tuple[str, ...] = get_args(State)
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
 
@@ -51,7 +56,14 @@ def _options_model() -> type[BaseModel]:
     return create_model("JobOptions", __config__=ConfigDict(extra="forbid"), **fields)
 
 
-JobOptions = _options_model()
+if TYPE_CHECKING:
+    class JobOptions(BaseModel):
+        """Every option of every declared kind (`_options_model`). The kinds, so the fields, are known only at
+        run time: to a type checker an option is any value."""
+
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    JobOptions = _options_model()
 
 
 def request_of(kind: str, options: BaseModel) -> JobRequest:
@@ -69,7 +81,7 @@ class JobSpec(BaseModel):
     kind: Kind
     source: str = Field(min_length=1, max_length=4096, description="Checkpoint path or URI.")
     target: str | None = Field(None, min_length=1, max_length=4096)
-    options: JobOptions = Field(default_factory=JobOptions)  # type: ignore[valid-type]
+    options: JobOptions = Field(default_factory=JobOptions)
     callback_url: AnyHttpUrl | None = Field(None, description="POSTed the final job document once the job ends.")
 
 
@@ -110,6 +122,10 @@ class JobView(BaseModel):
     submitted_by: str | None = None
 
 
+@overload
+def _when(value: float) -> datetime: ...
+@overload
+def _when(value: None) -> None: ...
 def _when(value: float | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
 
@@ -120,7 +136,7 @@ class JobRecord:
 
     id: str
     kind: str
-    state: str
+    state: State
     spec: dict[str, Any]
     attempt: int
     max_attempts: int
@@ -183,11 +199,11 @@ class JobRecord:
 
     def view(self) -> JobView:
         error = JobError(type=self.error_type, message=self.error_message or "") if self.error_type else None
-        return JobView(id=self.id, kind=self.kind, state=self.state, spec=JobSpec.model_validate(self.spec),  # type: ignore[arg-type]
+        return JobView(id=self.id, kind=self.kind, state=self.state, spec=JobSpec.model_validate(self.spec),
                        attempt=self.attempt, max_attempts=self.max_attempts, cancel_requested=self.cancel_requested,
                        progress=self.progress_view(), error=error, result=self.result,
-                       created_at=_when(self.created_at), started_at=_when(self.started_at),  # type: ignore[arg-type]
-                       finished_at=_when(self.finished_at), updated_at=_when(self.updated_at),  # type: ignore[arg-type]
+                       created_at=_when(self.created_at), started_at=_when(self.started_at),
+                       finished_at=_when(self.finished_at), updated_at=_when(self.updated_at),
                        worker=self.worker, pid=self.pid, submitted_by=self.submitted_by)
 
     def document(self) -> dict[str, Any]:

@@ -310,7 +310,7 @@ class Retention:
 
     def _row_view(self, row: Any) -> PolicyView:
         view = PolicyView(id=row["id"], spec=PolicySpec.model_validate_json(row["spec"]), created_by=row["created_by"],
-                          created_at=when(row["created_at"]))  # type: ignore[arg-type]
+                          created_at=when(row["created_at"]))
         view.model_dump_json()  # text that is not UTF-8 fails here, for this row alone
         return view
 
@@ -565,7 +565,7 @@ class Retention:
 def _deletion_view(r: Any) -> DeletionView:
     view = DeletionView(id=r["id"], checkpoint_id=r["checkpoint_id"], uri=r["uri"], bytes=r["bytes"],
                         policy=r["policy"], reason=r["reason"], requested_by=r["requested_by"], state=r["state"],
-                        error=r["error"], planned_at=when(r["planned_at"]),  # type: ignore[arg-type]
+                        error=r["error"], planned_at=when(r["planned_at"]),
                         done_at=when(r["done_at"]))
     view.model_dump_json()  # text that is not UTF-8 fails here, for this row alone
     return view

@@ -54,7 +54,10 @@ _GLOB = set("*?[")
 
 #: the kinds a rule may run: those that write an output (`job_kinds`), in declaration order
 TEMPLATE_KINDS = tuple(k for k in KINDS if k in WRITING_KINDS)
-TemplateKind = Literal[TEMPLATE_KINDS]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    TemplateKind = str  # declared at run time, like `jobs.Kind`
+else:
+    TemplateKind = Literal[TEMPLATE_KINDS]
 
 
 class JobTemplate(BaseModel):
@@ -63,7 +66,7 @@ class JobTemplate(BaseModel):
     kind: TemplateKind
     target: str = Field(min_length=1, max_length=4096, description="With {run}, {step} and {name} (the source's "
                         "last path segment), e.g. s3://bucket/exports/{run}/{step}.")
-    options: JobOptions = Field(default_factory=JobOptions)  # type: ignore[valid-type]
+    options: JobOptions = Field(default_factory=JobOptions)
 
 
 class RuleSpec(BaseModel):
@@ -165,7 +168,7 @@ class Rules:
             raise InvalidRequest("job.target: outputs would land where the pattern looks; write them elsewhere",
                                  "job.target")
         example = re.sub(r"\[[^\]/]*\]|[*?]", "x", spec.pattern)  # a path the pattern would match
-        options = spec.job.options.model_copy(update={"overwrite": True})  # type: ignore[attr-defined]
+        options = spec.job.options.model_copy(update={"overwrite": True})
         self.service.normalise(JobSpec(kind=spec.job.kind, source=example, target=probe, options=options,
                                        callback_url=None))
         rule_id, now = new_id("rule"), time.time()
@@ -186,7 +189,7 @@ class Rules:
         counts = {r["state"]: r["n"] for r in self.store.query(
             "SELECT state, COUNT(*) AS n FROM rule_triggers WHERE rule_id = ? GROUP BY state", (row["id"],))}
         return RuleView(id=row["id"], spec=RuleSpec.model_validate_json(row["spec"]), paused=bool(row["paused"]),
-                        created_by=row["created_by"], created_at=when(row["created_at"]),  # type: ignore[arg-type]
+                        created_by=row["created_by"], created_at=when(row["created_at"]),
                         triggers=counts, skipped=self._skipped.get(row["id"], {}),
                         last_error=self._failed.get(row["id"]))
 
@@ -462,7 +465,7 @@ def _fixed_part(pattern: str) -> str:
 
 def _trigger(row: Any) -> TriggerView:
     return TriggerView(rule_id=row["rule_id"], uri=row["uri"], checkpoint_id=row["checkpoint_id"], state=row["state"],
-                       job_id=row["job_id"], detail=row["detail"], claimed_at=when(row["claimed_at"]))  # type: ignore[arg-type]
+                       job_id=row["job_id"], detail=row["detail"], claimed_at=when(row["claimed_at"]))
 
 
 class Scheduler(ContextThread):
