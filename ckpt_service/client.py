@@ -20,7 +20,7 @@ DEFAULT_SERVER = "http://127.0.0.1:8080"
 
 def parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(event, data) pairs from a text/event-stream; comments and `retry:` lines are skipped."""
-    event, data = "message", []
+    event, data = "message", list[str]()
     for line in lines:
         if line == "":
             if data:

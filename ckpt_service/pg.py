@@ -33,13 +33,14 @@ def _psycopg() -> Any:
     return psycopg, psycopg_pool
 
 
-class Row(dict):  # type: ignore[type-arg]
+class Row(dict[str, Any]):
     """A row by column name (`row["id"]`) and by position (`row[0]`)."""
 
-    __slots__ = ("values",)
+    __slots__ = ("cells",)  # not `values`, which would hide dict.values()
+    cells: Sequence[Any]
 
     def __getitem__(self, key: Any) -> Any:
-        return self.values[key] if isinstance(key, int) else dict.__getitem__(self, key)
+        return self.cells[key] if isinstance(key, int) else dict.__getitem__(self, key)
 
 
 def row_factory(cursor: Any) -> Any:
@@ -47,7 +48,7 @@ def row_factory(cursor: Any) -> Any:
 
     def make(values: Sequence[Any]) -> Row:
         row = Row(zip(names, values))
-        row.values = values
+        row.cells = values
         return row
     return make
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import time
 from collections import deque
@@ -209,9 +210,9 @@ class Registry:
         down = self._walk(checkpoint_id, "SELECT child_id AS next, job_id FROM lineage WHERE parent_id = ?")
         return LineageView(checkpoint=root, ancestors=up, descendants=down)
 
-    def _walk(self, start: str, sql: str) -> list[LineageEdge]:
+    def _walk(self, start: str, sql: str) -> builtins.list[LineageEdge]:  # `list` here is the method above
         """Breadth-first, each checkpoint once (so cycles end), at most MAX_LINEAGE entries."""
-        seen, edges = {start}, []
+        seen, edges = {start}, builtins.list[LineageEdge]()
         todo: deque[tuple[str, int]] = deque([(start, 0)])
         while todo and len(edges) < MAX_LINEAGE:
             node, depth = todo.popleft()

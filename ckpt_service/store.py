@@ -275,7 +275,7 @@ class JobStore:
                   before: int | None = None) -> tuple[list[JobRecord], int | None, list[str]]:
         """Newest first; returns (jobs, seq to pass as `before` for the next page or None, ids of jobs on this
         page whose stored rows cannot be read)."""
-        where, params = ["1 = 1"], []
+        where, params = ["1 = 1"], list[str | int]()
         for column, value in (("state", state), ("kind", kind)):
             if value is not None:
                 where.append(f"{column} = ?")
