@@ -15,8 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from converters import CkptError, SourceError, VerifyError, storage
-from converters.names import tmp_prefix
+from converters import CkptError, SourceError, VerifyError, storage, tmp_prefix
 
 from . import logs, roots
 from .helpers import remove_tree
@@ -54,7 +53,7 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
     from .job_kinds import kind_of
 
     if getattr(request, "tag", None) is not None or getattr(request, "weights", None) is not None:
-        from converters.formats.deepspeed import source_for
+        from converters import deepspeed_source as source_for
 
         source, fmt = source_for(source, request.source_format, request.tag, request.weights)  # type: ignore[attr-defined]
         request = request.model_copy(update={"source_format": fmt, "tag": None, "weights": None})
@@ -89,8 +88,7 @@ def verify_call(request: VerifyRequest, source: str, target: str | None) -> Engi
 
 
 def reshard_call(request: ReshardRequest, source: str, target: str | None) -> EngineCall:
-    from converters import ReshardOptions, reshard
-    from converters.layouts import parse_dim_rules
+    from converters import ReshardOptions, parse_dim_rules, reshard
 
     options = ReshardOptions(world_size=request.world_size, layout=request.layout,
                              dim_rules=parse_dim_rules(request.shard_dim_rule), keys=key_options(request),
@@ -181,7 +179,7 @@ def inspection(uri: str, source_format: str | None, tensors: bool, complete: boo
     """What an inspecting job process prints (sandbox.py): `{"summary": …}`, or `{"error": {"type", "message"}}`
     with one line naming the file. `complete` reads as rules do: no unfinished upload, every file as long as
     the metadata says. Any failure while reading is the checkpoint's: it never escapes as a traceback."""
-    from converters.formats import load_index
+    from converters import load_index
 
     from .summary import summarize
 

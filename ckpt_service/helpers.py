@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converters.output import remove_tree
+from converters import remove_tree
 
 __all__ = ["free_port", "remove_tree"]
 

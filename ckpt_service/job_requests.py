@@ -29,9 +29,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from converters import READERS, CkptError, dtypes
-from converters.api import DEFAULT_SHARD_SIZE
-from converters.copier import DEFAULT_MEMORY_LIMIT
+from converters import DEFAULT_MEMORY_LIMIT, DEFAULT_SHARD_SIZE, READERS, CkptError, dtypes
 
 from .units import parse_size
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from converters.pathsafety import has_control, segments_below
+from converters import has_control, segments_below
 
 from .errors import InvalidRequest, OutsideRoots
 

@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from converters.config import ContextThread
-from converters.errors import CkptError
+from converters import CkptError, ContextThread
 
 from . import logs, roots, sandbox
 from .auth import Principal

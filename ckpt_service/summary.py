@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from converters import CkptError, storage
+from converters import CheckpointIndex, CkptError, index_kinds, storage
 from converters import dtypes as dt
-from converters.classify import index_kinds
-from converters.index import CheckpointIndex
 
 
 def rank_bytes(index: CheckpointIndex) -> dict[str, int]:

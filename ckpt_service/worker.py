@@ -56,8 +56,8 @@ def confine(settings: Settings) -> None:
     job processes are: defence in depth, since they leave reading checkpoints to job processes. Call it from
     the process's main thread before the server starts: the engine config it installs reaches the API's
     requests (asyncio tasks and their worker threads copy the context) and the threads made from it."""
+    from converters import install_config as install
     from converters import storage
-    from converters.config import install
 
     install(settings.engine_config())
     storage.confine_reads([str(r) for r in (*settings.read_locations, *settings.write_locations)])
@@ -108,7 +108,7 @@ class JobRunner(threading.Thread):
                                str(s.progress_seconds), "--max-bytes-per-second", str(s.job_max_bytes_per_second))
 
     def run(self) -> None:
-        from converters.config import use
+        from converters import use_config as use
 
         try:
             with use(self.pool.engine):  # cleaning a target reads and lists under the service's confinement
@@ -253,7 +253,7 @@ class WorkerPool:
     # -- the scheduler loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        from converters.config import use
+        from converters import use_config as use
 
         with use(self.engine):
             self._schedule()

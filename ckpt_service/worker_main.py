@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.setup(args.log_level)
     from converters import EngineConfig
-    from converters.config import use
+    from converters import use_config as use
 
     config = EngineConfig.from_env() if args.engine_config is None else EngineConfig.from_json(args.engine_config)
     allowed = None

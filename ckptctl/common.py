@@ -134,7 +134,7 @@ def engine_config(ray: str | None = None) -> Iterator[Any]:
     """Run the block under the engine config the `CKPT_*` variables describe, with `--ray ADDRESS` applied
     (a bad variable is one line naming it: run this inside `errors()`)."""
     from converters import EngineConfig
-    from converters.config import use
+    from converters import use_config as use
 
     config = EngineConfig.from_env()
     if ray:

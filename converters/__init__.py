@@ -22,32 +22,51 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import ConvertOptions, ConvertResult, convert, inspect, verify
-    from .config import EngineConfig, PickleLimits
-    from .copier import Progress
+    from . import dtypes, storage
+    from .api import DEFAULT_SHARD_SIZE, ConvertOptions, ConvertResult, convert, inspect, verify
+    from .classify import index_kinds
+    from .config import ContextThread, EngineConfig, PickleLimits
+    from .config import install as install_config
+    from .config import use as use_config
+    from .copier import DEFAULT_MEMORY_LIMIT, Progress
     from .formats import READERS, detect, load_index, register_format
     from .formats.base import BaseReader
+    from .formats.deepspeed import source_for as deepspeed_source
     from .index import CheckpointIndex
+    from .layouts import parse_dim_rules
+    from .names import tmp_prefix
+    from .output import remove_tree
+    from .pathsafety import has_control, segments_below
     from .reshard import ReshardOptions, ReshardResult, reshard
     from .transforms import KeyOptions
     from .verify import VerifyReport
     from .writers import WRITERS
 
-#: public name -> the module (relative to this package) that defines it
-_LAZY = {
+#: public name -> the module (relative to this package) that defines it, or (module, name there) when the public
+#: name says more than the module's own; the public modules (`storage`: URIs and filesystems, `dtypes`: dtype
+#: names) are in _MODULES
+_LAZY: dict[str, str | tuple[str, str]] = {
     "ConvertOptions": "api", "ConvertResult": "api", "convert": "api", "inspect": "api", "verify": "api",
-    "EngineConfig": "config", "PickleLimits": "config",
-    "Progress": "copier", "READERS": "formats", "detect": "formats", "load_index": "formats",
-    "register_format": "formats", "BaseReader": "formats.base", "CheckpointIndex": "index",
+    "DEFAULT_SHARD_SIZE": "api", "index_kinds": "classify",
+    "ContextThread": "config", "EngineConfig": "config", "PickleLimits": "config",
+    "install_config": ("config", "install"), "use_config": ("config", "use"),
+    "DEFAULT_MEMORY_LIMIT": "copier", "Progress": "copier",
+    "READERS": "formats", "detect": "formats", "load_index": "formats", "register_format": "formats",
+    "BaseReader": "formats.base", "deepspeed_source": ("formats.deepspeed", "source_for"),
+    "CheckpointIndex": "index", "parse_dim_rules": "layouts", "tmp_prefix": "names", "remove_tree": "output",
+    "has_control": "pathsafety", "segments_below": "pathsafety",
     "ReshardOptions": "reshard", "ReshardResult": "reshard", "reshard": "reshard", "KeyOptions": "transforms",
     "VerifyReport": "verify", "WRITERS": "writers",
 }
+_MODULES = ("dtypes", "storage")
 
 __all__ = [
-    "READERS", "WRITERS", "BaseReader", "CheckpointIndex", "CkptError", "ConvertOptions", "ConvertResult",
-    "EngineConfig", "FormatError", "KeyOptions", "OptionError", "PickleLimits", "Progress", "ReshardOptions",
-    "ReshardResult", "SourceError", "TargetError", "UnsafePickleError", "VerifyError", "VerifyReport", "convert",
-    "detect", "inspect", "load_index", "register_format", "reshard", "verify",
+    "DEFAULT_MEMORY_LIMIT", "DEFAULT_SHARD_SIZE", "READERS", "WRITERS", "BaseReader", "CheckpointIndex",
+    "CkptError", "ContextThread", "ConvertOptions", "ConvertResult", "EngineConfig", "FormatError", "KeyOptions",
+    "OptionError", "PickleLimits", "Progress", "ReshardOptions", "ReshardResult", "SourceError", "TargetError",
+    "UnsafePickleError", "VerifyError", "VerifyReport", "convert", "deepspeed_source", "detect", "dtypes",
+    "has_control", "index_kinds", "inspect", "install_config", "load_index", "parse_dim_rules", "register_format",
+    "remove_tree", "reshard", "segments_below", "storage", "tmp_prefix", "use_config", "verify",
 ]
 
 
@@ -65,10 +84,13 @@ sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:  # not a public name: `from converters import storage` goes on to import the submodule
+    if name in _MODULES:
+        return import_module(f".{name}", __name__)  # the import system binds it as this package's attribute
+    where = _LAZY.get(name)
+    if where is None:  # not a public name: `from converters import writers` goes on to import the submodule
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
+    module, attr = (where, name) if isinstance(where, str) else where
+    value = getattr(import_module(f".{module}", __name__), attr)
     globals()[name] = value  # later look-ups skip this function
     return value
 

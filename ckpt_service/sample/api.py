@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from converters.output import remove_tree
+from converters import remove_tree
 
 from .launch import run_staged
 from .layouts import ENGINE, LAYOUTS, check_layout, expected_files
