@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +152,8 @@ def _save_hf_dcp(t: Trained, out: Path) -> None:
     # the other DCP layouts do, and give the second one its own copy.
     seen: set[int] = set()
     for key, value in msd.items():
+        if not isinstance(value, torch.Tensor):
+            continue  # a model state dict holds tensors (a DTensor is one) only
         local = value.to_local() if isinstance(value, DTensor) else value
         ptr = local.untyped_storage().data_ptr()
         if ptr in seen and local.numel() > 0:
@@ -232,7 +234,7 @@ def _save_safetensors(t: Trained, out: Path) -> None:
 # --- FSDP1 layouts ---------------------------------------------------------------------------------
 
 
-def _fsdp1_sharded(t: Trained) -> Iterator[None]:
+def _fsdp1_sharded(t: Trained) -> AbstractContextManager[None]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
 

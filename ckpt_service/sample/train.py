@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layouts import Trained, save_layout
-from .model import Block, SampleConfig, build_model, next_token_loss
+from .model import Block, SampleConfig, SampleModel, build_model, next_token_loss
 
 LR = 1e-2
 SEQ = 17
@@ -77,14 +77,14 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Ten
     optim.zero_grad(set_to_none=True)  # no gradient memory held while saving
 
 
-def shard(model: nn.Module, engine: str, world_size: int) -> nn.Module:
+def shard(model: SampleModel, engine: str, world_size: int) -> nn.Module:
     """FSDP2 (fully_shard per block, then the root) or FSDP1 (one unit per block, use_orig_params)."""
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world_size,))
-        for block in model.layers:  # type: ignore[union-attr]
+        for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
@@ -224,8 +224,8 @@ def worker(rank: int, job: Job) -> None:
 def _untrained(rank: int, job: Job) -> nn.Module:
     """FSDP2 model whose shards are initialised in place: no rank ever holds the full model."""
     with torch.device("meta"):
-        model = build_model(job.cfg, job.seed, DTYPES[job.dtype])
-    model = shard(model, job.engine, job.world_size)
+        built = build_model(job.cfg, job.seed, DTYPES[job.dtype])
+    model = shard(built, job.engine, job.world_size)
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(job.seed * 7919 + 31 * rank + 7)
     with torch.no_grad():
@@ -254,6 +254,7 @@ def _make(rank: int, job: Job) -> None:
     # torch.compile only wraps (the compiled forward never runs): training goes through the inner
     # module, state dicts through the wrapper, whose keys then carry `_orig_mod.`.
     sd_module = torch.compile(model) if job.compile_prefix else model
+    assert isinstance(sd_module, nn.Module)  # torch.compile of a module is a module (OptimizedModule)
     train_step(model, optim, first_batch(job.cfg, job.seed, rank))
     log("trained")
 
@@ -292,7 +293,7 @@ def _load(rank: int, job: Job) -> None:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=job.ckpt_dir)
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)  # loaded in place
     else:
         msd = get_model_state_dict(model)
         dcp.load({"model": msd} if nested else msd, checkpoint_id=job.ckpt_dir)
