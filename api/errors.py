@@ -99,8 +99,9 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(se.ServiceError, _known)  # type: ignore[arg-type]
-    app.add_exception_handler(ce.CkptError, _known)  # type: ignore[arg-type]
+    app.add_exception_handler(se.ServiceError, _known)
+    app.add_exception_handler(ce.CkptError, _known)
+    # Starlette types a handler as taking any Exception; these take the one class they are registered for
     app.add_exception_handler(RequestValidationError, _validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
