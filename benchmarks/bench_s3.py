@@ -23,8 +23,8 @@ grown by gigabytes slows the whole machine, and the runs late in a shared server
   columns mean nothing).
 
 Each run is a worker subprocess that times only the engine call (everything is synced between runs, so that
-no run writes back another's local output) (`converters.api.convert` /
-`converters.reshard.reshard`; interpreter start-up and imports are not counted) and reports the engine's
+no run writes back another's local output) (`converters.convert` /
+`converters.reshard`; interpreter start-up and imports are not counted) and reports the engine's
 RangeReader counters (bytes fetched / bytes needed), its CPU seconds and the server's, and its memory: RSS
 before the call and peak RSS (`ru_maxrss`: resident anonymous and file-backed pages of the process, imports
 included), and the difference, which is what the run itself added. Throughput is source bytes (every
@@ -89,9 +89,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     """Run one case (`op` from `source` to `target`) in this process; time and counters as a dict."""
     import converters.writers.dcp
     import converters.zipwriter
-    from converters import storage
-    from converters.api import ConvertOptions, convert
-    from converters.reshard import ReshardOptions, reshard
+    from converters import ConvertOptions, ReshardOptions, convert, reshard, storage
     from converters.transforms import KeyOptions
 
     fixed = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=0x5EED))  # DCP's random ids, pinned

@@ -51,7 +51,7 @@ def parse_size(text: str) -> int:
 
 def driver(source: str, target: str, address: str, dtype: str, shard_size: int) -> None:
     """One export in this process; prints its numbers as JSON (the parent measures the rest)."""
-    from converters.api import ConvertOptions, convert
+    from converters import ConvertOptions, convert
     from converters.config import EngineConfig
     from converters.plan import Execution
     from converters.transforms import KeyOptions

@@ -1,6 +1,6 @@
 """`ckptctl`: inspect, convert, export, verify, reshard and sample checkpoints from the shell (`offline`),
-queue the same as jobs on a server (`client`), manage checkpoints there (`manage`: tags, aliases, runs,
-rules, retention and GC), and run the service (`service`).
+queue the same as jobs on a server (`remote`), manage checkpoints there (`manage`: tags, aliases, runs,
+rules, retention and GC), and run the service (`serving`).
 
 The job commands and their flags come from the job kinds' declarations (`ckpt_service.job_kinds`) and
 their request models (`ckpt_service.job_requests`). Nothing here
@@ -25,7 +25,7 @@ from . import common
 __all__ = ["app", "main"]
 
 #: the modules that register commands on `common.app`, in this order
-MODULES = ("offline", "client", "manage", "service")
+MODULES = ("offline", "remote", "manage", "serving")
 #: the commands `offline` registers: one per job kind, and `sample`
 OFFLINE_COMMANDS = frozenset({*names(), "sample"})
 

@@ -13,8 +13,8 @@ from ckpt_service.client import DEFAULT_SERVER, ServiceClient
 from ckpt_service.job_kinds import names
 from ckpt_service.units import human
 
-from .client import Ref, Server, Token, as_uri, checkpoints_app, connect
 from .common import AsJson, app, fail, make_table, out, shown
+from .remote import Ref, Server, Token, as_uri, checkpoints_app, connect
 
 
 def get(client: ServiceClient, path: str, **params: Any) -> Any:

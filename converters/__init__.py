@@ -6,9 +6,7 @@ package; every other name loads its module on first use (PEP 562), so that a com
 
 from __future__ import annotations
 
-import sys
 from importlib import import_module
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -23,7 +21,6 @@ from .errors import (
 
 if TYPE_CHECKING:
     from . import dtypes, storage
-    from .api import DEFAULT_SHARD_SIZE, ConvertOptions, ConvertResult, convert, inspect, verify
     from .classify import index_kinds
     from .config import ContextThread, EngineConfig, PickleLimits
     from .config import install as install_config
@@ -35,19 +32,20 @@ if TYPE_CHECKING:
     from .index import CheckpointIndex
     from .layouts import parse_dim_rules
     from .names import tmp_prefix
+    from .operations import DEFAULT_SHARD_SIZE, ConvertOptions, ConvertResult, convert, inspect, verify
     from .output import remove_tree
     from .pathsafety import has_control, segments_below
-    from .reshard import ReshardOptions, ReshardResult, reshard
+    from .resharding import ReshardOptions, ReshardResult, reshard
     from .transforms import KeyOptions
-    from .verify import VerifyReport
+    from .verification import VerifyReport
     from .writers import WRITERS
 
 #: public name -> the module (relative to this package) that defines it, or (module, name there) when the public
 #: name says more than the module's own; the public modules (`storage`: URIs and filesystems, `dtypes`: dtype
 #: names) are in _MODULES
 _LAZY: dict[str, str | tuple[str, str]] = {
-    "ConvertOptions": "api", "ConvertResult": "api", "convert": "api", "inspect": "api", "verify": "api",
-    "DEFAULT_SHARD_SIZE": "api", "index_kinds": "classify",
+    "ConvertOptions": "operations", "ConvertResult": "operations", "convert": "operations",
+    "inspect": "operations", "verify": "operations", "DEFAULT_SHARD_SIZE": "operations", "index_kinds": "classify",
     "ContextThread": "config", "EngineConfig": "config", "PickleLimits": "config",
     "install_config": ("config", "install"), "use_config": ("config", "use"),
     "DEFAULT_MEMORY_LIMIT": "copier", "Progress": "copier",
@@ -55,8 +53,8 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "BaseReader": "formats.base", "deepspeed_source": ("formats.deepspeed", "source_for"),
     "CheckpointIndex": "index", "parse_dim_rules": "layouts", "tmp_prefix": "names", "remove_tree": "output",
     "has_control": "pathsafety", "segments_below": "pathsafety",
-    "ReshardOptions": "reshard", "ReshardResult": "reshard", "reshard": "reshard", "KeyOptions": "transforms",
-    "VerifyReport": "verify", "WRITERS": "writers",
+    "ReshardOptions": "resharding", "ReshardResult": "resharding", "reshard": "resharding",
+    "KeyOptions": "transforms", "VerifyReport": "verification", "WRITERS": "writers",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -68,19 +66,6 @@ __all__ = [
     "has_control", "index_kinds", "inspect", "install_config", "load_index", "parse_dim_rules", "register_format",
     "remove_tree", "reshard", "segments_below", "storage", "tmp_prefix", "use_config", "verify",
 ]
-
-
-class _Package(ModuleType):
-    """`verify` and `reshard` name both a submodule and a public function: the function wins, as it did when
-    this package imported everything at once, so the import system's binding of the submodule is skipped."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if _LAZY.get(name) is not None and isinstance(value, ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -552,7 +552,7 @@ def test_whole_file_reads_stop_at_the_cap_even_when_the_size_lies(tmp_path: Path
 
 def test_confine_reads_in_process(bases: dict[str, Path], tmp_path: Path) -> None:
     """The service's hook: `storage.confine_reads(roots)` refuses a member whose real path leaves the roots."""
-    from converters import api, storage
+    from converters import operations, storage
     from converters.errors import SourceError
 
     ckpt = kit.copy_base(bases["safetensors"], tmp_path / "ckpt")
@@ -563,13 +563,13 @@ def test_confine_reads_in_process(bases: dict[str, Path], tmp_path: Path) -> Non
     storage.confine_reads([str(ckpt)])
     try:
         with pytest.raises(SourceError, match="outside the storage roots") as info:
-            api.inspect(str(ckpt))
+            operations.inspect(str(ckpt))
         assert str(outside) not in str(info.value) and "ckpt/model.safetensors" in str(info.value)
         storage.confine_reads([str(tmp_path)])
-        assert sorted(api.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
+        assert sorted(operations.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
     finally:
         storage.confine_reads(None)
-    assert sorted(api.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
+    assert sorted(operations.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
 
 
 @pytest.mark.slow

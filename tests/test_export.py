@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from converters.api import ConvertOptions, convert
+from converters import ConvertOptions, convert
 
 from .conftest import FSDP1_LAYOUTS, FSDP2_LAYOUTS, Sample, assert_same_tensors, ckptctl
 

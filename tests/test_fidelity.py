@@ -324,7 +324,7 @@ def test_verify_fails_when_the_consumer_cannot_load_the_output(fmt: str, tmp_pat
     from converters import storage
     from converters.formats import load_index
     from converters.transforms import KeyOptions, apply
-    from converters.verify import verify_output
+    from converters.verification import verify_output
 
     src = tmp_path / "titan"
     save_titan(src, "flat")

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from converters import api
+import converters
 from converters.errors import CkptError
 
 from . import attack_kit as kit
@@ -195,8 +195,8 @@ def _run(source: Path, target: Path) -> dict[str, torch.Tensor] | None:
     from safetensors.torch import load_file
 
     try:
-        api.inspect(str(source))
-        api.convert(str(source), str(target))
+        converters.inspect(str(source))
+        converters.convert(str(source), str(target))
     except CkptError:
         return None
     files = [target] if target.is_file() else sorted(target.glob("*.safetensors"))

@@ -33,7 +33,7 @@ def test_inspect_reports_layout(fsdp2: dict[str, Sample], fsdp1: dict[str, Sampl
 
 
 def test_inspect_does_not_import_torch(fsdp2: dict[str, Sample]) -> None:
-    code = ("import sys; from ckptctl import app; from converters.api import inspect; "
+    code = ("import sys; from ckptctl import app; from converters import inspect; "
             f"inspect({str(fsdp2['fsdp2-dcp'].path)!r}); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

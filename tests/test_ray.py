@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from converters.api import ConvertOptions, convert
+from converters import ConvertOptions, ReshardOptions, convert, reshard
 from converters.config import EngineConfig
 from converters.output import MANIFEST
 from converters.plan import Execution
-from converters.reshard import ReshardOptions, reshard
 from converters.transforms import KeyOptions
 
 from .conftest import ckptctl

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ckpt_service.sample import load_and_step, make_samples
+from converters import ReshardOptions, reshard
 from converters.layouts import chunk_bounds
-from converters.reshard import ReshardOptions, reshard
 from converters.transforms import KeyOptions
 
 from .conftest import Sample, Samples, assert_same_tensors, ckptctl
@@ -178,7 +178,7 @@ def test_more_ranks_than_rows_and_dtype_rules(fsdp2: dict[str, Sample], tmp_path
                    "--verify")
     assert "fewer rows than 64 ranks" in proc.stderr
     check_rank_files(out, 64)
-    from converters.api import verify
+    from converters import verify
 
     report = verify(str(src.path), str(out), keys=KeyOptions(only="optim", nest=False))
     assert report.ok  # optimizer state is not cast without --dtype-optim

@@ -31,12 +31,10 @@ import torch
 from botocore.exceptions import ClientError
 from safetensors.torch import load as load_safetensors
 
-from converters import storage
-from converters.api import ConvertOptions, convert
-from converters.api import verify as verify_api
+from converters import ConvertOptions, ReshardOptions, convert, reshard, storage
+from converters import verify as verify_api
 from converters.errors import SourceError
 from converters.formats import load_index
-from converters.reshard import ReshardOptions, reshard
 from converters.transforms import KeyOptions
 
 from .conftest import Sample, Samples, assert_same_tensors, ckptctl

@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from converters import storage, tensorio, upload
-from converters.api import ConvertOptions, convert
+from converters import ConvertOptions, convert, storage, tensorio, upload
 from converters.config import EngineConfig, use
 from converters.errors import FormatError, SourceError, TargetError
 from converters.formats import load_index
@@ -378,7 +377,7 @@ def test_reshard_from_s3_fetches_each_record_once_and_equals_the_local_one(
 
     import converters.writers.dcp
     import converters.zipwriter
-    from converters.reshard import ReshardOptions, reshard
+    from converters import ReshardOptions, reshard
 
     fixed = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=0x5EED))
     monkeypatch.setattr(converters.writers.dcp, "uuid", fixed)
@@ -413,7 +412,7 @@ def test_a_remote_source_is_listed_once_per_command_and_a_missing_file_still_nam
     but the listing lacks is still refused, naming it."""
     from s3fs import S3FileSystem
 
-    from converters.reshard import ReshardOptions, reshard
+    from converters import ReshardOptions, reshard
 
     src = s3.upload(dcp_source, "run/step_1")
     key = src.split("://", 1)[1].split("/", 1)[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from converters.api import verify
+from converters import verify
 from converters.transforms import KeyOptions
 
 from .service_harness import Server, Tokens, make_server

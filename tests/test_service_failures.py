@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ckpt_service.worker import pid_alive
-from converters.api import verify
+from converters import verify
 from converters.transforms import KeyOptions
 
 from .service_harness import Server, job_spec, leftovers, make_server, wait_for

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from converters.api import verify
+from converters import verify
 from converters.transforms import KeyOptions
 
 from .pg_server import STORES, store_env

@@ -13,7 +13,7 @@ import pytest
 
 from ckpt_service.store import JobStore
 from ckpt_service.worker import pid_alive
-from converters.api import verify
+from converters import verify
 from converters.transforms import KeyOptions
 
 from .service_harness import job_spec, leftovers, make_server, wait_for

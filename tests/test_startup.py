@@ -28,7 +28,7 @@ SERVICE = {"ckpt_service.jobs", "ckpt_service.store", "ckpt_service.registry", "
            "ckpt_service.worker", "ckpt_service.settings", "ckpt_service.auth", "ckpt_service.webhooks",
            "ckpt_service.catalog"}
 #: what an offline command with -q leaves alone on top: the other command modules, progress bars, rich help
-NOT_OFFLINE = {"ckptctl.client", "ckptctl.manage", "ckptctl.service", "rich.progress",
+NOT_OFFLINE = {"ckptctl.remote", "ckptctl.manage", "ckptctl.serving", "rich.progress",
                "typer.rich_utils"}
 
 #: the torch and DCP writers (pickle and zip), which an export to safetensors never loads
@@ -111,7 +111,7 @@ def test_help_lists_every_command_without_the_service_stack() -> None:
     assert heavy_in(got["modules"]) == []
     assert got["commands"] == sorted(typer.main.get_command(app).commands)  # every command, as the package has them
     assert {"submit", "jobs", "serve", "worker", "checkpoints"} | OFFLINE_COMMANDS <= set(got["commands"])
-    assert {"ckptctl.client", "ckptctl.manage", "ckptctl.service"} <= set(got["modules"])
+    assert {"ckptctl.remote", "ckptctl.manage", "ckptctl.serving"} <= set(got["modules"])
 
 
 def test_importing_converters_loads_only_its_errors() -> None:
@@ -120,13 +120,14 @@ def test_importing_converters_loads_only_its_errors() -> None:
     assert proc.stdout.strip() == "['converters', 'converters.errors']"
 
 
-def test_converters_public_names_resolve_and_functions_win_over_submodules() -> None:
-    import converters.reshard  # binds the submodules on the package, the way any importer would
-    import converters.verify
-    from converters import api, formats
+def test_converters_public_names_resolve_and_name_no_submodule() -> None:
+    import converters.resharding  # binds the submodules on the package, the way any importer would
+    import converters.verification
+    from converters import formats, operations
 
-    assert converters.reshard is sys.modules["converters.reshard"].reshard and converters.verify is api.verify
-    assert converters.inspect is api.inspect and converters.READERS is formats.READERS
+    assert converters.reshard is converters.resharding.reshard and converters.verify is operations.verify
+    assert converters.VerifyReport is converters.verification.VerifyReport
+    assert converters.inspect is operations.inspect and converters.READERS is formats.READERS
     assert all(getattr(converters, name) is not None for name in converters.__all__)
     assert set(converters.__all__) <= set(dir(converters))
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):

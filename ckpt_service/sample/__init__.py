@@ -9,7 +9,7 @@ guard its top level with ``if __name__ == "__main__":`` (pytest and ``python -c`
 Set ``CKPT_SAMPLE_DEBUG=1`` to have every rank print its phases, seconds and memory.
 """
 
-from .api import load_and_step, make_recorded_sample, make_sample, make_samples, recorded_options
+from .build import load_and_step, make_recorded_sample, make_sample, make_samples, recorded_options
 from .layouts import ENGINE, LAYOUTS, expected_files
 from .model import SampleConfig, SampleModel, config_for_size
 

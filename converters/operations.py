@@ -22,7 +22,7 @@ from .output import open_output
 from .plan import Execution, PartResult, execute
 from .sidefiles import CONFIG, SideFiles, collect
 from .transforms import KeyOptions, apply
-from .verify import VerifyReport, find_tie, verify_indexes, verify_output
+from .verification import VerifyReport, find_tie, verify_indexes, verify_output
 from .writers import WRITERS
 
 OutputFormat = Literal["safetensors", "torch"]

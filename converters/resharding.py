@@ -22,7 +22,7 @@ from .layouts import make_layout
 from .output import Output, open_output
 from .plan import Execution, PartResult, execute
 from .transforms import KeyOptions, apply
-from .verify import VerifyReport, verify_output
+from .verification import VerifyReport, verify_output
 from .writers.dcp import Piece, plan_dcp
 from .writers.objects import load_object
 
