@@ -210,7 +210,7 @@ def option_parameters(model: type[JobRequest]) -> list[inspect.Parameter]:
         text = (info.description or "") + (" Repeatable." if kind == list[str] else "") + \
             ("" if info.is_required() else default_words(model, name, kind, default))
         option = typer.Option(*flag_of(model, name).decls, help=text.strip(), show_default=False, metavar=metavar)
-        annotation = Annotated[kind if value is inspect.Parameter.empty or kind is bool else kind | None, option]
+        annotation: Any = Annotated[kind if value is inspect.Parameter.empty or kind is bool else kind | None, option]
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value, annotation=annotation))
     return params
 
