@@ -12,7 +12,7 @@ import hmac
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from .errors import Forbidden, Unauthorized
 
@@ -55,7 +55,7 @@ def parse_entry(text: str) -> TokenEntry:
     if not match:
         # never echo the entry: it may be a raw token pasted by mistake
         raise ValueError("token entries look like NAME:SCOPE:sha256:HEX (make one with `ckptctl token create`)")
-    scope: Scope = match.group("scope")  # type: ignore[assignment]
+    scope = cast(Scope, match.group("scope"))  # _ENTRY matches the three scopes only
     return TokenEntry(match.group("name") or scope, scope, match.group("hex"))
 
 

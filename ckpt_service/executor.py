@@ -52,10 +52,11 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
     the report."""
     from .job_kinds import kind_of
 
-    if getattr(request, "tag", None) is not None or getattr(request, "weights", None) is not None:
+    tag, weights = getattr(request, "tag", None), getattr(request, "weights", None)
+    if tag is not None or weights is not None:
         from converters import deepspeed_source as source_for
 
-        source, fmt = source_for(source, request.source_format, request.tag, request.weights)  # type: ignore[attr-defined]
+        source, fmt = source_for(source, getattr(request, "source_format", None), tag, weights)
         request = request.model_copy(update={"source_format": fmt, "tag": None, "weights": None})
     return kind_of(request.kind).engine(request, source, target)
 

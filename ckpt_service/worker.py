@@ -13,6 +13,7 @@ outcome is retried (up to the job's `max_attempts`) or failed with the reason.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -123,7 +124,8 @@ class JobRunner(threading.Thread):
         store, s, job = self.pool.store, self.pool.settings, self.job
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=process_env(s))
-        joblogs.LogCapture(s.data_dir, job.id, self.attempt, self.proc.stdout).start()  # type: ignore[arg-type]
+        assert isinstance(self.proc.stdout, io.BufferedReader)  # stdout=PIPE, buffered
+        joblogs.LogCapture(s.data_dir, job.id, self.attempt, self.proc.stdout).start()
         store.set_pid(job.id, self.attempt, self.proc.pid)
         logs.event("job.process_started", job_id=job.id, attempt=self.attempt, pid=self.proc.pid,
                    worker=self.pool.id)
