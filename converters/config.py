@@ -244,7 +244,7 @@ class ContextThread(threading.Thread):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         context, run = copy_context(), self.run
-        self.run = lambda: context.run(run)  # type: ignore[method-assign]
+        self.run = lambda: context.run(run)  # type: ignore[method-assign]  # this instance's run, wrapped
 
 
 _P = ParamSpec("_P")
@@ -256,4 +256,9 @@ class ContextPool(ThreadPoolExecutor):
     task is the config of the call that queued it, as it would be without the pool)."""
 
     def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
-        return super().submit(copy_context().run, fn, *args, **kwargs)  # type: ignore[arg-type]
+        context = copy_context()
+
+        def in_context() -> _R:
+            return context.run(fn, *args, **kwargs)
+
+        return super().submit(in_context)

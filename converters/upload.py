@@ -189,8 +189,9 @@ class MultipartWriter:
 
     def _raise_failed(self) -> None:
         for future in [self.create, *self.parts]:
-            if future is not None and future.done() and future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
+            error = future.exception() if future is not None and future.done() else None
+            if error is not None:
+                raise error
 
     async def _create(self) -> str:
         """Start the multipart upload (in the loop's thread, which Ctrl-C never interrupts). An interrupt can

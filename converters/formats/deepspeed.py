@@ -208,7 +208,7 @@ class DeepSpeedReader(BaseReader):
                               uri=folder)
         if stage != 3 and model_file is None:
             raise FormatError(f"{folder}: mp_rank_00_model_states.pt is missing; copy it from the save", uri=folder)
-        model = models[0] if stage == 3 else self._archive(model_file)  # type: ignore[arg-type]
+        model = models[0] if stage == 3 else self._archive(model_file)  # type: ignore[arg-type]  # set: checked above
         state = model.obj
         index.world_size = world
         index.files = sorted(storage.basename(p) for p in [*optim_files.values(), *model3_files.values(),
