@@ -21,6 +21,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from . import dtypes, storage
+    from .adapters import export_adapter, export_merged
     from .classify import index_kinds
     from .config import ContextThread, EngineConfig, PickleLimits
     from .config import install as install_config
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .operations import DEFAULT_SHARD_SIZE, ConvertOptions, ConvertResult, convert, inspect, verify
     from .output import remove_tree
     from .pathsafety import has_control, segments_below
+    from .quantize import export_fp8
     from .resharding import ReshardOptions, ReshardResult, reshard
     from .transforms import KeyOptions
     from .verification import VerifyReport
@@ -55,6 +57,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "has_control": "pathsafety", "segments_below": "pathsafety",
     "ReshardOptions": "resharding", "ReshardResult": "resharding", "reshard": "resharding",
     "KeyOptions": "transforms", "VerifyReport": "verification", "WRITERS": "writers",
+    "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -65,6 +68,7 @@ __all__ = [
     "UnsafePickleError", "VerifyError", "VerifyReport", "convert", "deepspeed_source", "detect", "dtypes",
     "has_control", "index_kinds", "inspect", "install_config", "load_index", "parse_dim_rules", "register_format",
     "remove_tree", "reshard", "segments_below", "storage", "tmp_prefix", "use_config", "verify",
+    "export_adapter", "export_merged", "export_fp8",
 ]
 
 
