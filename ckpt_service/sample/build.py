@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from converters import remove_tree
 
@@ -156,13 +157,13 @@ def recorded_options(folder: PathLike) -> dict[str, object] | None:
     return None
 
 
-def make_recorded_sample(out: PathLike, options: dict[str, object], replace_existing: bool = False) -> None:
+def make_recorded_sample(out: PathLike, options: dict[str, Any], replace_existing: bool = False) -> None:
     """`make_sample(out, **options)` with the options recorded in the folder; with `replace_existing`, the
     new sample is made beside `out` and swapped in only once it is complete."""
     final = Path(out)
     staged = final.with_name(f".{final.name}.sample-{uuid.uuid4().hex[:8]}") if replace_existing else final
     try:
-        make_sample(staged, **options)  # type: ignore[arg-type]
+        make_sample(staged, **options)
         (staged / RECORD).write_text(json.dumps(options, sort_keys=True))
         if staged != final:
             remove_tree(final)
