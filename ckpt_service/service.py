@@ -83,8 +83,11 @@ class CkptService:
 
         try:
             engine_call(request, source, target)
-        except CkptError as exc:
-            raise InvalidRequest(f"options: {exc}", "options") from None
+        except CkptError as exc:  # the option it names (`option`) as the request names it
+            option = getattr(exc, "option", None)
+            field = f"options.{option}" if option else "options"
+            text = exc.said_as(field)
+            raise InvalidRequest(text if text != str(exc) else f"{field}: {exc}", field) from None
         overwrite = getattr(request, "overwrite", False)
         if spec.kind in WRITING_KINDS and not overwrite and _exists(target or "", "target"):
             raise Conflict(f"target {target} exists; replace it with options.overwrite, or choose another target",

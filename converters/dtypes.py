@@ -130,7 +130,7 @@ def cast_target(name: str | None) -> str | None:
         return None
     dtype = canonical(name)
     if dtype not in CAST_TARGETS:
-        raise OptionError(f"--dtype {name}: choose one of {', '.join(CAST_TARGETS)}")
+        raise OptionError(f"dtype {name}: choose one of {', '.join(CAST_TARGETS)}", option="dtype")
     return dtype
 
 

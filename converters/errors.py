@@ -1,6 +1,6 @@
 """One exception tree for the engine and the service. Every message names the file or key and says what to do.
 
-    CkptError                (fields: `uri`, `key`, `field` where known; picklable with them)
+    CkptError                (fields: `uri`, `key`, `field`, `option` where known; picklable with them)
     ├── SourceError          the input is missing, unreadable or not what it claims to be
     │   ├── FormatError      no known layout, or the layout is damaged (bad metadata, truncated data)
     │   └── UnsafePickleError a pickle references a class outside the allow-list
@@ -15,6 +15,11 @@ Exit codes are mapped in one table (`ckpt_service.errors.EXIT_CODES`), HTTP stat
 `field` names the option or request field an error is about, as a path into the request (`options.overwrite`,
 `target`): data, not words. Each interface renders it in its own (`ckpt_service.errors.worded`): the CLI says
 `--overwrite`, REST keeps `options.overwrite` in the message and in its error body's `fields`.
+
+`option` names the engine option an error is about by its option name (`memory_limit`), which is also the job
+request's option name; the message writes that name once, as a word, and no interface's spelling of it: the CLI
+shows its flag in its place (`--memory-limit`, `said_as`), REST keeps the name and reports `options.memory_limit`
+as the field.
 """
 
 from __future__ import annotations
@@ -57,12 +62,20 @@ def short(value: Any, limit: int = 60) -> str:
 
 
 class CkptError(Exception):
-    """Root of every error raised on purpose. `uri` and `key` name the file and the entry, `field` the option or
-    request field (`options.overwrite`), where known."""
+    """Root of every error raised on purpose. `uri` and `key` name the file and the entry, `field` the request
+    field (`options.overwrite`), `option` the engine option (`memory_limit`), where known."""
 
-    def __init__(self, *args: Any, uri: str | None = None, key: str | None = None, field: str | None = None) -> None:
+    def __init__(self, *args: Any, uri: str | None = None, key: str | None = None, field: str | None = None,
+                 option: str | None = None) -> None:
         super().__init__(*args)
-        self.uri, self.key, self.field = uri, key, field
+        self.uri, self.key, self.field, self.option = uri, key, field, option
+
+    def said_as(self, name: str) -> str:
+        """The message with its option's name, where it stands as a word, in another interface's words (`name`)."""
+        text = str(self)
+        if not self.option:
+            return text
+        return re.sub(rf"(?<![\w./-]){re.escape(self.option)}(?![\w/-])", lambda _: name, text, count=1)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # rebuilt without calling __init__, so subclasses with other constructors cross process boundaries too

@@ -38,14 +38,15 @@ class Fsdp2Layout:
             try:
                 self.rules.append((re.compile(pattern), int(dim)))
             except re.error as exc:
-                raise OptionError(f"--shard-dim-rule {pattern}={dim}: bad regular expression ({exc})") from None
+                raise OptionError(f"shard_dim_rule {pattern}={dim}: bad regular expression ({exc})",
+                                  option="shard_dim_rule") from None
 
     def dim(self, fqn: str, shape: tuple[int, ...]) -> int:
         for pattern, dim in self.rules:
             if pattern.search(fqn):
                 if not -len(shape) <= dim < len(shape):
-                    raise OptionError(f"--shard-dim-rule {pattern.pattern}={dim}: {fqn!r} has only {len(shape)} "
-                                      "dimensions")
+                    raise OptionError(f"shard_dim_rule {pattern.pattern}={dim}: {fqn!r} has only {len(shape)} "
+                                      "dimensions", option="shard_dim_rule")
                 return dim % len(shape)
         return 0
 
@@ -70,7 +71,7 @@ LAYOUTS = {"fsdp2": Fsdp2Layout}
 
 def make_layout(name: str, dim_rules: list[tuple[str, int]] | None = None) -> Layout:
     if name not in LAYOUTS:
-        raise OptionError(f"--layout {name}: choose one of {', '.join(LAYOUTS)}")
+        raise OptionError(f"layout {name}: choose one of {', '.join(LAYOUTS)}", option="layout")
     return LAYOUTS[name](dim_rules)
 
 
@@ -79,6 +80,7 @@ def parse_dim_rules(values: list[str]) -> list[tuple[str, int]]:
     for value in values:
         pattern, sep, dim = value.rpartition("=")
         if not sep or not dim.lstrip("-").isdigit():
-            raise OptionError(f"--shard-dim-rule {value!r}: expected REGEX=DIM, e.g. 'lm_head\\.weight$=1'")
+            raise OptionError(f"shard_dim_rule {value!r}: expected REGEX=DIM, e.g. 'lm_head\\.weight$=1'",
+                              option="shard_dim_rule")
         rules.append((pattern, int(dim)))
     return rules

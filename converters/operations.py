@@ -50,16 +50,16 @@ class ConvertOptions:
             raise OptionError(f"--only {self.keys.only}: an export holds model weights only; use "
                               "`convert --only all` to keep optimizer and training state")
         if self.to not in ("safetensors", "torch"):
-            raise OptionError(f"--to {self.to}: choose safetensors or torch")
+            raise OptionError(f"to {self.to}: choose safetensors or torch", option="to")
         self.dtype = dtypes.cast_target(self.dtype)
         if self.max_shard_size <= 0:
-            raise OptionError("--max-shard-size must be positive")
+            raise OptionError("max_shard_size must be positive", option="max_shard_size")
         if self.memory_limit < 1024 * 1024:
-            raise OptionError("--memory-limit must be at least 1MiB")
+            raise OptionError("memory_limit must be at least 1MiB", option="memory_limit")
         if self.to_hf is not None and self.to_hf != "llama":
-            raise OptionError(f"--to-hf {self.to_hf}: choose llama")
+            raise OptionError(f"to_hf {self.to_hf}: choose llama", option="to_hf")
         if self.config_from is not None and not self.export:
-            raise OptionError("--config-from applies to exports (their config and tokenizer files)")
+            raise OptionError("config_from applies to exports (their config and tokenizer files)", option="config_from")
         if self.to_hf and (self.to != "safetensors" or not self.keys.clean or self.keys.only != "model"):
             raise OptionError("--to-hf writes model weights as safetensors; drop --keep-keys / --only / --to")
 
@@ -91,12 +91,12 @@ def _drop_tied(index: CheckpointIndex, names: list[str], copier: Copier) -> dict
     ties: dict[str, str] = {}
     for name in names:
         if name not in index.tensors:
-            raise OptionError(f"--drop-tied {name}: no such tensor in the output; known names include "
-                              f"{', '.join(list(index.tensors)[:5])}")
+            raise OptionError(f"drop_tied {name}: no such tensor in the output; known names include "
+                              f"{', '.join(list(index.tensors)[:5])}", option="drop_tied")
         partner = find_tie(index, name, copier.reader)
         if partner is None:
-            raise OptionError(f"--drop-tied {name}: no other tensor holds the same values, so dropping it would "
-                              "lose data; leave it in")
+            raise OptionError(f"drop_tied {name}: no other tensor holds the same values, so dropping it would "
+                              "lose data; leave it in", option="drop_tied")
         ties[name] = partner
         del index.tensors[name]
     return ties
@@ -124,7 +124,7 @@ def _convert(source: str, target: str, options: ConvertOptions | None,
         hf_config = None
         if options.to_hf:
             if target.endswith(".safetensors"):
-                raise OptionError(f"--to-hf writes a folder (weights and config.json), not {target}")
+                raise OptionError(f"to_hf writes a folder (weights and config.json), not {target}", option="to_hf")
             view, hf_config, notes = _to_hf(source, options, index, view, reader)
             report += notes
         skipped = []
@@ -220,7 +220,8 @@ def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: C
 
     source_reader = open_reader(source.rstrip("/"), options.source_format or index.format, reader)
     if not hasattr(source_reader, "model_config"):
-        raise OptionError(f"--to-hf llama maps Megatron-core / NeMo GPT checkpoints; {source} is {index.format}")
+        raise OptionError(f"to_hf llama maps Megatron-core / NeMo GPT checkpoints; {source} is {index.format}",
+                          option="to_hf")
     config, where = source_reader.model_config(index)
     view, hf_config, report = to_llama(view, config, where)
     if options.dtype:

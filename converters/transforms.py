@@ -39,13 +39,13 @@ class KeyOptions:
 
     def __post_init__(self) -> None:
         if self.only not in ("model", "optim", "all"):
-            raise OptionError(f"--only {self.only}: choose model, optim or all")
+            raise OptionError(f"only {self.only}: choose model, optim or all", option="only")
         compiled = []
         for pattern, repl in self.renames:
             try:
                 compiled.append((re.compile(pattern), repl))
             except re.error as exc:
-                raise OptionError(f"--rename {pattern}={repl}: bad regular expression ({exc})") from None
+                raise OptionError(f"rename {pattern}={repl}: bad regular expression ({exc})", option="rename") from None
         self._renames = compiled
         if self.clean is None:
             self.clean = self.only != "all"
@@ -55,7 +55,7 @@ class KeyOptions:
         out = []
         for value in values:
             if "=" not in value:
-                raise OptionError(f"--rename {value!r}: expected REGEX=REPLACEMENT")
+                raise OptionError(f"rename {value!r}: expected REGEX=REPLACEMENT", option="rename")
             pattern, repl = value.split("=", 1)
             out.append((pattern, repl))
         return out

@@ -156,7 +156,7 @@ def test_detect_names_each_layout(layout: str, tmp_path: Path) -> None:
      "Point at one of the sub-folders: step1"),
     (lambda p: [torch.save(_t(), p / n) for n in ("a.pt", "b.pt")], "", r"several torch.save files \(a.pt, b.pt\)"),
     (lambda p: (p / "notes.txt").write_text("x"), "", r"no checkpoint found \(no .metadata"),
-    (lambda p: (p / "notes.txt").write_text("x"), "notes.txt", "unknown file type; pass --from with one of dcp, "),
+    (lambda p: (p / "notes.txt").write_text("x"), "notes.txt", "unknown file type; pass source_format with one of dcp"),
     (lambda p: dcp.save(_t(), checkpoint_id=str(p)), ".metadata", "point at the folder that holds .metadata"),
     (lambda p: None, "missing", "does not exist; check the path"),
 ])

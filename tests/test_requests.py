@@ -71,8 +71,9 @@ def test_key_options_map_every_field() -> None:
     keys = key_options(request)  # type: ignore[arg-type]
     assert (keys.only, keys.clean, keys.renames, keys.include, keys.exclude) == (
         "all", False, [("^layers", "blocks")], ["*.weight"], ["*.bias"])
-    with pytest.raises(OptionError, match="--rename"):
+    with pytest.raises(OptionError, match=r"^rename 'no-equals-sign': expected REGEX=REPLACEMENT$") as caught:
         key_options(build("export", {"rename": ["no-equals-sign"]}))  # type: ignore[arg-type]
+    assert caught.value.option == "rename"
 
 
 @pytest.mark.parametrize("group", ["", "submit"])

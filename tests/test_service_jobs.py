@@ -119,7 +119,7 @@ def test_validation_errors_name_the_field(env: tuple[Server, Tokens, Path, Path]
         (job_spec("reshard", source, out / "a"), 422, "options.world_size"),
         (job_spec("export", source), 422, "target"),
         ({"kind": "explode", "source": str(source)}, 422, "kind"),
-        (job_spec("export", source, out / "a", rename=["(unclosed=x"]), 422, "options"),
+        (job_spec("export", source, out / "a", rename=["(unclosed=x"]), 422, "options.rename"),
         (job_spec("export", "relative/path", out / "a"), 422, "source"),
     ]
     with server.http(tokens.write) as http:

@@ -99,7 +99,8 @@ def detect(uri: str) -> str:
     if names is None:
         if storage.basename(uri) == METADATA:
             raise FormatError(f"{uri}: point at the folder that holds .metadata, not the file itself", uri=uri)
-        raise FormatError(f"{uri}: unknown file type; pass --from with one of {', '.join(FORMATS)}", uri=uri)
+        raise FormatError(f"{uri}: unknown file type; pass source_format with one of {', '.join(FORMATS)}", uri=uri,
+                          option="source_format")
     subfolders = dcp_subfolders(uri, names)
     if subfolders:
         raise FormatError(f"{uri}: no .metadata here; this looks like the parent of DCP checkpoints. Point at "
@@ -118,7 +119,8 @@ def _refuse_layout(uri: str, names: list[str], fmt: str) -> None:
     folders = sorted(n for n in names if not n.startswith(".") and storage.isdir(storage.join(uri, n)))
     if folders:
         raise FormatError(f"{uri}: holds the folder(s) {', '.join(folders[:5])} beside its one {fmt} file, so it is "
-                          f"a checkpoint layout, not that file; point at the file itself or pass --from", uri=uri)
+                          "a checkpoint layout, not that file; point at the file itself or pass source_format",
+                          uri=uri, option="source_format")
 
 
 def index_files(uri: str) -> list[str]:

@@ -1,0 +1,69 @@
+"""An engine error names its option as data (`option`), in words no interface owns; the CLI shows the option's
+flag in its place, REST the request field (`options.<name>`), and both report the same refusal."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckpt_service.errors import InvalidRequest
+from ckpt_service.jobs import JobSpec
+from ckpt_service.service import CkptService
+from ckpt_service.settings import Settings
+from converters import ConvertOptions, OptionError
+
+
+def test_the_engine_error_carries_its_option_and_no_flag() -> None:
+    with pytest.raises(OptionError) as caught:
+        ConvertOptions(memory_limit=1000)
+    assert (str(caught.value), caught.value.option) == ("memory_limit must be at least 1MiB", "memory_limit")
+    again = pickle.loads(pickle.dumps(caught.value))  # crosses to the job process and back
+    assert (str(again), again.option) == ("memory_limit must be at least 1MiB", "memory_limit")
+    assert again.said_as("--memory-limit") == "--memory-limit must be at least 1MiB"
+
+
+def test_said_as_replaces_the_option_word_once_and_never_inside_a_path() -> None:
+    exc = OptionError("/runs/only/ckpt: only model holds weights only", option="only")
+    assert exc.said_as("--only") == "/runs/only/ckpt: --only model holds weights only"
+    assert OptionError("no option here").said_as("--x") == "no option here"
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    path = tmp_path / "data" / "model.safetensors"
+    path.parent.mkdir()
+    save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--memory-limit", "1000"], "--memory-limit must be at least 1MiB"),
+    (["--rename", "no-equals"], "--rename 'no-equals': expected REGEX=REPLACEMENT"),
+])
+def test_the_cli_says_the_flag(source: Path, tmp_path: Path, flags: list[str], line: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", "export", str(source), str(tmp_path / "out"), *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert line in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("options", "field", "message"), [
+    ({"memory_limit": "1000"}, "options.memory_limit", "options.memory_limit must be at least 1MiB"),
+    ({"rename": ["no-equals"]}, "options.rename", "options.rename 'no-equals': expected REGEX=REPLACEMENT"),
+])
+def test_rest_says_the_field(source: Path, tmp_path: Path, options: dict, field: str, message: str) -> None:
+    data = source.parent
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(data)], write_roots=[str(data)])
+    settings.prepare()
+    spec = JobSpec.model_validate({"kind": "export", "source": str(source), "target": str(data / "out"),
+                                   "options": options})
+    with pytest.raises(InvalidRequest) as caught:
+        CkptService(settings).normalise(spec)
+    assert (caught.value.field, str(caught.value)) == (field, message)
