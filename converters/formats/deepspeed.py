@@ -98,7 +98,8 @@ class DeepSpeedReader(BaseReader):
     def __init__(self, uri: str, reader: storage.RangeReader, tag: str | None = None,
                  weights: str = "fp32") -> None:
         if weights not in WEIGHTS:
-            raise FormatError(f"--weights {weights}: choose fp32 (master weights) or module (16-bit weights)")
+            raise FormatError(f"weights {weights}: choose fp32 (master weights) or module (16-bit weights)",
+                              option="weights")
         super().__init__(uri, reader)
         self.tag = tag
         self.weights = weights
@@ -389,16 +390,18 @@ def source_for(source: str, fmt: str | None, tag: str | None, weights: str | Non
     """Apply the CLI's `--tag` and `--weights` to a source: (the tag folder, the format to read it as)."""
     if tag is not None:
         if not _TAG.match(tag) or tag in (".", ".."):
-            raise OptionError(f"--tag {tag}: a tag is a folder name such as global_step100")
+            raise OptionError(f"tag {tag}: a tag is a folder name such as global_step100", option="tag")
         root, source = source.rstrip("/"), storage.join(source.rstrip("/"), tag)
         if not storage.isdir(source):
             tags = sorted(n for n in storage.listdir(root) if storage.isdir(storage.join(root, n))) \
                 if storage.isdir(root) else []
-            raise OptionError(f"--tag {tag}: no folder {source}; tags there: {', '.join(tags[:8]) or 'none'}")
+            raise OptionError(f"tag {tag}: no folder {source}; tags there: {', '.join(tags[:8]) or 'none'}",
+                              option="tag")
     if weights is None or weights == "fp32":
         return source, fmt
     if weights != "module":
-        raise OptionError(f"--weights {weights}: choose fp32 (the master weights) or module (the 16-bit weights)")
+        raise OptionError(f"weights {weights}: choose fp32 (the master weights) or module (the 16-bit weights)",
+                          option="weights")
     if fmt not in (None, "deepspeed", "deepspeed-module"):
         raise OptionError(f"--weights module reads DeepSpeed checkpoints, not --from {fmt}")
     return source, "deepspeed-module"
