@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from converters import CkptError, SourceError, VerifyError, storage, tmp_prefix
+from converters import CkptError, OptionError, SourceError, VerifyError, storage, tmp_prefix
 
 from . import logs, roots
 from .helpers import remove_tree
@@ -100,10 +100,15 @@ def reshard_call(request: ReshardRequest, source: str, target: str | None) -> En
 
 
 def convert_call(request: ConvertRequest | ExportRequest, source: str, target: str | None) -> EngineCall:
-    """convert and export (an export: safetensors, never optimizer state, optionally mapped to an HF model)."""
+    """convert and export (an export: safetensors, never optimizer state, optionally mapped to an HF model;
+    or, with one of `EXPORT_MODES`, an FP8 model, a PEFT adapter folder or a merged model)."""
     from converters import ConvertOptions, convert
 
     export = request if isinstance(request, ExportRequest) else None
+    if export is not None:
+        mode = export_mode(export)
+        if mode is not None:
+            return EXPORT_MODES[mode][1](export, source, target or "")
     options = ConvertOptions(to=request.to if isinstance(request, ConvertRequest) else "safetensors",
                              source_format=request.source_format, keys=key_options(request), dtype=request.dtype,
                              max_shard_size=int(request.max_shard_size), memory_limit=int(request.memory_limit),
@@ -111,6 +116,69 @@ def convert_call(request: ConvertRequest | ExportRequest, source: str, target: s
                              export=export is not None, to_hf=export.to_hf if export else None,
                              config_from=export.config_from if export else None)
     return lambda progress: convert(source, target or "", options, progress)
+
+
+def fp8_call(request: ExportRequest, source: str, target: str) -> EngineCall:
+    from converters import export_fp8
+
+    scheme = (request.quantize or "").upper().replace("-", "_")
+    return lambda _progress: export_fp8(source, target, scheme, list(request.ignore),
+                                        max_shard_size=int(request.max_shard_size),
+                                        memory_limit=int(request.memory_limit), overwrite=request.overwrite,
+                                        config_from=request.config_from, source_format=request.source_format)
+
+
+def adapter_call(request: ExportRequest, source: str, target: str) -> EngineCall:
+    from converters import export_adapter
+
+    return lambda _progress: export_adapter(source, target, overwrite=request.overwrite,
+                                            source_format=request.source_format,
+                                            memory_limit=int(request.memory_limit))
+
+
+def merged_call(request: ExportRequest, source: str, target: str) -> EngineCall:
+    from converters import export_merged
+
+    return lambda _progress: export_merged(source, target, request.base, dtype=request.dtype,
+                                           max_shard_size=int(request.max_shard_size),
+                                           memory_limit=int(request.memory_limit), overwrite=request.overwrite,
+                                           config_from=request.config_from, source_format=request.source_format)
+
+
+#: The exports other than the plain one, each chosen by one option: (the other options it takes, its engine call).
+#: An option it does not take, set to other than its default, is refused with one line naming it.
+_ALWAYS = frozenset({"source_format", "tag", "weights", "memory_limit", "overwrite"})
+EXPORT_MODES: dict[str, tuple[frozenset[str], Callable[[ExportRequest, str, str], EngineCall]]] = {
+    "quantize": (_ALWAYS | {"ignore", "max_shard_size", "config_from"}, fp8_call),
+    "adapter_only": (_ALWAYS, adapter_call),
+    "merge_adapter": (_ALWAYS | {"base", "dtype", "max_shard_size", "config_from"}, merged_call),
+}
+#: each mode in words, and the options that belong to one mode only (refused without it)
+MODE_WORDS = {"quantize": "an FP8 export", "adapter_only": "an adapter-only export",
+              "merge_adapter": "a merged-adapter export"}
+_MODE_ONLY = {"ignore": "quantize", "base": "merge_adapter"}
+
+
+def export_mode(request: ExportRequest) -> str | None:
+    """Which export `request` asks for (None: the plain one); refuses two at once, and options the chosen one
+    does not take, in one line naming the option to change."""
+    chosen = [name for name in EXPORT_MODES if getattr(request, name)]
+    if len(chosen) > 1:
+        first, second = chosen[:2]
+        raise OptionError(f"options.{second}: {MODE_WORDS[first]} cannot also be {MODE_WORDS[second]}; choose one",
+                          field=f"options.{second}")
+    mode = chosen[0] if chosen else None
+    defaults = ExportRequest()
+    changed = [n for n in ExportRequest.model_fields
+               if n not in EXPORT_MODES and getattr(request, n) != getattr(defaults, n)]
+    for name in changed:
+        if mode is None and name in _MODE_ONLY:
+            raise OptionError(f"options.{name} applies only to {MODE_WORDS[_MODE_ONLY[name]]}; ask for one or leave "
+                              f"options.{name} out", field=f"options.{name}")
+        if mode is not None and name not in EXPORT_MODES[mode][0]:
+            raise OptionError(f"options.{name} does not apply to {MODE_WORDS[mode]}; leave it out",
+                              field=f"options.{name}")
+    return mode
 
 
 class ProgressWriter:
@@ -230,6 +298,10 @@ def recheck_roots(spec: JobSpec, read: list[roots.Location], write: list[roots.L
     from .job_kinds import kind_of
 
     roots.check(spec.source, read, field="source", purpose="read")
+    for option in ("config_from", "base"):  # an export's side files and merge base are read
+        value = getattr(spec.options, option, None)
+        if value is not None:
+            roots.check(value, read, field=f"options.{option}", purpose="read")
     if spec.target is not None:
         writing = kind_of(spec.kind).writes
         roots.check(spec.target, write if writing else read, field="target", purpose="write" if writing else "read")

@@ -131,6 +131,13 @@ OutputFormat = Literal["safetensors", "torch"]
 HFArchitecture = Literal["llama"]
 ShardLayout = Literal["fsdp2"]
 OutputLayout = Literal["auto", "flat"]
+#: FP8 schemes of `converters.export_fp8` (llm-compressor's FP8_DYNAMIC, FP8_BLOCK, FP8_TENSOR), as flag values
+QuantizeChoice = Literal["fp8-dynamic", "fp8-block", "fp8-tensor"]
+
+
+def scheme_spelling(value: Any) -> Any:
+    """llm-compressor's spelling of a scheme (FP8_BLOCK) as the flag's (fp8-block)."""
+    return value.strip().lower().replace("_", "-") if isinstance(value, str) else value
 
 
 class JobRequest(BaseModel):
@@ -193,6 +200,24 @@ class ExportRequest(KeyedRequest):
                            Field(description="Folder to take config.json, generation config and tokenizer files "
                                              "from (default: the checkpoint's folder, its context/ and the two "
                                              "folders above it)."), flag("--config-from")] = None
+    quantize: Annotated[Annotated[QuantizeChoice, one_of(QuantizeChoice, "quantization")] | None,
+                        BeforeValidator(scheme_spelling),
+                        Field(description="Quantize Linear weights to FP8 in the compressed-tensors layout vLLM "
+                                          "loads: fp8-dynamic (per-channel), fp8-block (128x128 blocks) or fp8-tensor "
+                                          "(llm-compressor's FP8_DYNAMIC, FP8_BLOCK, FP8_TENSOR)."),
+                        flag("--quantize")] = None
+    ignore: Annotated[Texts, Field(description="With quantize: Linear modules kept in their dtype (a module name, "
+                                               "or re:REGEX)."),
+                      flag("--ignore", metavar="MODULE")] = Field(default_factory=lambda: ["lm_head"])
+    adapter_only: Annotated[bool, Field(description="Write only the checkpoint's LoRA adapter, as a PEFT folder "
+                                                    "(adapter_model.safetensors, adapter_config.json)."),
+                            flag("--adapter-only")] = False
+    merge_adapter: Annotated[bool, Field(description="Merge the checkpoint's LoRA adapter into its base, as PEFT's "
+                                                     "merge_and_unload() does, and write the merged model."),
+                             flag("--merge-adapter")] = False
+    base: Annotated[Annotated[str, Field(min_length=1, max_length=4096)] | None,
+                    Field(description="With merge_adapter: the base model's HF folder (default: the base weights "
+                                      "stored with the adapter)."), flag("--base", metavar="DIR")] = None
 
 
 class ReshardRequest(KeyedRequest):

@@ -44,8 +44,9 @@ def print_result(result: Any, as_json: bool) -> None:
         err.print(f"[dim]{line}[/]", highlight=False)
     total = sum(size for _, size in result.outputs)
     out.print(f"wrote {result.target}: {len(result.outputs)} file(s), {human(total)}", highlight=False)
-    if result.verify is not None:
-        out.print(f"verify: {result.verify.summary()}", highlight=False)
+    verify = getattr(result, "verify", None)  # FP8 and adapter exports run none
+    if verify is not None:
+        out.print(f"verify: {verify.summary()}", highlight=False)
 
 
 def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> None:

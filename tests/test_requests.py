@@ -35,6 +35,7 @@ WIRE = {
 for _kind in ("convert", "export", "reshard", "inspect"):  # added with the DeepSpeed reader
     WIRE[_kind] |= {"tag", "weights"}
 WIRE["export"] |= {"config_from"}  # added with the side files an export carries (config, tokenizer)
+WIRE["export"] |= {"quantize", "ignore", "adapter_only", "merge_adapter", "base"}  # added with FP8 and adapter exports
 WIRE["reshard"] |= {"output_layout"}  # added with the framework layouts a reshard keeps (Accelerate, Lightning)
 EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token",
           "ray"}  # offline --ray ADDRESS: the Ray executor for this run
