@@ -1,5 +1,5 @@
 """`ckptctl`: inspect, convert, export, verify, reshard and sample checkpoints from the shell (`offline`),
-queue the same as jobs on a server (`remote`), manage checkpoints there (`manage`: tags, aliases, runs,
+queue the same as jobs on a server (`server_commands`), manage checkpoints there (`manage`: tags, aliases, runs,
 rules, retention and GC), and run the service (`serving`).
 
 The job commands and their flags come from the job kinds' declarations (`ckpt_service.job_kinds`) and
@@ -25,7 +25,7 @@ from . import common
 __all__ = ["app", "main"]
 
 #: the modules that register commands on `common.app`, in this order
-MODULES = ("offline", "remote", "manage", "serving")
+MODULES = ("offline", "server_commands", "manage", "serving")
 #: the commands `offline` registers: one per job kind, and `sample`
 OFFLINE_COMMANDS = frozenset({*names(), "sample"})
 

@@ -14,7 +14,7 @@ from ckpt_service.job_kinds import names
 from ckpt_service.units import human
 
 from .common import AsJson, app, fail, make_table, out, shown
-from .remote import Ref, Server, Token, as_uri, checkpoints_app, connect
+from .server_commands import Ref, Server, Token, as_uri, checkpoints_app, connect
 
 
 def get(client: ServiceClient, path: str, **params: Any) -> Any:

@@ -28,7 +28,7 @@ SERVICE = {"ckpt_service.jobs", "ckpt_service.store", "ckpt_service.registry", "
            "ckpt_service.worker", "ckpt_service.settings", "ckpt_service.auth", "ckpt_service.webhooks",
            "ckpt_service.catalog"}
 #: what an offline command with -q leaves alone on top: the other command modules, progress bars, rich help
-NOT_OFFLINE = {"ckptctl.remote", "ckptctl.manage", "ckptctl.serving", "rich.progress",
+NOT_OFFLINE = {"ckptctl.server_commands", "ckptctl.manage", "ckptctl.serving", "rich.progress",
                "typer.rich_utils"}
 
 #: the torch and DCP writers (pickle and zip), which an export to safetensors never loads
@@ -111,7 +111,7 @@ def test_help_lists_every_command_without_the_service_stack() -> None:
     assert heavy_in(got["modules"]) == []
     assert got["commands"] == sorted(typer.main.get_command(app).commands)  # every command, as the package has them
     assert {"submit", "jobs", "serve", "worker", "checkpoints"} | OFFLINE_COMMANDS <= set(got["commands"])
-    assert {"ckptctl.remote", "ckptctl.manage", "ckptctl.serving"} <= set(got["modules"])
+    assert {"ckptctl.server_commands", "ckptctl.manage", "ckptctl.serving"} <= set(got["modules"])
 
 
 def test_importing_converters_loads_only_its_errors() -> None:
