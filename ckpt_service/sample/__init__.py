@@ -10,8 +10,8 @@ Set ``CKPT_SAMPLE_DEBUG=1`` to have every rank print its phases, seconds and mem
 """
 
 from .build import load_and_step, make_recorded_sample, make_sample, make_samples, recorded_options
-from .layouts import ENGINE, LAYOUTS, expected_files
 from .model import SampleConfig, SampleModel, config_for_size
+from .saved_layouts import ENGINE, LAYOUTS, expected_files
 
 __all__ = [
     "ENGINE",

@@ -13,8 +13,8 @@ from typing import Any
 from converters import remove_tree
 
 from .launch import run_staged
-from .layouts import ENGINE, LAYOUTS, check_layout, expected_files
 from .model import config_for_size
+from .saved_layouts import ENGINE, LAYOUTS, check_layout, expected_files
 from .train import DTYPES, Job
 
 PathLike = str | os.PathLike

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layouts import Trained, save_layout
 from .model import Block, SampleConfig, SampleModel, build_model, next_token_loss
+from .saved_layouts import Trained, save_layout
 
 LR = 1e-2
 SEQ = 17

@@ -4,7 +4,7 @@ exported alone as a PEFT folder (`export_adapter`) or merged into their base as 
 
 from .detect import Adapter, LoraModule, find_adapter
 from .export import AdapterResult, describe, export_adapter, export_merged
-from .settings import LoraSettings, settings_for
+from .lora_settings import LoraSettings, settings_for
 
 __all__ = ["Adapter", "AdapterResult", "LoraModule", "LoraSettings", "describe", "export_adapter", "export_merged",
            "find_adapter", "settings_for"]

@@ -32,8 +32,8 @@ from ..transforms import KeyOptions, apply
 from ..writers.safetensors import Planned, header_bytes
 from . import merge
 from .detect import Adapter, LoraModule, find_adapter
+from .lora_settings import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, settings_for
 from .peft_folder import adapter_config, config_bytes, saved_names
-from .settings import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, settings_for
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MIN_SLAB = 1 << 20  # bytes: the smallest row slab a LoRA Linear is merged in (tests lower it)

@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 from .detect import PEFT_PREFIX, Adapter
-from .settings import LoraSettings, pattern_key
+from .lora_settings import LoraSettings, pattern_key
 
 #: PEFT's LoraConfig fields a loader reads, with PEFT's defaults (the rest it fills in itself)
 _DEFAULTS: dict[str, Any] = {
