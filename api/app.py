@@ -22,7 +22,7 @@ from ckpt_service.settings import Settings
 from ckpt_service.store import JobStore
 from ckpt_service.store_check import StoreHealth
 
-from . import errors
+from . import http_errors
 from .dashboard import mount as mount_dashboard
 from .docs import mount as mount_docs
 from .events import StreamSlots
@@ -76,7 +76,7 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     app.state.metrics = Metrics(service.store, pool)
     app.state.store_health = StoreHealth(service.store.path, settings.store_check_seconds)
     app.state.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_principal)
-    errors.install(app)
+    http_errors.install(app)
     app.include_router(jobs_router)
     app.include_router(checkpoints_router)
     scheduler = install_manage(app)

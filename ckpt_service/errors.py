@@ -23,7 +23,7 @@ fields, since jobs cross process boundaries):
     ├── ClientError             `ckptctl` could not get an answer from a server (`status` 0) or was refused
     └── SampleJobError          a sample-checkpoint training job failed (`ckptctl sample`)
 
-The API maps the tree to HTTP statuses in one table (`api/errors.py`); the CLI maps it to exit codes
+The API maps the tree to HTTP statuses in one table (`api/http_errors.py`); the CLI maps it to exit codes
 in one table here (`EXIT_CODES`).
 """
 

@@ -10,7 +10,7 @@
     └── ckpt_service.errors  the service's errors (ServiceError, SettingsError, ClientError, ...)
 
 Exit codes are mapped in one table (`ckpt_service.errors.EXIT_CODES`), HTTP statuses in another
-(`api/errors.py`).
+(`api/http_errors.py`).
 
 `field` names the option or request field an error is about, as a path into the request (`options.overwrite`,
 `target`): data, not words. Each interface renders it in its own (`ckpt_service.errors.worded`): the CLI says

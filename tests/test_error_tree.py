@@ -61,7 +61,7 @@ def test_exit_codes_in_one_table() -> None:
 
 
 def test_http_statuses_in_one_table() -> None:
-    from api.errors import STATUS, status_for
+    from api.http_errors import STATUS, status_for
 
     for i, (earlier, _, _) in enumerate(STATUS):  # subclasses before their bases, or they would never match
         later = [cls for cls, _, _ in STATUS[i + 1:] if issubclass(cls, earlier)]
