@@ -41,6 +41,13 @@ def _exists(uri: str, field: str) -> bool:
         raise InvalidRequest(f"{field}: cannot look at {uri} ({type(exc).__name__})", field) from None
 
 
+def is_option(name: str) -> bool:
+    """True when `name` is a job option of some kind (the name an engine error gives it)."""
+    from .job_requests import REQUESTS
+
+    return any(name in model.model_fields for model in REQUESTS.values())
+
+
 class CkptService:
     def __init__(self, settings: Settings, store: JobStore | None = None) -> None:
         self.settings = settings
@@ -83,11 +90,10 @@ class CkptService:
 
         try:
             engine_call(request, source, target)
-        except CkptError as exc:  # the option it names (`option`) as the request names it
-            option = getattr(exc, "option", None)
-            field = f"options.{option}" if option else "options"
-            text = exc.said_as(field)
-            raise InvalidRequest(text if text != str(exc) else f"{field}: {exc}", field) from None
+        except CkptError as exc:  # the options it names (`option`, `only`) as the request names them
+            field = f"options.{exc.option}" if exc.option else "options"
+            text = exc.said_as(lambda name: f"options.{name}" if is_option(name) else None)
+            raise InvalidRequest(text if exc.option and text != str(exc) else f"{field}: {text}", field) from None
         overwrite = getattr(request, "overwrite", False)
         if spec.kind in WRITING_KINDS and not overwrite and _exists(target or "", "target"):
             raise Conflict(f"target {target} exists; replace it with options.overwrite, or choose another target",

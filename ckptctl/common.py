@@ -115,9 +115,7 @@ def flag_name(field: str | None) -> str | None:
 
 def in_cli_words(exc: CkptError) -> str:
     """An error's line as the command line says it: the engine option or the request field it names, as its flag."""
-    option = getattr(exc, "option", None)  # an error pickled before `option` existed has none
-    flag = flag_name(f"options.{option}") if option else None
-    return worded(exc.said_as(flag) if flag else str(exc), exc.field, flag_name(exc.field))
+    return worded(exc.said_as(lambda name: flag_name(f"options.{name}")), exc.field, flag_name(exc.field))
 
 
 @contextmanager

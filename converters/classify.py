@@ -190,12 +190,12 @@ def _by_position(opt: _Optimizer, model: dict[str, tuple[int, ...]]) -> dict[str
     if not opt.has_groups:
         raise FormatError(f"optimizer state under {opt.container or 'the top level'!r} is keyed by parameter ids "
                           "and the checkpoint has no param_groups saying which parameter each id is; reshard with "
-                          "--only model, or save the optimizer with get_optimizer_state_dict (keyed by names)")
+                          "`only` model, or save the optimizer with get_optimizer_state_dict (keyed by names)")
     if len(opt.listed) != len(model):
         raise FormatError(f"{opt.where()} lists {len(opt.listed)} parameter ids but the model stores {len(model)} "
                           "tensors, so which id is which parameter is unknown (buffers or tied weights in the model "
                           "state?); save the optimizer with get_optimizer_state_dict (keyed by names), or reshard "
-                          "with --only model")
+                          "with `only` model")
     return dict(zip(opt.listed, model))
 
 
@@ -217,7 +217,7 @@ def optimizer_owners(index: CheckpointIndex, parts: dict[str, Parts]) -> dict[st
             first = next(iter(shapes))
             if opt.has_groups and key not in listed:
                 raise FormatError(f"optimizer state {first!r} belongs to parameter {key!r}, which {opt.where()} does "
-                                  "not list; the optimizer state is damaged, or reshard with --only model")
+                                  "not list; the optimizer state is damaged, or reshard with `only` model")
             fqn = opt.names.get(key, key)
             if model and key.isdigit() and key not in opt.names and fqn not in model:
                 positions = positions if positions is not None else _by_position(opt, model)
@@ -228,7 +228,7 @@ def optimizer_owners(index: CheckpointIndex, parts: dict[str, Parts]) -> dict[st
             fqn = opt.names.get(key, key)
             if model and not key.isdigit() and key not in opt.state and fqn not in model:
                 raise FormatError(f"{opt.where()} lists parameter {key!r}, which the model does not have; check "
-                                  "--rename/--include, or reshard with --only model")
+                                  "`rename`/`include`, or reshard with `only` model")
     return owners
 
 
@@ -240,9 +240,9 @@ def _check_owner(first: str, fqn: str, shapes: dict[str, tuple[int, ...]], model
         bad = next((n for n, s in shapes.items() if len(s) == len(want) and s != want), None)
         if bad is not None:
             raise FormatError(f"optimizer state {bad!r} has shape {list(shapes[bad])} but its parameter {fqn!r} has "
-                              f"{list(want)}; the optimizer is not this model's, or reshard with --only model")
+                              f"{list(want)}; the optimizer is not this model's, or reshard with `only` model")
         return
     widest = max(shapes.values(), key=len)
     if not _fused(fqn, widest, model):
         raise FormatError(f"optimizer state {first!r} belongs to parameter {fqn!r}, which the model does not have; "
-                          "check --rename/--include, or reshard with --only model")
+                          "check `rename`/`include`, or reshard with `only` model")

@@ -86,8 +86,8 @@ def to_safetensors(dtype: str, name: str = "") -> str:
     code = _TABLE[dtype][1]
     if code is None:
         what = f"tensor {name!r} is {dtype}" if name else f"{dtype}"
-        raise OptionError(f"{what}, which safetensors cannot hold; leave it out (--exclude) or convert "
-                          "--to torch instead")
+        raise OptionError(f"{what}, which safetensors cannot hold; leave it out (`exclude`) or convert "
+                          "`to` torch instead")
     return code
 
 
@@ -107,7 +107,7 @@ def check_dcp(dtype: str, name: str) -> None:
     """Refuse, naming the tensor, a dtype that torch.distributed.checkpoint cannot load."""
     if dtype in _NOT_IN_DCP:
         raise OptionError(f"tensor {name!r} is {dtype}, which torch.distributed.checkpoint cannot load; leave it "
-                          "out (--exclude) or convert --to torch instead")
+                          "out (`exclude`) or convert `to` torch instead")
 
 
 def from_safetensors(code: object, path: str, key: str | None = None) -> str:

@@ -17,15 +17,15 @@ Exit codes are mapped in one table (`ckpt_service.errors.EXIT_CODES`), HTTP stat
 `--overwrite`, REST keeps `options.overwrite` in the message and in its error body's `fields`.
 
 `option` names the engine option an error is about by its option name (`memory_limit`), which is also the job
-request's option name; the message writes that name once, as a word, and no interface's spelling of it: the CLI
-shows its flag in its place (`--memory-limit`, `said_as`), REST keeps the name and reports `options.memory_limit`
-as the field.
+request's option name; the message writes that name once, as a word, and no interface's spelling of it; other
+options a message suggests are named in backticks (`only`). The CLI shows their flags in their place
+(`--memory-limit`, `said_as`), REST the request fields (`options.memory_limit`, also the error's field).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,6 +38,7 @@ def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, A
 
 
 _TOKEN = re.compile(r"[A-Za-z0-9_.:\-]{1,40}")
+_NAMED = re.compile(r"`([a-z][a-z0-9_]*)`")  # an option named in a message, in backticks
 
 
 def short(value: Any, limit: int = 60) -> str:
@@ -70,12 +71,14 @@ class CkptError(Exception):
         super().__init__(*args)
         self.uri, self.key, self.field, self.option = uri, key, field, option
 
-    def said_as(self, name: str) -> str:
-        """The message with its option's name, where it stands as a word, in another interface's words (`name`)."""
-        text = str(self)
-        if not self.option:
-            return text
-        return re.sub(rf"(?<![\w./-]){re.escape(self.option)}(?![\w/-])", lambda _: name, text, count=1)
+    def said_as(self, word: Callable[[str], str | None]) -> str:
+        """The message in an interface's words: its option, where that name first stands as a word, and each
+        option named in backticks (`only`), as `word(name)` spells it; a name `word` does not know stays."""
+        text, option = str(self), self.option
+        subject = word(option) if option else None
+        if option and subject:
+            text = re.sub(rf"(?<![\w./`-]){re.escape(option)}(?![\w/`-])", lambda _: subject, text, count=1)
+        return _NAMED.sub(lambda m: word(m.group(1)) or m.group(0), text)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # rebuilt without calling __init__, so subclasses with other constructors cross process boundaries too

@@ -59,7 +59,7 @@ def _check_llama(cfg: dict[str, Any], where: str) -> None:
         problems.append("qk_layernorm")
     if problems:
         raise OptionError(f"{where}: not a Llama-family model: " + "; ".join(problems)
-                          + "; export without --to-hf to get the weights under their Megatron names")
+                          + "; export without `to_hf` to get the weights under their Megatron names")
 
 
 def hf_config(cfg: dict[str, Any], where: str, view: CheckpointIndex) -> tuple[GptShape, dict[str, Any]]:
@@ -164,7 +164,7 @@ def to_llama(view: CheckpointIndex, cfg: dict[str, Any], where: str) -> tuple[Ch
         "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")]
     if left:
         raise FormatError(f"{view.uri}: tensors with no Llama counterpart: {', '.join(left[:5])}; export "
-                          "without --to-hf to keep them")
+                          "without `to_hf` to keep them")
     out = CheckpointIndex(uri=view.uri, format=view.format, producer=view.producer, world_size=view.world_size,
                           tensors=tensors, files=view.files)
     report = [f"mapped to LlamaForCausalLM: {shape.layers} layers, {shape.heads} heads in {shape.groups} query "

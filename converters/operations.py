@@ -47,8 +47,8 @@ class ConvertOptions:
 
     def __post_init__(self) -> None:
         if self.export and self.keys.only != "model":
-            raise OptionError(f"--only {self.keys.only}: an export holds model weights only; use "
-                              "`convert --only all` to keep optimizer and training state")
+            raise OptionError(f"only {self.keys.only}: an export holds the model weights alone; convert with `only` "
+                              "all to keep optimizer and training state", option="only")
         if self.to not in ("safetensors", "torch"):
             raise OptionError(f"to {self.to}: choose safetensors or torch", option="to")
         self.dtype = dtypes.cast_target(self.dtype)
@@ -134,8 +134,8 @@ def _convert(source: str, target: str, options: ConvertOptions | None,
                           + ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
             view.objects = {}
         if not view.tensors and not view.objects:
-            raise OptionError(f"{source}: nothing selected to write (--only {options.keys.only}, "
-                              "--include/--exclude); the checkpoint has: "
+            raise OptionError(f"{source}: nothing selected to write (`only` {options.keys.only}, "
+                              "`include`/`exclude`); the checkpoint has: "
                               + ", ".join(sorted({n.split('.', 1)[0] for n in index.names()})))
         progress = Progress(total_bytes=sum(t.nbytes for t in view.tensors.values()),
                             total_tensors=len(view.tensors), callback=on_progress)
@@ -210,7 +210,7 @@ def _export_keys(where: str, record: dict) -> KeyOptions:
                           include=[str(x) for x in record["include"]], exclude=[str(x) for x in record["exclude"]])
     except (KeyError, TypeError, ValueError, OptionError):
         raise FormatError(f"{where}: its export record (only, clean, renames, include, exclude) is damaged; "
-                          "re-export, or compare with --only/--rename as the export was made", uri=where) from None
+                          "re-export, or compare with `only`/`rename` as the export was made", uri=where) from None
 
 
 def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: CheckpointIndex,

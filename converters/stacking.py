@@ -72,7 +72,7 @@ def unstack(index: CheckpointIndex) -> tuple[CheckpointIndex, list[str]]:
               + ", ".join(f"{p}0..{n - 1}" for p, n in sorted(layers.items())) + ")"]
     if extra:
         report.append(f"left out {len(extra)} _extra_state entries (Transformer Engine / FP8 bookkeeping, "
-                      "not weights); `convert --to torch` keeps them")
+                      "not weights); convert with `to` torch to keep them")
     return replace(index, tensors=tensors, objects=objects, stacked={}), report
 
 

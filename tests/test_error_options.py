@@ -25,13 +25,16 @@ def test_the_engine_error_carries_its_option_and_no_flag() -> None:
     assert (str(caught.value), caught.value.option) == ("memory_limit must be at least 1MiB", "memory_limit")
     again = pickle.loads(pickle.dumps(caught.value))  # crosses to the job process and back
     assert (str(again), again.option) == ("memory_limit must be at least 1MiB", "memory_limit")
-    assert again.said_as("--memory-limit") == "--memory-limit must be at least 1MiB"
+    assert again.said_as({"memory_limit": "--memory-limit"}.get) == "--memory-limit must be at least 1MiB"
 
 
-def test_said_as_replaces_the_option_word_once_and_never_inside_a_path() -> None:
+def test_said_as_replaces_the_option_word_once_never_inside_a_path_and_each_named_option() -> None:
+    flags = {"only": "--only", "include": "--include", "exclude": "--exclude"}.get
     exc = OptionError("/runs/only/ckpt: only model holds weights only", option="only")
-    assert exc.said_as("--only") == "/runs/only/ckpt: --only model holds weights only"
-    assert OptionError("no option here").said_as("--x") == "no option here"
+    assert exc.said_as(flags) == "/runs/only/ckpt: --only model holds weights only"
+    hint = OptionError("x: nothing selected (`only` model, `include`/`exclude`); `latest` is kept")
+    assert hint.said_as(flags) == "x: nothing selected (--only model, --include/--exclude); `latest` is kept"
+    assert OptionError("no option here").said_as(flags) == "no option here"
 
 
 @pytest.fixture

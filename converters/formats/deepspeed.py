@@ -116,14 +116,14 @@ class DeepSpeedReader(BaseReader):
             if "latest" not in names:
                 tags = sorted(n for n in names if storage.isdir(storage.join(self.uri, n)))
                 raise FormatError(f"{self.uri}: no 'latest' file and no DeepSpeed files here; point at a tag folder "
-                                  f"({', '.join(tags[:5]) or 'none found'}) or pass --tag", uri=self.uri)
+                                  f"({', '.join(tags[:5]) or 'none found'}) or pass `tag`", uri=self.uri)
             tag = read_latest(self.uri)
         if not _TAG.fullmatch(tag) or tag in (".", ".."):
             raise FormatError(f"{storage.join(self.uri, 'latest')}: does not hold a tag folder name (up to 200 "
-                              "letters, digits, '_', '.' or '-'); fix 'latest' or pass --tag", uri=self.uri)
+                              "letters, digits, '_', '.' or '-'); fix 'latest' or pass `tag`", uri=self.uri)
         folder = storage.join(self.uri, tag)
         if not storage.isdir(folder):
-            raise FormatError(f"{folder}: the tag folder is missing; pass --tag with one that exists", uri=folder)
+            raise FormatError(f"{folder}: the tag folder is missing; pass `tag` with one that exists", uri=folder)
         return folder
 
     def _files(self, folder: str) -> tuple[dict[int, str], dict[int, str], str | None]:
@@ -181,7 +181,7 @@ class DeepSpeedReader(BaseReader):
                       model_file: str | None) -> None:
         if model_file is None:
             raise FormatError(f"{folder}: a ZeRO-3 save keeps no 16-bit module weights (they are partitioned); "
-                              "export the fp32 master weights (leave out --weights module)", uri=folder)
+                              "export the fp32 master weights (leave out `weights` module)", uri=folder)
         archive = self._archive(model_file)
         module = _get(archive.obj, "module", model_file)
         index.files = [storage.basename(model_file)]
@@ -195,7 +195,7 @@ class DeepSpeedReader(BaseReader):
                     model3_files: dict[int, str], model_file: str | None) -> None:
         if not optim_files:
             raise FormatError(f"{folder}: no zero_pp_rank_*_optim_states.pt files; this is not a ZeRO checkpoint "
-                              "(for the 16-bit weights alone pass --weights module)", uri=folder)
+                              "(for the 16-bit weights alone pass `weights` module)", uri=folder)
         ranks = [self._rank(optim_files[r]) for r in range(len(optim_files))]
         stage = _get(ranks[0].osd, "zero_stage", ranks[0].path)
         world = ranks[0].osd.get("partition_count")
@@ -403,5 +403,5 @@ def source_for(source: str, fmt: str | None, tag: str | None, weights: str | Non
         raise OptionError(f"weights {weights}: choose fp32 (the master weights) or module (the 16-bit weights)",
                           option="weights")
     if fmt not in (None, "deepspeed", "deepspeed-module"):
-        raise OptionError(f"--weights module reads DeepSpeed checkpoints, not --from {fmt}")
+        raise OptionError(f"weights module reads DeepSpeed checkpoints, not `source_format` {fmt}", option="weights")
     return source, "deepspeed-module"

@@ -70,15 +70,15 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
         if tag is None:
             if LATEST not in names:
                 raise FormatError(f"{self.uri}: no '{LATEST}' file and no '{ZERO}/' folder here; point at a "
-                                  "universal tag folder (what ds_to_universal wrote) or pass --tag", uri=self.uri)
+                                  "universal tag folder (what ds_to_universal wrote) or pass `tag`", uri=self.uri)
             tag = latest_universal(self.uri)
         if not _TAG.fullmatch(tag) or tag in (".", ".."):
             raise FormatError(f"{storage.join(self.uri, LATEST)}: does not hold a tag folder name (up to 200 "
-                              f"letters, digits, '_', '.' or '-'); fix '{LATEST}' or pass --tag", uri=self.uri)
+                              f"letters, digits, '_', '.' or '-'); fix '{LATEST}' or pass `tag`", uri=self.uri)
         folder = storage.join(self.uri, tag)
         if not storage.isdir(folder) or not is_universal_tag(folder, storage.listdir(folder)):
             raise FormatError(f"{folder}: not a universal tag folder (no '{ZERO}/' beside the model states file); "
-                              "run DeepSpeed's ds_to_universal again or pass --tag", uri=folder)
+                              "run DeepSpeed's ds_to_universal again or pass `tag`", uri=folder)
         return folder
 
     def read(self, locate: bool = True) -> CheckpointIndex:

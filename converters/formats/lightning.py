@@ -29,7 +29,7 @@ class LightningReader(DcpReader):
         path = storage.join(self.uri, META)
         if not storage.exists(path):
             raise FormatError(f"{self.uri}: no {META}, so this is not a Lightning sharded checkpoint; "
-                              "pass --from dcp to read the DCP part alone", uri=self.uri)
+                              "pass `source_format` dcp to read the DCP part alone", uri=self.uri)
         archive = read_archive(self.reader, path)
         if not isinstance(archive.obj, dict):
             raise FormatError(f"{path}: holds a {type(archive.obj).__name__}, not a dict", uri=path)
