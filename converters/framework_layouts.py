@@ -73,19 +73,19 @@ def framework_layout(index: CheckpointIndex, view: CheckpointIndex, world_size: 
                      reader: storage.RangeReader) -> FrameworkLayout:
     """The layout to write `view` (selected from `index`) in, or one line saying why the source's cannot be kept."""
     if choice not in OUTPUT_LAYOUTS:
-        raise OptionError(f"--output-layout {choice}: choose {' or '.join(OUTPUT_LAYOUTS)}")
+        raise OptionError(f"output_layout {choice}: choose {' or '.join(OUTPUT_LAYOUTS)}", option="output_layout")
     if choice == "flat":
         return flat(view)
     if index.format == "deepspeed":
-        raise OptionError(f"{index.uri}: {DEEPSPEED}; pass --output-layout flat for one DCP folder (FSDP2 loads it "
+        raise OptionError(f"{index.uri}: {DEEPSPEED}; pass `output_layout` flat for one DCP folder (FSDP2 loads it "
                           "with dcp.load at any world size)")
     build = {"accelerate": _accelerate, "lightning": _lightning, "megatron": _megatron}.get(index.format)
     if build is None:
         return flat(view)
     if sorted(view.names()) != sorted(index.names()):
         raise OptionError(f"{index.uri}: the {index.format} layout resumes only from the whole training state "
-                          "under its stored names; drop --only/--include/--exclude/--rename/--clean-keys, or pass "
-                          "--output-layout flat for one DCP folder of the selection")
+                          "under its stored names; drop `only`/`include`/`exclude`/`rename`/`clean_keys`, or pass "
+                          "`output_layout` flat for one DCP folder of the selection")
     return build(index, world_size, reader)
 
 
@@ -104,7 +104,7 @@ def _megatron(index: CheckpointIndex, world_size: int, reader: storage.RangeRead
     folder, context, _ = locate(index.uri)
     if context is not None:
         raise OptionError(f"{index.uri}: a NeMo 2 checkpoint (weights/ + context/): its layout is not kept by a "
-                          "reshard; pass --output-layout flat for one DCP folder")
+                          "reshard; pass `output_layout` flat for one DCP folder")
     sub = folder[len(index.uri):].strip("/")
     files = [n for n in storage.listdir(folder) if n not in (METADATA, MANIFEST) and not n.endswith(".distcp")
              and not storage.isdir(storage.join(folder, n))]
@@ -150,7 +150,7 @@ def side_file_size(source: str, name: str) -> int:
     size = storage.size(path)
     if size > SIDE_FILE_CAP:
         raise FormatError(f"{path}: {size} bytes, more than the {SIDE_FILE_CAP >> 20} MiB a side file of a "
-                          "framework layout may have; pass --output-layout flat to write the tensors alone",
+                          "framework layout may have; pass `output_layout` flat to write the tensors alone",
                           uri=path)
     return size
 

@@ -61,7 +61,8 @@ class ConvertOptions:
         if self.config_from is not None and not self.export:
             raise OptionError("config_from applies to exports (their config and tokenizer files)", option="config_from")
         if self.to_hf and (self.to != "safetensors" or not self.keys.clean or self.keys.only != "model"):
-            raise OptionError("--to-hf writes model weights as safetensors; drop --keep-keys / --only / --to")
+            raise OptionError("to_hf writes the model weights as safetensors under clean names: leave `only`, `to` and "
+                              "`clean_keys` at their defaults", option="to_hf")
 
 
 @dataclass

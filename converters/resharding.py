@@ -44,10 +44,10 @@ class ReshardOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise OptionError(f"--world-size {self.world_size}: must be a positive integer")
+            raise OptionError(f"world_size {self.world_size}: must be a positive integer", option="world_size")
         self.dtype = dtypes.cast_target(self.dtype)
         if self.dtype_optim and self.dtype is None:
-            raise OptionError("--dtype-optim needs --dtype")
+            raise OptionError("dtype_optim needs `dtype`", option="dtype_optim")
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _reshard(source: str, target: str, options: ReshardOptions, on_progress: Cal
         index = load_index(source, options.source_format, reader=reader)
         view, report, parts = apply(index, options.keys, reader)
         if not view.tensors:
-            raise OptionError(f"{source}: no tensors selected (--only {options.keys.only})")
+            raise OptionError(f"{source}: no tensors selected (`only` {options.keys.only})")
         for obj in view.objects.values():  # resolve values now, so renamed param lists are final
             obj.value, obj.data = load_object(obj, reader), None
         owners = optimizer_owners(view, parts)  # each state tensor is laid out as its parameter
