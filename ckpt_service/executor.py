@@ -165,16 +165,16 @@ def export_mode(request: ExportRequest) -> str | None:
     chosen = [name for name in EXPORT_MODES if getattr(request, name)]
     if len(chosen) > 1:
         first, second = chosen[:2]
-        raise OptionError(f"{second}: {MODE_WORDS[first]} cannot also be {MODE_WORDS[second]}; choose one",
-                          option=second)
+        raise OptionError(f"{second}: {MODE_WORDS[first]} (`{first}`) cannot also be {MODE_WORDS[second]}; "
+                          "choose one", option=second)
     mode = chosen[0] if chosen else None
     defaults = ExportRequest()
     changed = [n for n in ExportRequest.model_fields
                if n not in EXPORT_MODES and getattr(request, n) != getattr(defaults, n)]
     for name in changed:
         if mode is None and name in _MODE_ONLY:
-            raise OptionError(f"{name} applies only to {MODE_WORDS[_MODE_ONLY[name]]}; ask for one or leave it out",
-                              option=name)
+            raise OptionError(f"{name} applies only to {MODE_WORDS[_MODE_ONLY[name]]}; set `{_MODE_ONLY[name]}` or "
+                              "leave it out", option=name)
         if mode is not None and name not in EXPORT_MODES[mode][0]:
             raise OptionError(f"{name} does not apply to {MODE_WORDS[mode]}; leave it out", option=name)
     return mode

@@ -111,14 +111,14 @@ def test_merge_adapter_offline_is_merge_and_unload(lora: Lora, tmp_path: Path) -
 @pytest.mark.parametrize(("args", "message"), [
     (["--quantize", "int4"], "error: --quantize: unknown quantization 'int4'; choose one of fp8-dynamic, "
                              "fp8-block, fp8-tensor"),
-    (["--ignore", "re:.*mlp.*"], "error: --ignore applies only to an FP8 export; ask for one or leave it out"),
+    (["--ignore", "re:.*mlp.*"], "error: --ignore applies only to an FP8 export; set --quantize or leave it out"),
     (["--quantize", "fp8-block", "--dtype", "float16"], "error: --dtype does not apply to an FP8 export; leave it out"),
     (["--adapter-only", "--max-shard-size", "1GB"], "error: --max-shard-size does not apply to an adapter-only "
                                                     "export; leave it out"),
-    (["--merge-adapter", "--adapter-only"], "error: --merge-adapter: an adapter-only export cannot also be a "
-                                            "merged-adapter export; choose one"),
-    (["--base", "/somewhere"], "error: --base applies only to a merged-adapter export; ask for one or leave it "
-                               "out"),
+    (["--merge-adapter", "--adapter-only"], "error: --merge-adapter: an adapter-only export (--adapter-only) "
+                                            "cannot also be a merged-adapter export; choose one"),
+    (["--base", "/somewhere"], "error: --base applies only to a merged-adapter export; set --merge-adapter or "
+                               "leave it out"),
 ])
 def test_each_option_refused_in_one_line(llama: Path, tmp_path: Path, args: list[str], message: str) -> None:
     code, output = ckptctl("export", str(llama), str(tmp_path / "out"), *args)
@@ -143,11 +143,14 @@ def test_the_service_runs_them_as_export_jobs(llama: Path, lora: Lora, tmp_path:
                                                                  "merge_adapter", "base"))
         refused = [client.post("/v1/jobs", json={"kind": "export", "source": str(llama), "target": str(tmp_path / "x"),
                                                  "options": options})
-                   for options in ({"quantize": "fp8-tensor", "rename": ["a=b"]}, {"quantize": "nf4"})]
+                   for options in ({"quantize": "fp8-tensor", "rename": ["a=b"]}, {"quantize": "nf4"},
+                                   {"adapter_only": True, "merge_adapter": True})]
         # api/errors' 422 handler keeps pydantic's "Value error, " prefix for every one_of refusal (left to its owner)
         assert [(r.status_code, r.json()["error"]["message"].replace("Value error, ", "")) for r in refused] == [
             (422, "options.rename does not apply to an FP8 export; leave it out"),
-            (422, "options.quantize: unknown quantization 'nf4'; choose one of fp8-dynamic, fp8-block, fp8-tensor")]
+            (422, "options.quantize: unknown quantization 'nf4'; choose one of fp8-dynamic, fp8-block, fp8-tensor"),
+            (422, "options.merge_adapter: an adapter-only export (options.adapter_only) cannot also be a "
+                  "merged-adapter export; choose one")]
         store = client.app.state.service.store  # type: ignore[attr-defined]
         done = {}
         for name, source, options in (("fp8", llama, {"quantize": "FP8_DYNAMIC"}),
