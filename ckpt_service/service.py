@@ -113,9 +113,10 @@ class CkptService:
         normal = self.normalise(spec)
         if not _exists(normal.source, "source"):  # found now, not when the job runs (rules check their own)
             raise InvalidRequest(f"source: {normal.source} does not exist; check the path or URI", "source")
-        config_from = getattr(normal.options, "config_from", None)
-        if config_from is not None:  # an export's side files are read from there: a read root
-            roots.check(config_from, self.settings.read_locations, field="options.config_from", purpose="read")
+        for option in ("config_from", "base"):  # an export's side files, a merge's base: read roots
+            value = getattr(normal.options, option, None)
+            if value is not None:
+                roots.check(value, self.settings.read_locations, field=f"options.{option}", purpose="read")
         writing = normal.kind in WRITING_KINDS
         record, created = self.store.create_job(
             kind=normal.kind, spec=normal.model_dump(mode="json"), target=normal.target if writing else None,

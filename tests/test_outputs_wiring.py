@@ -144,13 +144,15 @@ def test_the_service_runs_them_as_export_jobs(llama: Path, lora: Lora, tmp_path:
         refused = [client.post("/v1/jobs", json={"kind": "export", "source": str(llama), "target": str(tmp_path / "x"),
                                                  "options": options})
                    for options in ({"quantize": "fp8-tensor", "rename": ["a=b"]}, {"quantize": "nf4"},
-                                   {"adapter_only": True, "merge_adapter": True})]
+                                   {"adapter_only": True, "merge_adapter": True},
+                                   {"merge_adapter": True, "base": "/usr"})]
         # api/errors' 422 handler keeps pydantic's "Value error, " prefix for every one_of refusal (left to its owner)
         assert [(r.status_code, r.json()["error"]["message"].replace("Value error, ", "")) for r in refused] == [
             (422, "options.rename does not apply to an FP8 export; leave it out"),
             (422, "options.quantize: unknown quantization 'nf4'; choose one of fp8-dynamic, fp8-block, fp8-tensor"),
             (422, "options.merge_adapter: an adapter-only export (options.adapter_only) cannot also be a "
-                  "merged-adapter export; choose one")]
+                  "merged-adapter export; choose one"),
+            (403, f"options.base: /usr is outside the storage roots this server may read ({', '.join(roots)})")]
         store = client.app.state.service.store  # type: ignore[attr-defined]
         done = {}
         for name, source, options in (("fp8", llama, {"quantize": "FP8_DYNAMIC"}),
