@@ -87,6 +87,7 @@ def rss_mb() -> float:
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """Run one case (`op` from `source` to `target`) in this process; time and counters as a dict."""
+    import converters.rangeread
     import converters.writers.dcp
     import converters.zipwriter
     from converters import ConvertOptions, ReshardOptions, convert, reshard, storage
@@ -104,7 +105,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     reader = Delayed() if job["op"] == "index" else storage.RangeReader()
     if job.get("parallel"):
-        storage.INDEX_PARALLEL = job["parallel"]
+        converters.rangeread.INDEX_PARALLEL = job["parallel"]
     digest = ""
     before = rss_mb()
     cpu = time.process_time()

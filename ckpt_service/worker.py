@@ -58,10 +58,8 @@ def confine(settings: Settings) -> None:
     the process's main thread before the server starts: the engine config it installs reaches the API's
     requests (asyncio tasks and their worker threads copy the context) and the threads made from it."""
     from converters import install_config as install
-    from converters import storage
 
-    install(settings.engine_config())
-    storage.confine_reads([str(r) for r in (*settings.read_locations, *settings.write_locations)])
+    install(settings.engine_config())  # its read roots: the read and write roots
 
 
 def process_command(settings: Settings, mode: str, *args: str) -> list[str]:

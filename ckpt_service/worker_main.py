@@ -100,12 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.read_roots is not None and args.write_roots is not None:
         read, write = json.loads(args.read_roots), json.loads(args.write_roots)
         allowed = ([roots.parse_root(r) for r in read], [roots.parse_root(r) for r in write])
-        from converters import storage
-
         # every file the engine opens (members a checkpoint names, symlinks resolved) must lie in a root;
         # the write roots too, since --verify and the registry read outputs back
         config = config.replace(read_roots=tuple(dict.fromkeys([*read, *write])))
-        storage.confine_reads([*read, *write])  # until storage reads `current().read_roots` alone
     with use(config):
         return _run(args, allowed)
 

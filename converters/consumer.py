@@ -19,7 +19,7 @@ from typing import Any
 
 from . import dtypes, storage
 from .index import CheckpointIndex, TensorEntry
-from .storage import RangeReader
+from .rangeread import RangeReader
 from .tensorio import Box, compare_slab, read_box, same_bytes, slabs
 from .writers.objects import load_object
 

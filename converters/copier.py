@@ -25,9 +25,10 @@ from .checksum import crc32, crc32_zeros
 from .config import ContextPool
 from .errors import SourceError
 from .index import TensorEntry
+from .rangeread import RangeReader
 from .readahead import Budget, Buffer, ReadAhead
-from .storage import RangeReader, is_local, local_path
 from .tensorio import Box, cast, direct_ranges, read_box, slabs
+from .uris import is_local, local_path
 
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4

@@ -1,7 +1,7 @@
 """JSON documents and short text fields read from checkpoints, parsed with limits on size, depth and text.
 
 Every JSON or text file a reader takes from a checkpoint comes through here, so a hostile one ends as one
-`FormatError` naming the file: too big (the metadata cap of `storage.read_all`), nested deeper than
+`FormatError` naming the file: too big (the metadata cap of `files.read_all`), nested deeper than
 `MAX_DEPTH`, not UTF-8, or holding a string that is not valid text (a `\\ud800` escape decodes to a lone
 surrogate, which no output format can store). Errors describe what is wrong; they never quote the bytes.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import storage
+from . import files
 from .errors import FormatError
 
 #: the deepest nesting a checkpoint's JSON may use (safetensors headers and HF indexes use 3)
@@ -70,16 +70,16 @@ def loads(data: bytes | memoryview | str, where: str, what: str = "the JSON docu
 
 def read_json(uri: str) -> Any:
     """A JSON metadata file (size-capped, depth-limited, valid text), or a FormatError naming it."""
-    return loads(storage.read_all(uri), uri)
+    return loads(files.read_all(uri), uri)
 
 
 def read_text(uri: str, what: str) -> str:
     """A one-line text file (`latest`, `latest_checkpointed_iteration.txt`): at most MAX_TEXT_BYTES of UTF-8,
     stripped, or a FormatError naming the file and saying what it should hold (`what`)."""
-    size = storage.size(uri)
+    size = files.size(uri)
     if size > MAX_TEXT_BYTES:
         raise FormatError(f"{uri}: {size} bytes, but it should hold {what}; the file is damaged", uri=uri)
-    data = storage.read_all(uri, cap=MAX_TEXT_BYTES)
+    data = files.read_all(uri, cap=MAX_TEXT_BYTES)
     try:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError:

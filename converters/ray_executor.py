@@ -71,9 +71,7 @@ class _Reporter:
 def run_batch(target: Target, parts: list[Any], memory_limit: int, threads: int, config: EngineConfig,
               sink: Any, run: str) -> list[PartResult]:
     """The Ray task: run `parts` into `target` under the driver's engine config; return each file's size,
-    CRC-32 and this node's id."""
-    # until storage reads `current().read_roots`, confine this worker process as the driver is confined
-    storage.confine_reads(None if config.read_roots is None else list(config.read_roots))
+    CRC-32 and this node's id. Its reads are confined by the config's read roots, as the driver's are."""
     with use(config):
         return _run_batch(target, parts, memory_limit, threads, sink, run)
 

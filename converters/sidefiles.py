@@ -84,7 +84,7 @@ def _folders(source: str, config_from: str | None) -> list[str]:
 def _listing(folder: str) -> set[str]:
     """The names in `folder`; none when it is not there or lies outside the roots this job may read."""
     try:
-        storage._check_roots(folder)
+        storage.check_roots(folder)
         return set(storage.listdir(folder)) if storage.isdir(folder) else set()
     except (CkptError, OSError, ValueError):
         return set()

@@ -14,7 +14,8 @@ from typing import Any
 
 from . import dtypes
 from .index import ByteRange, Chunk, TensorEntry
-from .storage import MIN_REQUEST, READ_CHUNK, RangeReader, is_local
+from .rangeread import MIN_REQUEST, READ_CHUNK, RangeReader
+from .uris import is_local
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 _UINT = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes, unpickle
+from .confinement import max_metadata_bytes
 from .errors import FormatError
 from .index import ByteRange, count, counts, short
-from .storage import RangeReader, max_metadata_bytes
+from .rangeread import RangeReader
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length (30 bytes)
 _LOCAL_SIG = 0x04034B50

@@ -18,8 +18,8 @@ from typing import Any, Literal, NamedTuple
 from .classify import Parts, classify
 from .errors import OptionError
 from .index import CheckpointIndex, ObjectEntry, TensorEntry
+from .rangeread import RangeReader
 from .stacking import unstack
-from .storage import RangeReader
 from .tensorio import group_records
 from .writers.objects import load_object
 

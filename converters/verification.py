@@ -11,7 +11,7 @@ from . import dtypes
 from .consumer import ConsumerResult, check
 from .copier import DEFAULT_MEMORY_LIMIT
 from .index import CheckpointIndex, TensorEntry
-from .storage import RangeReader
+from .rangeread import RangeReader
 from .tensorio import cast, compare_slab, read_box, same_bytes, slabs
 from .writers.objects import load_object
 

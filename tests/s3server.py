@@ -204,9 +204,9 @@ def clear_fs_caches() -> None:
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from converters import storage
+    from converters import remote
 
-    storage._fs.cache_clear()
+    remote._fs.cache_clear()
     for cls in (fsspec.AbstractFileSystem, *_s3fs_classes()):
         cls.clear_instance_cache()
     MemoryFileSystem.store.clear()

@@ -551,8 +551,10 @@ def test_whole_file_reads_stop_at_the_cap_even_when_the_size_lies(tmp_path: Path
 
 
 def test_confine_reads_in_process(bases: dict[str, Path], tmp_path: Path) -> None:
-    """The service's hook: `storage.confine_reads(roots)` refuses a member whose real path leaves the roots."""
-    from converters import operations, storage
+    """The service's hook: an engine config with read roots (installed by the service's processes) refuses a
+    member whose real path leaves the roots."""
+    from converters import operations
+    from converters.config import EngineConfig, use
     from converters.errors import SourceError
 
     ckpt = kit.copy_base(bases["safetensors"], tmp_path / "ckpt")
@@ -560,15 +562,12 @@ def test_confine_reads_in_process(bases: dict[str, Path], tmp_path: Path) -> Non
     outside.parent.mkdir()
     shutil.move(ckpt / "model.safetensors", outside)
     (ckpt / "model.safetensors").symlink_to(outside)
-    storage.confine_reads([str(ckpt)])
-    try:
-        with pytest.raises(SourceError, match="outside the storage roots") as info:
-            operations.inspect(str(ckpt))
-        assert str(outside) not in str(info.value) and "ckpt/model.safetensors" in str(info.value)
-        storage.confine_reads([str(tmp_path)])
+    with use(EngineConfig(read_roots=(str(ckpt),))), pytest.raises(SourceError, match="outside the storage roots") \
+            as info:
+        operations.inspect(str(ckpt))
+    assert str(outside) not in str(info.value) and "ckpt/model.safetensors" in str(info.value)
+    with use(EngineConfig(read_roots=(str(tmp_path),))):
         assert sorted(operations.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
-    finally:
-        storage.confine_reads(None)
     assert sorted(operations.inspect(str(ckpt)).tensors) == ["b", "e", "w"]
 
 

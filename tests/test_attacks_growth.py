@@ -213,7 +213,7 @@ def test_record_pickles_kept_for_reuse_are_small(tmp_path: Path) -> None:
     """DCP records' data.pkl are unpickled once per distinct bytes and kept: a padded one (any size up to the
     metadata cap, thousands of records) is read but never kept, so a process does not keep what it read."""
     from converters import torchzip
-    from converters.storage import RangeReader
+    from converters.rangeread import RangeReader
 
     path = tmp_path / "record.pt"
     torch.save(torch.arange(4.0), path)

@@ -18,7 +18,7 @@ from converters import CheckpointIndex, ConvertOptions, KeyOptions, convert, det
 from converters.copier import Copier
 from converters.output import open_output
 from converters.plan import execute
-from converters.storage import RangeReader
+from converters.rangeread import RangeReader
 from converters.tensorio import read_box
 from converters.writers import WRITERS
 

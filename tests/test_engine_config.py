@@ -196,9 +196,7 @@ def test_no_engine_module_reads_the_environment() -> None:
     pattern = re.compile(r"os\.environ|os\.getenv|getenv\(|environ\[")
     readers = sorted(str(p.relative_to(ROOT / "converters")) for p in (ROOT / "converters").rglob("*.py")
                      if pattern.search(p.read_text()))
-    # storage.py: its reads move to `current()` with the storage split (the AWS endpoint it names in an error
-    # message is boto's own variable); remove it from this list then
-    assert set(readers) - {"storage.py"} == {"config.py"}, readers
+    assert readers == ["config.py"], readers
 
 
 def test_settings_build_the_engine_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

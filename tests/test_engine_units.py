@@ -39,7 +39,7 @@ from converters.formats import DETECT_ORDER, FORMATS, reader_class
 from converters.formats.base import check_index
 from converters.index import ByteRange, Chunk, TensorEntry
 from converters.output import open_output
-from converters.storage import RangeReader
+from converters.rangeread import RangeReader
 from converters.writers.torchsave import TorchPart
 from converters.zipwriter import ZipWriter
 
@@ -334,16 +334,3 @@ def test_torch_file_filled_in_parallel_equals_the_streamed_one(tmp_path: Path) -
     assert loaded.keys() == state.keys()
     for key, value in state.items():
         assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value)
-
-
-@pytest.mark.parametrize("value", ["0", "-3", "12MB", "x"])
-def test_integer_settings_name_a_bad_value(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    from converters.env import positive_int
-
-    monkeypatch.setenv("CKPT_SOME_LIMIT", value)
-    with pytest.raises(OptionError, match=r"CKPT_SOME_LIMIT=.*positive number of bytes"):
-        positive_int("CKPT_SOME_LIMIT", 5, "bytes")
-    monkeypatch.setenv("CKPT_SOME_LIMIT", " 7 ")
-    assert positive_int("CKPT_SOME_LIMIT", 5, "bytes") == 7
-    monkeypatch.delenv("CKPT_SOME_LIMIT")
-    assert positive_int("CKPT_SOME_LIMIT", 5, "bytes") == 5

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from converters import ConvertOptions, convert, storage, tensorio, upload
+from converters import ConvertOptions, convert, rangeread, storage, tensorio, upload
 from converters.config import EngineConfig, use
 from converters.errors import FormatError, SourceError, TargetError
 from converters.formats import load_index
@@ -340,7 +340,7 @@ def test_a_large_record_is_fetched_as_head_and_tail_with_the_small_ones_after_it
     """A record larger than a read chunk: its head with the tensor's first chunk, its tail (the zip directory)
     with the small record after it, and the middle, three requests per layer; the small record, read first
     (the export goes by name: `l0.b` before `l0.w`), is fetched alone, not with the large one."""
-    monkeypatch.setattr(storage, "READ_CHUNK", MIB)
+    monkeypatch.setattr(rangeread, "READ_CHUNK", MIB)
     monkeypatch.setattr(tensorio, "READ_CHUNK", MIB)
     monkeypatch.setattr(tensorio, "GROUP_BYTES", MIB)  # a 2 MiB record groups with no other large one
     state = _layers(3, 512, 3)  # 2 MiB weights

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from converters.checksum import crc32, crc32_combine, crc32_zeros
 from converters.copier import Copier, SourceRange, data_runs
 from converters.errors import SourceError
-from converters.storage import RangeReader
+from converters.rangeread import RangeReader
 
 from .conftest import ckptctl
 

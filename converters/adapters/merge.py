@@ -22,7 +22,7 @@ import torch
 
 from ..dtypes import numel
 from ..index import TensorEntry
-from ..storage import RangeReader
+from ..rangeread import RangeReader
 from ..tensorio import read_box
 
 _SIXTEEN = (torch.float16, torch.bfloat16)

@@ -9,7 +9,8 @@ from .. import storage
 from ..errors import FormatError, OptionError, SourceError, reading
 from ..index import CheckpointIndex
 from ..jsonsafe import read_json
-from ..names import MANIFEST, TORCH_INDEX, TORCH_SUFFIXES, WRITING
+from ..names import TORCH_INDEX, TORCH_SUFFIXES
+from ..targets import check_complete
 from .base import BaseReader
 from .dcp import METADATA, dcp_subfolders
 
@@ -140,29 +141,6 @@ def open_reader(uri: str, fmt: str | None = None, reader: storage.RangeReader | 
     cls = reader_class(name)
     with reading(uri):
         return cls(uri, reader or storage.RangeReader())
-
-
-def check_complete(uri: str) -> None:
-    """Refuse an output prefix whose upload never finished, or whose files differ from its manifest."""
-    if storage.is_local(uri) or not storage.isdir(uri):
-        return
-    names = storage.listdir(uri)
-    if MANIFEST not in names:
-        if WRITING in names:
-            raise SourceError(f"{uri}: incomplete output (an upload started but never finished: no "
-                              "ckpt-manifest.json); re-run the job that writes it", uri=uri)
-        return
-    where = storage.join(uri, MANIFEST)
-    manifest = read_json(where)
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        raise FormatError(f"{where}: files must be a JSON object of file name -> {{bytes, crc32}}; the manifest is "
-                          "damaged")
-    for name, info in files.items():
-        path = storage.member(uri, name, f"{where} (files)")
-        if not storage.exists(path) or storage.size(path) != info.get("bytes"):
-            raise SourceError(f"{path}: missing or not the size ckpt-manifest.json records; the output is damaged, "
-                              "re-run the job that wrote it", uri=path)
 
 
 def load_index(uri: str, fmt: str | None = None, locate: bool = True,

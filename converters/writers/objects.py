@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import FormatError
 from ..index import ObjectEntry
-from ..storage import RangeReader
+from ..rangeread import RangeReader
 from ..torchzip import read_archive
 from ..unpickle import TensorRef
 
