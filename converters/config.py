@@ -157,17 +157,6 @@ class EngineConfig:
         return replace(self, **changes)
 
 
-def env_positive_int(var: str, default: int, unit: str, environ: Mapping[str, str] | None = None) -> int:
-    """`var` as a positive integer, `default` when unset or empty; a bad value is one line naming the variable."""
-    text = (os.environ if environ is None else environ).get(var, "").strip()
-    if not text:
-        return default
-    value = _whole(text)
-    if value <= 0:
-        raise OptionError(f"{var}={text!r}: give a positive number of {unit}")
-    return value
-
-
 def _whole(text: str) -> int:
     try:
         return int(text)
