@@ -1,6 +1,6 @@
 """Path safety, in one place: which names may be used, and when one location lies inside or overlaps another.
 
-Used by the engine's read confinement and metadata file names (`converters.storage`) and by the service's
+Used by the engine's read confinement and metadata file names (`converters.confinement`) and by the service's
 storage roots (`ckpt_service.roots`). Comparisons are on whole path components: `/data-other` is not inside
 `/data`, `s3://b/team-ab` is not inside `s3://b/team-a`.
 """
