@@ -129,7 +129,7 @@ def test_dockerignore_keeps_the_build_context_to_the_package(dockerfile: Dockerf
         for src in srcs:
             assert any(f == src or f.startswith(src + "/") for f in files), f"COPY {src}: not in the build context"
     assert {f.split("/")[0] for f in files} <= {"pyproject.toml", "README.md", "converters", "ckpt_service", "api",
-                                                 "docker"}
+                                                 "ckptctl", "docker"}
 
 
 # -- compose.yaml -------------------------------------------------------------------------------------------
