@@ -11,7 +11,6 @@ The output appears only when complete.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -23,13 +22,11 @@ from ..errors import FormatError, OptionError
 from ..formats import load_index
 from ..index import CheckpointIndex, TensorEntry
 from ..jsonsafe import read_json
-from ..names import SAFETENSORS_INDEX
 from ..output import Output, open_output
-from ..plan import greedy_groups
 from ..sidefiles import collect
 from ..tensorio import read_box, slabs
 from ..transforms import KeyOptions, apply
-from ..writers.safetensors import Planned, header_bytes
+from ..writers.safetensors import Planned, header_bytes, write_shards
 from . import merge
 from .detect import Adapter, LoraModule, find_adapter
 from .lora_settings import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, settings_for
@@ -317,21 +314,9 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
         for item in items:
             dtypes.to_safetensors(item.dtype, item.name)
         side = collect(base or source, config_from, cast_to)
-        shards = greedy_groups(items, max_shard_size)
         with open_output(target, overwrite, "safetensors") as out:
             out.about["adapter_merge"] = {"adapter": opened.adapter.name, "dtype": cast_to}
-            names = ["model.safetensors"] if len(shards) == 1 else \
-                [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-            for name, shard in zip(names, shards):
-                _write_file(out, name, shard)
-            if len(shards) > 1:
-                doc = {"metadata": {"total_size": sum(i.nbytes for i in items)},
-                       "weight_map": {item.name: name for name, shard in zip(names, shards) for item in shard}}
-                with out.open(SAFETENSORS_INDEX) as fh:
-                    fh.write(json.dumps(doc, indent=2).encode())
-            for name, data in side.data.items():
-                with out.open(name) as fh:
-                    fh.write(data)
+            write_shards(out, items, max_shard_size, _write_file, side.data)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         variants = ", ".join(sorted(opened.adapter.variants))
         report = [f"merged adapter {opened.adapter.name!r} ({variants}) into {len(opened.adapter.modules)} modules, "

@@ -15,11 +15,9 @@ element and every row norm depends on its own row only, so memory stays bounded 
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
-
 import torch
 
+from .. import heap
 from ..dtypes import numel
 from ..index import TensorEntry
 from ..rangeread import RangeReader
@@ -28,20 +26,7 @@ from ..tensorio import read_box
 _SIXTEEN = (torch.float16, torch.bfloat16)
 
 
-def _trimmer() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_TRIM = _trimmer()
-
-
-def release() -> None:
-    """Hand freed heap back to the system between slabs (glibc keeps slab-sized temporaries torch freed)."""
-    if _TRIM is not None:
-        _TRIM(0)
+release = heap.release  # between slabs (see converters.heap)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -51,9 +51,10 @@ _TAG = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 WEIGHTS = ("fp32", "module")
 
 
-def read_latest(uri: str) -> str:
-    """The tag named by `uri/latest` (a short text file), or "" when it is not one."""
-    path = storage.join(uri, "latest")
+def read_latest(uri: str, name: str = "latest") -> str:
+    """The tag named by `uri/<name>` (`latest`, or `latest_universal`: a short text file), or "" when it is not
+    one."""
+    path = storage.join(uri, name)
     if storage.isdir(path):
         return ""
     try:

@@ -18,10 +18,9 @@ from typing import Any
 from .. import dtypes, storage
 from ..errors import FormatError
 from ..index import CheckpointIndex, Chunk, ObjectEntry, TensorEntry
-from ..jsonsafe import read_text
 from ..torchzip import Archive
 from ..unpickle import Stub, TensorRef
-from .deepspeed import _MODEL, _MODEL3, _TAG, DeepSpeedReader, _fresh, _get, _shape
+from .deepspeed import _MODEL, _MODEL3, _TAG, DeepSpeedReader, _fresh, _get, _shape, read_latest
 from .torchsave import tensor_entry
 
 ZERO = "zero"
@@ -38,13 +37,7 @@ def is_universal_tag(uri: str, names: list[str]) -> bool:
 
 def latest_universal(uri: str) -> str:
     """The tag `uri/latest_universal` names, or "" when it is not a short text file."""
-    path = storage.join(uri, LATEST)
-    if storage.isdir(path):
-        return ""
-    try:
-        return read_text(path, "a tag folder name")
-    except FormatError:
-        return ""
+    return read_latest(uri, LATEST)
 
 
 class DeepSpeedUniversalReader(DeepSpeedReader):

@@ -12,26 +12,23 @@ quantized slab by slab. The output appears only when complete (`open_output`).
 
 from __future__ import annotations
 
-import ctypes
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import dtypes, storage
+from .. import dtypes, heap, storage
 from ..copier import DEFAULT_MEMORY_LIMIT
 from ..errors import FormatError, OptionError
 from ..formats import load_index
 from ..index import TensorEntry
 from ..jsonsafe import loads
-from ..names import SAFETENSORS_INDEX
 from ..output import Output, open_output
-from ..plan import greedy_groups
 from ..sidefiles import CONFIG, collect
 from ..tensorio import read_box, slabs
 from ..transforms import KeyOptions, apply
-from ..writers.safetensors import Planned, header_bytes
+from ..writers.safetensors import Planned, header_bytes, write_shards
 from . import fp8
 from .config import BLOCK, Scheme, quantization_config, scheme
 from .select import compile_ignore, select
@@ -70,23 +67,6 @@ class _Item:
         return dtypes.numel(self.shape) * dtypes.itemsize(self.dtype)
 
 
-def _trimmer() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_TRIM = _trimmer()
-
-
-def _release() -> None:
-    """Hand freed heap back to the system between slabs: glibc keeps the slab-sized temporaries torch frees
-    (its mmap threshold rises to their size), and RSS would creep up by a few slabs."""
-    if _TRIM is not None:
-        _TRIM(0)
-
-
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -102,7 +82,7 @@ class _Quantizer:
     def read(self, entry: TensorEntry, box: tuple[tuple[int, ...], tuple[int, ...]]) -> memoryview:
         """The bytes of `entry[box]` in the shared read buffer (valid until the next read)."""
         nbytes = dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype)
-        _release()
+        heap.release()
         if len(self._buffer) < nbytes:
             self._buffer = bytearray(nbytes)
         view = memoryview(self._buffer)[:nbytes]
@@ -263,21 +243,10 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
                 report.append(f"{len(odd)} weights have in_features not a multiple of 128 (e.g. {odd[0]}): their "
                               "scales cover zero-padded blocks, as llm-compressor's do, but FP8_BLOCK's per-128 "
                               "activation groups need whole groups at inference")
-        shards = greedy_groups(items, max_shard_size)
         with open_output(target, overwrite, "safetensors") as out:
             out.about["quantization"] = {"scheme": chosen.name, "ignore": checked}
-            names = ["model.safetensors"] if len(shards) == 1 else \
-                [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-            for name, shard in zip(names, shards):
-                _write_shard(out, name, shard, quantizer)
-            if len(shards) > 1:
-                doc = {"metadata": {"total_size": sum(i.nbytes for i in items)},
-                       "weight_map": {item.name: name for name, shard in zip(names, shards) for item in shard}}
-                with out.open(SAFETENSORS_INDEX) as fh:
-                    fh.write(json.dumps(doc, indent=2).encode())
-            for name, data in side.data.items():
-                with out.open(name) as fh:
-                    fh.write(config_bytes if name == CONFIG else data)
+            write_shards(out, items, max_shard_size, lambda o, name, shard: _write_shard(o, name, shard, quantizer),
+                         {name: config_bytes if name == CONFIG else data for name, data in side.data.items()})
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         report.extend(reader.fetch_note())
         return Fp8Result(target, chosen.name, chosen_modules.quantized, chosen_modules.ignored, outputs, report)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Protocol, TypeVar
 
 from .. import dtypes
 from ..config import ContextPool
@@ -117,6 +119,41 @@ class SafetensorsPlan(Plan):
                 fh.write(json.dumps(self.index_doc, indent=2).encode())
 
 
+def shard_names(count: int) -> list[str]:
+    """The Hub's names for `count` shard files (`model.safetensors` alone, else `model-0000i-of-0000n`)."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+class Sized(Protocol):
+    name: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+S = TypeVar("S", bound=Sized)
+
+
+def write_shards(out: Output, items: list[S], max_shard_size: int, write: Callable[[Output, str, list[S]], None],
+                 side: Mapping[str, bytes]) -> None:
+    """Write `items` as HF shards, each file by `write`, the index when there is more than one, then the side
+    files (name -> bytes): the layout every HF-folder export (quantized, merged) shares."""
+    shards = greedy_groups(items, max_shard_size)
+    names = shard_names(len(shards))
+    for name, shard in zip(names, shards):
+        write(out, name, shard)
+    if len(shards) > 1:
+        doc = {"metadata": {"total_size": sum(i.nbytes for i in items)},
+               "weight_map": {item.name: name for name, shard in zip(names, shards) for item in shard}}
+        with out.open(INDEX_NAME) as fh:
+            fh.write(json.dumps(doc, indent=2).encode())
+    for name, data in side.items():
+        with out.open(name) as fh:
+            fh.write(data)
+
+
 def plan_safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cast_to: str | None,
                      max_shard_size: int, metadata: dict[str, str] | None = None) -> SafetensorsPlan:
     """Plan the tensors of `index` as one file (`model.safetensors`, or the target itself when it is a
@@ -128,10 +165,10 @@ def plan_safetensors(index: CheckpointIndex, out: Output, copier: Copier, *, cas
     if out.single_file:
         return SafetensorsPlan("safetensors", [ShardPart("", in_file_order(items), cast_to, meta)])
     shards = plan_shards(items, max_shard_size)
-    if len(shards) == 1:
-        return SafetensorsPlan("safetensors", [ShardPart(SINGLE_NAME, in_file_order(shards[0]), cast_to, meta)])
-    parts = [ShardPart(f"model-{i:05d}-of-{len(shards):05d}.safetensors", in_file_order(shard), cast_to, meta)
-             for i, shard in enumerate(shards, 1)]
+    parts = [ShardPart(name, in_file_order(shard), cast_to, meta)
+             for name, shard in zip(shard_names(len(shards)), shards)]
+    if len(parts) == 1:
+        return SafetensorsPlan("safetensors", parts)
     weight_map = {item.name: part.name for part in parts for item in part.items}
     index_doc = {"metadata": {"total_size": sum(i.nbytes for i in items), **(metadata or {})},
                  "weight_map": weight_map}
