@@ -96,7 +96,8 @@ def _size(value: int | str) -> int:
 Size = Annotated[int | str, AfterValidator(_size)]
 
 SourceFormat = Annotated[Annotated[Format, one_of(Format, "format")] | None,
-                         Field(description=f"Force the source format ({', '.join(READERS)})."), flag("--from")]
+                         Field(description=f"Force the source format ({', '.join(READERS)})."),
+                         flag("--from", metavar="FORMAT")]
 Selection = Literal["model", "optim", "all"]
 Only = Annotated[Selection, one_of(Selection, "selection"),
                  Field(description="Which entries: model, optim or all."), flag("--only")]
@@ -258,11 +259,11 @@ class VerifyRequest(KeyedRequest):
     rtol: Annotated[float, Field(ge=0, le=1e6, description="Relative tolerance (for cast outputs)."),
                     flag("--rtol")] = 0.0
     source_format: Annotated[Annotated[Format, one_of(Format, "format")] | None,
-                             Field(description="Force the format of the first checkpoint (A)."),
-                             flag("--from-a")] = None
+                             Field(description=f"Force the format of the first checkpoint (A): {', '.join(READERS)}."),
+                             flag("--from-a", metavar="FORMAT")] = None
     target_format: Annotated[Annotated[Format, one_of(Format, "format")] | None,
-                             Field(description="Force the format of the second checkpoint (B)."),
-                             flag("--from-b")] = None
+                             Field(description="Force the format of the second checkpoint (B): the same choices."),
+                             flag("--from-b", metavar="FORMAT")] = None
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
 
 

@@ -25,7 +25,9 @@ from converters import CkptError
 if TYPE_CHECKING:
     from rich.console import Console
 
+#: help fills the terminal's width (click caps it at 80 unless told otherwise)
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  context_settings={"max_content_width": 400},
                   help="Convert, reshard, export and verify sharded PyTorch checkpoints, offline and streaming.")
 
 
@@ -298,7 +300,10 @@ class Command(TyperCommand):
 
 
 def plain_commands(group: typer.Typer) -> None:
-    """Give every command of `group` and its sub-groups the `Command` style (those that chose none)."""
+    """Give every command of `group` and its sub-groups the `Command` style (those that chose none), and
+    click's plain help layout: rich's panels would cost every `--help` ~70 ms of imports (typer.rich_utils
+    loads rich's markdown and syntax highlighting)."""
+    group.rich_markup_mode = None
     for info in group.registered_commands:
         if info.cls in (None, TyperCommand):
             info.cls = Command

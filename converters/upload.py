@@ -16,7 +16,6 @@ multipart upload is left open.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import io
@@ -138,6 +137,8 @@ class MultipartWriter:
         self.crc = 0  # CRC-32 of the parts sent, once closed: of the whole file
 
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
+        import asyncio  # here: a local output never needs the event loop's module
+
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
     def tell(self) -> int:
@@ -212,6 +213,8 @@ class MultipartWriter:
 
     async def _part(self, number: int, body: Part, checksum: str) -> dict[str, Any]:
         assert self.create is not None
+        import asyncio
+
         upload_id = await asyncio.wrap_future(self.create)
         if self.discarded:  # the upload is being aborted: sending the part would only fail (and be retried)
             raise RuntimeError(f"{self.key}: upload discarded")

@@ -132,3 +132,35 @@ def test_converters_public_names_resolve_and_name_no_submodule() -> None:
     assert set(converters.__all__) <= set(dir(converters))
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         converters.nothing  # noqa: B018
+
+
+#: every package `ckptctl inspect` of a DCP checkpoint may import beyond the standard library and what the
+#: interpreter itself loads at start-up (its site hooks): the CLI toolkit, the request models' validation, the
+#: console, CRC-32, and our three packages
+INSPECT_PACKAGES = {"typer", "shellingham", "annotated_doc", "rich", "pydantic", "pydantic_core", "annotated_types",
+                    "typing_extensions", "typing_inspection", "isal", "ckptctl", "ckpt_service", "converters"}
+#: the modules of ours it may import: the offline command, the job kinds and their engine calls, the engine's
+#: readers; no writer but the output's common parts, nothing of the service
+INSPECT_OURS = {"ckptctl", "ckptctl.common", "ckptctl.offline", "ckpt_service", "ckpt_service.errors",
+                "ckpt_service.executor", "ckpt_service.helpers", "ckpt_service.job_kinds",
+                "ckpt_service.job_requests", "ckpt_service.logs", "ckpt_service.roots", "ckpt_service.summary",
+                "ckpt_service.units"}
+#: standard-library stacks an inspect has no use for (event loop, TLS, HTTP, SQLite, processes; pydantic's plugin
+#: lookup, importlib.metadata, brings `email` and `socket`)
+INSPECT_NEVER = {"asyncio", "ssl", "http", "sqlite3", "multiprocessing"}
+
+
+def test_inspect_imports_only_the_listed_packages(tiny: tuple[Path, Path, dict]) -> None:
+    """The whole import list of `ckptctl inspect` (structural: a new top-level import on this path is a
+    decision, made here, not an accident found in a benchmark)."""
+    start = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sorted(sys.modules)))"],
+                           capture_output=True, text=True, timeout=60, check=True)
+    at_start = {m.split(".")[0] for m in json.loads(start.stdout)}
+    got = run_cli("inspect", str(tiny[0]))
+    assert got["code"] == 0
+    tops = {m.split(".")[0] for m in got["modules"] if not m.startswith("_")}  # `_sysconfigdata…`: sysconfig's
+    tops -= at_start | set(sys.stdlib_module_names)
+    assert tops <= INSPECT_PACKAGES, sorted(tops - INSPECT_PACKAGES)
+    ours = {m for m in got["modules"] if m.split(".")[0] in ("ckptctl", "ckpt_service")}
+    assert ours <= INSPECT_OURS, sorted(ours - INSPECT_OURS)
+    assert not {m.split(".")[0] for m in got["modules"]} & INSPECT_NEVER
