@@ -161,39 +161,33 @@ class KeyedRequest(JobRequest):
     exclude: Exclude = Field(default_factory=list)
 
 
-class ConvertRequest(KeyedRequest):
+class OutputRequest(KeyedRequest):
+    """A kind that reads one checkpoint and writes it out as safetensors or torch files (convert, export)."""
+
+    source_format: SourceFormat = None
+    tag: Tag = None
+    weights: Weights = None
+    dtype: DType = None
+    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+    overwrite: Overwrite = False
+    drop_tied: DropTied = Field(default_factory=list)
+    verify: VerifyOutput = False
+
+
+class ConvertRequest(OutputRequest):
     """Convert a checkpoint to one safetensors/torch output (model and optimizer, keys as they are)."""
 
     to: Annotated[OutputFormat, one_of(OutputFormat, "output format"),
                   Field(description="Output format: safetensors or torch."), flag("--to")] = "safetensors"
-    source_format: SourceFormat = None
-    tag: Tag = None
-    weights: Weights = None
-    only: Only = "all"
-    clean_keys: CleanKeys = False
-    dtype: DType = None
-    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
-    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
-    overwrite: Overwrite = False
-    drop_tied: DropTied = Field(default_factory=list)
-    verify: VerifyOutput = False
 
 
-class ExportRequest(KeyedRequest):
+class ExportRequest(OutputRequest):
     """Export model weights to HF-style sharded safetensors for serving (clean keys, never optimizer state)."""
 
-    source_format: SourceFormat = None
-    tag: Tag = None
-    weights: Weights = None
     only: Annotated[Selection, one_of(Selection, "selection"),
                     Field(description="model (an export never holds optimizer state)."), flag("--only")] = "model"
     clean_keys: CleanKeys = True
-    dtype: DType = None
-    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
-    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
-    overwrite: Overwrite = False
-    drop_tied: DropTied = Field(default_factory=list)
-    verify: VerifyOutput = False
     to_hf: Annotated[Annotated[HFArchitecture, one_of(HFArchitecture, "architecture")] | None,
                      Field(description="Map a Megatron / NeMo GPT model to a Hugging Face architecture (llama) and "
                                        "write its config.json."), flag("--to-hf")] = None

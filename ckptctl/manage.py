@@ -54,6 +54,15 @@ def _emit(data: Any, as_json: bool) -> bool:
     return as_json
 
 
+def call(server: str, token: str | None, method: str, path: str, body: Any = None, *, as_json: bool = False,
+         **params: Any) -> Any:
+    """One request to the server (`params`: a GET's query); its reply, or None when `as_json` printed it
+    (nothing is left to print)."""
+    with connect(server, token) as client:
+        reply = get(client, path, **params) if method == "GET" else send(client, method, path, body)
+    return None if _emit(reply, as_json) else reply
+
+
 # -- checkpoints tag | alias -----------------------------------------------------------------------
 
 @checkpoints_app.command("tag")
@@ -95,9 +104,8 @@ app.add_typer(runs_app, name="runs")
 @runs_app.command("list")
 def runs_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Runs with their number of checkpoints and latest step."""
-    with connect(server, token) as client:
-        rows = get(client, "/v1/runs")
-    if not _emit(rows, as_json):
+    rows = call(server, token, "GET", "/v1/runs", as_json=as_json)
+    if rows is not None:
         table = make_table("run", "checkpoints", "latest step", "latest id")
         for r in rows:
             table.add_row(r["run"], str(r["checkpoints"]), shown(r["latest_step"]), shown(r["latest_id"]))
@@ -157,18 +165,16 @@ def policies_add(name: str, run: Annotated[str | None, typer.Option("--run")] = 
     body = {"name": name, "run": run, "prefix": as_uri(prefix) if prefix else None, "applies_to": applies_to,
             "keep_last": keep_last, "keep_every": keep_every, "keep_younger_than": keep_younger_than,
             "delete_with_outputs": delete_with_outputs}
-    with connect(server, token) as client:
-        result = send(client, "POST", "/v1/policies", body)
-    if not _emit(result, as_json):
+    result = call(server, token, "POST", "/v1/policies", body, as_json=as_json)
+    if result is not None:
         out.print(f"added policy {result['spec']['name']} ({result['id']})", highlight=False)
 
 
 @policies_app.command("list")
 def policies_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """List retention policies with their specs."""
-    with connect(server, token) as client:
-        rows = get(client, "/v1/policies")
-    if not _emit(rows, as_json):
+    rows = call(server, token, "GET", "/v1/policies", as_json=as_json)
+    if rows is not None:
         for p in rows:
             out.print(f"{p['id']}  {json.dumps(p['spec'])}", highlight=False)
 
@@ -202,9 +208,8 @@ def deletions(state: Annotated[str | None, typer.Option("--state", help="pending
               limit: Annotated[int, typer.Option("--limit")] = 100, as_json: AsJson = False,
               server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """The deletion log: what GC deleted, by which policy, who ran it, when, and how many bytes."""
-    with connect(server, token) as client:
-        rows = get(client, "/v1/deletions", state=state, limit=limit)
-    if not _emit(rows, as_json):
+    rows = call(server, token, "GET", "/v1/deletions", state=state, limit=limit, as_json=as_json)
+    if rows is not None:
         table = make_table("when", "state", "uri", "bytes", "policy", "by")
         for d in rows:
             table.add_row(d["planned_at"], d["state"], d["uri"], human(d["bytes"]), d["policy"], d["requested_by"])
@@ -237,18 +242,16 @@ def rules_add(name: str, pattern: Annotated[str, typer.Argument(help="e.g. '/dat
     body = {"name": name, "pattern": as_uri(pattern), "job": {"kind": kind, "target": as_uri(target),
                                                                "options": options},
             "latest_only": latest_only, "skip_existing": skip_existing, "max_concurrent": max_concurrent}
-    with connect(server, token) as client:
-        result = send(client, "POST", "/v1/rules", body)
-    if not _emit(result, as_json):
+    result = call(server, token, "POST", "/v1/rules", body, as_json=as_json)
+    if result is not None:
         out.print(f"added rule {name} ({result['id']})", highlight=False)
 
 
 @rules_app.command("list")
 def rules_list(as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """List rules: pattern, job, paused or not, and how often each fired."""
-    with connect(server, token) as client:
-        rows = get(client, "/v1/rules")
-    if not _emit(rows, as_json):
+    rows = call(server, token, "GET", "/v1/rules", as_json=as_json)
+    if rows is not None:
         table = make_table("id", "name", "paused", "pattern", "job", "triggers")
         for r in rows:
             job = r["spec"]["job"]
@@ -284,9 +287,8 @@ def rules_resume(rule: str, server: Server = DEFAULT_SERVER, token: Token = None
 @rules_app.command("triggers")
 def rules_triggers(rule: str, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """What a rule fired on, with the job and its outcome."""
-    with connect(server, token) as client:
-        rows = get(client, f"/v1/rules/{rule}/triggers")
-    if not _emit(rows, as_json):
+    rows = call(server, token, "GET", f"/v1/rules/{rule}/triggers", as_json=as_json)
+    if rows is not None:
         for t in rows:
             out.print(f"{t['state']:<10} {t['uri']}  job {t['job_id']}  {t['detail'] or ''}", highlight=False)
 
@@ -294,8 +296,7 @@ def rules_triggers(rule: str, as_json: AsJson = False, server: Server = DEFAULT_
 @app.command("notify")
 def notify(path: str, as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Tell the server a checkpoint finished writing (it registers it and fires matching rules)."""
-    with connect(server, token) as client:
-        result = send(client, "POST", "/v1/notify", {"uri": as_uri(path)})
-    if not _emit(result, as_json):
+    result = call(server, token, "POST", "/v1/notify", {"uri": as_uri(path)}, as_json=as_json)
+    if result is not None:
         out.print(f"{result['checkpoint_id']} run {result['run']} step {result['step']}: "
                   f"{len(result['triggers'])} rule trigger(s)", highlight=False)

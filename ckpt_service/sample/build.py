@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from converters import remove_tree
 
@@ -25,6 +25,21 @@ def _check_common(world_size: int, dtype: str) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+
+
+class SampleOptions(TypedDict, total=False):
+    """The options `make_sample` passes on to `make_samples` (whose signature holds their defaults)."""
+
+    world_size: int
+    size: str
+    dtype: str
+    tie_embeddings: bool
+    compile_prefix: bool
+    with_optim: bool
+    reference: PathLike | None
+    extra_step_reference: PathLike | None
+    seed: int
+    train: bool
 
 
 def make_samples(
@@ -98,21 +113,7 @@ def make_samples(
     run_staged(job, finals, set_paths, expected)
 
 
-def make_sample(
-    out: PathLike,
-    *,
-    world_size: int = 2,
-    layout: str = "fsdp2-dcp",
-    size: str = "small",
-    dtype: str = "float32",
-    tie_embeddings: bool = False,
-    compile_prefix: bool = False,
-    with_optim: bool = True,
-    reference: PathLike | None = None,
-    seed: int = 0,
-    extra_step_reference: PathLike | None = None,
-    train: bool = True,
-) -> None:
+def make_sample(out: PathLike, *, layout: str = "fsdp2-dcp", **options: Unpack[SampleOptions]) -> None:
     """Train :class:`SampleModel` one AdamW step under real FSDP on CPU and save it as ``layout`` in ``out``.
 
     ``world_size`` gloo processes are spawned. ``size`` is ``"tiny"``, ``"small"`` or a byte size such as
@@ -126,19 +127,7 @@ def make_sample(
     ``extra_step_reference``: the same after a second step on the world-size-independent batch that
     :func:`load_and_step` uses. ``out`` must not exist or be an empty folder; it appears only on success.
     """
-    make_samples(
-        {layout: out},
-        world_size=world_size,
-        size=size,
-        dtype=dtype,
-        tie_embeddings=tie_embeddings,
-        compile_prefix=compile_prefix,
-        with_optim=with_optim,
-        reference=reference,
-        extra_step_reference=extra_step_reference,
-        seed=seed,
-        train=train,
-    )
+    make_samples({layout: out}, **options)
 
 
 #: The options a `ckptctl sample` folder was made with (a JSON object), so a re-run with others is noticed.
