@@ -18,8 +18,8 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ckpt_service.errors import TooManyStreams
 from ckpt_service.service import CkptService
+from ckpt_service.service_errors import TooManyStreams
 
 KEEPALIVE_SECONDS = 15.0
 

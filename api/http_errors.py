@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import converters as ce
-from ckpt_service import errors as se
 from ckpt_service import logs
+from ckpt_service import service_errors as se
 
 #: exception class -> (HTTP status, error type). The first match in order wins (subclasses first).
 STATUS: list[tuple[type[BaseException], int, str]] = [

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ckpt_service.errors import ServiceError, StoreDamaged
+from ckpt_service.service_errors import ServiceError, StoreDamaged
 
 from .schemas import Health, Ready, errors
 

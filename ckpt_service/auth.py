@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from .errors import Forbidden, Unauthorized
+from .service_errors import Forbidden, Unauthorized
 
 Scope = Literal["read", "write", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "admin")

@@ -21,8 +21,8 @@ from typing import Any, overload
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .auth import Principal
-from .errors import Forbidden, InvalidRequest, NotFound
 from .registry import CheckpointView, Registry, Tag
+from .service_errors import Forbidden, InvalidRequest, NotFound
 from .store import JobStore, new_id
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

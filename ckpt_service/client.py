@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .errors import ClientError
+from .service_errors import ClientError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .dialect import SQLITE, Dialect
-from .errors import SchemaTooNew
+from .service_errors import SchemaTooNew
 
 V1_JOBS = [
     """CREATE TABLE jobs (

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from .errors import InvalidRequest
+from .service_errors import InvalidRequest
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

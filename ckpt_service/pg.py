@@ -15,7 +15,7 @@ from typing import Any
 
 from . import logs
 from .dialect import POSTGRESQL, postgres_sql, redact
-from .errors import StoreError
+from .service_errors import StoreError
 
 CONNECT_TIMEOUT = 5.0
 RETRIES = 5

@@ -13,8 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import Conflict, NotFound
 from .jobs import Format
+from .service_errors import Conflict, NotFound
 from .store import JobStore, dumps, new_id, views
 
 MAX_LINEAGE = 500

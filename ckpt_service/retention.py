@@ -45,7 +45,7 @@ from converters import CkptError
 
 from . import logs, roots
 from .catalog import NAME, when
-from .errors import Conflict, NotFound, ServiceError
+from .service_errors import Conflict, NotFound, ServiceError
 from .store import new_id, views
 
 if TYPE_CHECKING:

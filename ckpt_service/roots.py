@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from converters import has_control, segments_below
 
-from .errors import InvalidRequest, OutsideRoots
+from .service_errors import InvalidRequest, OutsideRoots
 
 MAX_URI_LENGTH = 4096
 

@@ -38,8 +38,8 @@ from converters import CkptError, ContextThread
 from . import logs, roots, sandbox
 from .auth import Principal
 from .catalog import NAME, check_owner, when
-from .errors import Conflict, InvalidRequest, NotFound, ServiceError
 from .jobs import KINDS, WRITING_KINDS, JobOptions, JobSpec
+from .service_errors import Conflict, InvalidRequest, NotFound, ServiceError
 from .store import new_id
 
 if TYPE_CHECKING:

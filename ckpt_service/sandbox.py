@@ -18,7 +18,7 @@ import subprocess
 import threading
 from typing import Any
 
-from .errors import InvalidRequest, TooMany
+from .service_errors import InvalidRequest, TooMany
 from .settings import Settings
 from .worker import kill_group, process_command, process_env
 

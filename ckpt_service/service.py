@@ -18,10 +18,10 @@ from converters import CkptError
 from . import roots, sandbox
 from .auth import Principal
 from .catalog import Catalog, check_owner
-from .errors import Conflict, Forbidden, InvalidRequest
 from .job_requests import problems
 from .jobs import APPLIES, WRITING_KINDS, JobOptions, JobRecord, JobSpec, JobView, request_of
 from .registry import CheckpointView, LineageView, RegisterRequest, Registry
+from .service_errors import Conflict, Forbidden, InvalidRequest
 from .settings import Settings
 from .store import JobStore
 

@@ -24,7 +24,7 @@ from pydantic_settings import (
 )
 
 from . import auth, roots
-from .errors import ServiceError, SettingsError
+from .service_errors import ServiceError, SettingsError
 
 if TYPE_CHECKING:
     from converters import EngineConfig

@@ -28,8 +28,8 @@ from typing import Any
 
 from . import logs, migrations
 from .dialect import SQLITE, Dialect, is_url
-from .errors import Conflict, InvalidRequest, NotFound, QueueFull, StoreError
 from .jobs import TERMINAL, JobRecord
+from .service_errors import Conflict, InvalidRequest, NotFound, QueueFull, StoreError
 from .store_check import as_store_error
 
 TERMINAL_SQL = "(" + ", ".join(f"'{state}'" for state in sorted(TERMINAL)) + ")"

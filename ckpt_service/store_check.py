@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from . import migrations
 from .dialect import is_url
-from .errors import StoreDamaged, StoreError
+from .service_errors import StoreDamaged, StoreError
 
 #: SQLite's primary result codes for a damaged file: SQLITE_CORRUPT, SQLITE_NOTADB
 DAMAGE_CODES = (11, 26)

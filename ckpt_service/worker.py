@@ -25,9 +25,9 @@ import time
 import uuid
 
 from . import joblogs, logs, webhooks, worker_main
-from .errors import ServiceError
 from .executor import clean_target
 from .jobs import JobRecord
+from .service_errors import ServiceError
 from .settings import Settings
 from .store import JobStore
 

@@ -17,8 +17,8 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperArgument, TyperCommand
 
-from ckpt_service.errors import exit_code, worded
 from ckpt_service.job_requests import REQUESTS, JobRequest, build, default_of, flag_of, problems, shape
+from ckpt_service.service_errors import exit_code, worded
 from ckpt_service.units import exact
 from converters import CkptError
 

@@ -13,10 +13,10 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpt_service.errors import DIFFERENT
 from ckpt_service.executor import engine_call
 from ckpt_service.job_kinds import kinds
 from ckpt_service.job_requests import REQUESTS, InspectRequest, JobRequest, dtype_name
+from ckpt_service.service_errors import DIFFERENT
 from ckpt_service.units import human
 from converters import VerifyError
 

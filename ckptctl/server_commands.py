@@ -17,9 +17,9 @@ from typing import Annotated, Any
 import typer
 
 from ckpt_service.client import DEFAULT_SERVER, ServiceClient
-from ckpt_service.errors import DIFFERENT, ClientError, exit_code
 from ckpt_service.job_kinds import kinds, names
 from ckpt_service.job_requests import JobRequest
+from ckpt_service.service_errors import DIFFERENT, ClientError, exit_code
 from ckpt_service.units import human
 
 from .common import AsJson, From, Quiet, app, err, fail, in_cli_words, job_command, keyword, make_table, out, shown

@@ -33,7 +33,7 @@ def load_settings(config: Path | None, **flags: Any) -> Any:
     """Validated settings, or a clean exit naming every bad setting."""
     from pydantic import ValidationError
 
-    from ckpt_service.errors import SettingsError
+    from ckpt_service.service_errors import SettingsError
     from ckpt_service.settings import describe, load
 
     try:
@@ -46,7 +46,7 @@ def load_settings(config: Path | None, **flags: Any) -> Any:
 
 def open_store(settings: Any) -> Any:
     """The job store, checked (integrity, schema version) and migrated; a clean exit 2 when it cannot be used."""
-    from ckpt_service.errors import StoreError
+    from ckpt_service.service_errors import StoreError
     from ckpt_service.store import JobStore
     from ckpt_service.store_check import check
 
@@ -166,7 +166,7 @@ def sqlite_only(settings: Any, action: str) -> Any:
 
 
 def _store_run(action: Any) -> Any:
-    from ckpt_service.errors import StoreError
+    from ckpt_service.service_errors import StoreError
 
     try:
         return action()

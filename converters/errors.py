@@ -7,13 +7,13 @@
     ├── TargetError          the output cannot be written (exists, disk full, bad name)
     ├── OptionError          a bad option or combination of options
     ├── VerifyError          a verification found differences (`report` holds them when known)
-    └── ckpt_service.errors  the service's errors (ServiceError, SettingsError, ClientError, ...)
+    └── ckpt_service.service_errors  the service's errors (ServiceError, SettingsError, ClientError, ...)
 
-Exit codes are mapped in one table (`ckpt_service.errors.EXIT_CODES`), HTTP statuses in another
+Exit codes are mapped in one table (`ckpt_service.service_errors.EXIT_CODES`), HTTP statuses in another
 (`api/http_errors.py`).
 
 `field` names the option or request field an error is about, as a path into the request (`options.overwrite`,
-`target`): data, not words. Each interface renders it in its own (`ckpt_service.errors.worded`): the CLI says
+`target`): data, not words. Each interface renders it in its own (`ckpt_service.service_errors.worded`): the CLI says
 `--overwrite`, REST keeps `options.overwrite` in the message and in its error body's `fields`.
 
 `option` names the engine option an error is about by its option name (`memory_limit`), which is also the job

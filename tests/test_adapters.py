@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_service.errors import exit_code
+from ckpt_service.service_errors import exit_code
 from converters.adapters import export_adapter, export_merged
 from converters.errors import CkptError, FormatError, OptionError
 

@@ -200,7 +200,7 @@ def test_no_engine_module_reads_the_environment() -> None:
 
 
 def test_settings_build_the_engine_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt_service.errors import SettingsError
+    from ckpt_service.service_errors import SettingsError
     from ckpt_service.settings import load
     from ckpt_service.worker import process_command
 

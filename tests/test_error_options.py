@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_service.errors import InvalidRequest
 from ckpt_service.jobs import JobSpec
 from ckpt_service.service import CkptService
+from ckpt_service.service_errors import InvalidRequest
 from ckpt_service.settings import Settings
 from converters import ConvertOptions, OptionError
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ckpt_service import errors as se
-from ckpt_service.errors import EXIT_CODES, exit_code
+from ckpt_service import service_errors as se
+from ckpt_service.service_errors import EXIT_CODES, exit_code
 from converters import errors as ce
 from converters.errors import CkptError
 

@@ -12,11 +12,11 @@ import torch.distributed.checkpoint as dcp
 
 from ckpt_service.auth import Principal
 from ckpt_service.catalog import compile_pattern
-from ckpt_service.errors import InvalidRequest, NotFound, OutsideRoots
 from ckpt_service.jobs import JobSpec
 from ckpt_service.registry import RegisterRequest
 from ckpt_service.retention import PolicySpec, Retention
 from ckpt_service.service import CkptService
+from ckpt_service.service_errors import InvalidRequest, NotFound, OutsideRoots
 from ckpt_service.settings import Settings
 from tests.conftest import ckptctl
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_service import roots
-from ckpt_service.errors import InvalidRequest, OutsideRoots
+from ckpt_service.service_errors import InvalidRequest, OutsideRoots
 from converters import pathsafety, storage
 from converters.config import EngineConfig, use
 from converters.errors import FormatError, SourceError

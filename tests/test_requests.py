@@ -11,11 +11,11 @@ import typer.main
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from ckpt_service.errors import InvalidRequest
 from ckpt_service.executor import engine_call, key_options
 from ckpt_service.job_requests import APPLIES, REQUESTS, KeyedRequest, build, flag_of
 from ckpt_service.jobs import JobOptions, JobSpec, request_of
 from ckpt_service.service import CkptService
+from ckpt_service.service_errors import InvalidRequest
 from ckpt_service.settings import Settings
 from ckptctl import app
 from converters.errors import OptionError, VerifyError

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from ckpt_service.client import ServiceClient
-from ckpt_service.errors import ClientError
 from ckpt_service.netguard import CallbackPolicy
+from ckpt_service.service_errors import ClientError
 from ckpt_service.store import JobStore
 from ckpt_service.webhooks import deliver
 

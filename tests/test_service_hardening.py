@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 from ckpt_service.auth import create
-from ckpt_service.errors import InvalidRequest
 from ckpt_service.jobs import JobSpec
 from ckpt_service.migrations import LATEST
 from ckpt_service.netguard import CallbackPolicy, CallbackRefused, address_class, pin
+from ckpt_service.service_errors import InvalidRequest
 from ckpt_service.store import JobStore
 
 from .service_harness import Server, Tokens, job_spec, make_server, serve, wait_for
@@ -655,8 +655,8 @@ def test_owners_and_damaged_rows_on_both_stores(tmp_path: Path, store_location: 
     listing that names a damaged row instead of failing."""
     from ckpt_service.auth import Principal
     from ckpt_service.catalog import Catalog
-    from ckpt_service.errors import Forbidden
     from ckpt_service.registry import Registry
+    from ckpt_service.service_errors import Forbidden
 
     store = JobStore(store_location if store_location.startswith("postgresql://") else tmp_path / "ckpt.db")
     registry = Registry(store)

@@ -18,7 +18,8 @@ from pydantic import ValidationError
 
 from ckpt_service import auth, migrations, roots, store_check
 from ckpt_service.dialect import POSTGRESQL, SQLITE, Dialect, is_url
-from ckpt_service.errors import (
+from ckpt_service.registry import Registry
+from ckpt_service.service_errors import (
     Conflict,
     Forbidden,
     InvalidRequest,
@@ -27,7 +28,6 @@ from ckpt_service.errors import (
     StoreDamaged,
     Unauthorized,
 )
-from ckpt_service.registry import Registry
 from ckpt_service.settings import SettingsError, load
 from ckpt_service.store import JobStore
 

@@ -141,7 +141,7 @@ INSPECT_PACKAGES = {"typer", "shellingham", "annotated_doc", "rich", "pydantic",
                     "typing_extensions", "typing_inspection", "isal", "ckptctl", "ckpt_service", "converters"}
 #: the modules of ours it may import: the offline command, the job kinds and their engine calls, the engine's
 #: readers; no writer but the output's common parts, nothing of the service
-INSPECT_OURS = {"ckptctl", "ckptctl.common", "ckptctl.offline", "ckpt_service", "ckpt_service.errors",
+INSPECT_OURS = {"ckptctl", "ckptctl.common", "ckptctl.offline", "ckpt_service", "ckpt_service.service_errors",
                 "ckpt_service.executor", "ckpt_service.helpers", "ckpt_service.job_kinds",
                 "ckpt_service.job_requests", "ckpt_service.logs", "ckpt_service.roots", "ckpt_service.summary",
                 "ckpt_service.units"}

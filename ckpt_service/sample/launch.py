@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from ..errors import SampleJobError
 from ..helpers import free_port, remove_tree
+from ..service_errors import SampleJobError
 from .train import Job, worker
 
 JOB_TIMEOUT_S = float(os.environ.get("CKPT_SAMPLE_TIMEOUT_S", "3600"))
