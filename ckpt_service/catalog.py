@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import datetime, timezone
-from typing import Any, overload
+from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -24,6 +24,7 @@ from .auth import Principal
 from .registry import CheckpointView, Registry, Tag
 from .service_errors import Forbidden, InvalidRequest, NotFound
 from .store import JobStore, new_id
+from .units import when
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_NAMESPACE = "default"
@@ -84,14 +85,6 @@ def check_owner(principal: Principal | None, owner: str | None, what: str) -> No
     if owner is None or principal.scope != "write" or principal.name != owner:
         whose = f"belongs to {owner!r}" if owner is not None else "has no owner"
         raise Forbidden(f"{what} {whose}; only {'that token or ' if owner is not None else ''}an admin may change it")
-
-
-@overload
-def when(value: float) -> datetime: ...
-@overload
-def when(value: None) -> None: ...
-def when(value: float | None) -> datetime | None:
-    return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
 
 
 class Catalog:

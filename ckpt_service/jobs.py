@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal, Optional, get_args, get_type_hints, overload
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal, Optional, get_args, get_type_hints
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, create_model
 
 from . import job_kinds
 from .job_requests import Format, JobRequest, build, shape, shared_default
+from .units import when
 
 __all__ = ["APPLIES", "KINDS", "STATES", "TERMINAL", "WRITING_KINDS", "Format", "JobOptions", "JobSpec"]
 
@@ -122,14 +123,6 @@ class JobView(BaseModel):
     submitted_by: str | None = None
 
 
-@overload
-def _when(value: float) -> datetime: ...
-@overload
-def _when(value: None) -> None: ...
-def _when(value: float | None) -> datetime | None:
-    return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
-
-
 @dataclass
 class JobRecord:
     """One row of the jobs table, JSON columns decoded."""
@@ -202,8 +195,8 @@ class JobRecord:
         return JobView(id=self.id, kind=self.kind, state=self.state, spec=JobSpec.model_validate(self.spec),
                        attempt=self.attempt, max_attempts=self.max_attempts, cancel_requested=self.cancel_requested,
                        progress=self.progress_view(), error=error, result=self.result,
-                       created_at=_when(self.created_at), started_at=_when(self.started_at),
-                       finished_at=_when(self.finished_at), updated_at=_when(self.updated_at),
+                       created_at=when(self.created_at), started_at=when(self.started_at),
+                       finished_at=when(self.finished_at), updated_at=when(self.updated_at),
                        worker=self.worker, pid=self.pid, submitted_by=self.submitted_by)
 
     def document(self) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
+from typing import overload
 
 from converters import OptionError
 
@@ -34,3 +36,12 @@ def exact(n: int) -> str:
         if n and n % scale == 0:
             return f"{n // scale}{unit}"
     return str(n)
+
+
+@overload
+def when(value: float) -> datetime: ...
+@overload
+def when(value: None) -> None: ...
+def when(value: float | None) -> datetime | None:
+    """A stored time (seconds since the epoch) as an aware UTC datetime; None stays None."""
+    return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
