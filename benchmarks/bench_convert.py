@@ -576,6 +576,7 @@ class Row:
     peak_anon_mb: float | None = None
     peak_file_mb: float | None = None
     median_cpu_s: float | None = None
+    spread: float | None = None  # (max - min) / median of the wall times: how steady the runs were
     ratio_cp: float | None = None
     cpu_ratio_cp: float | None = None  # median CPU seconds / cp's
     ratio_best_peer: float | None = None
@@ -588,6 +589,7 @@ class Row:
             self.peak_rss_mb = max(self.rss_mb)
             self.peak_anon_mb, self.peak_file_mb = max(self.anon_mb), max(self.file_mb)
             self.median_cpu_s = statistics.median(self.cpu_s)
+            self.spread = (max(self.wall_s) - self.min_s) / self.median_s if self.median_s else None
 
 
 def _remove(path: Path) -> None:
@@ -775,22 +777,36 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+#: a copy floor whose runs spread wider than this makes every ratio of that size uncertain
+FLOOR_SPREAD = 0.20
+
+
+def floor_notes(rows: list[Row]) -> list[str]:
+    """A line for each size where `cp` itself varied by more than FLOOR_SPREAD within the run."""
+    return [f"{r.size}: cp varied by {r.spread:.0%} within this run ({', '.join(f'{w:.2f}' for w in r.wall_s)} s); "
+            "ratios against it are uncertain by as much"
+            for r in rows if r.case == "cp" and r.spread is not None and r.spread > FLOOR_SPREAD]
+
+
 def print_table(rows: list[Row], goals: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="ckpt-service conversions vs cp -r and peers (wall includes sync; RSS of the process tree)")
-    for col in ("case", "size", "kind", "min s", "median s", "peak RSS MB", "anon MB", "file MB", "CPU s",
+    for col in ("case", "size", "kind", "min s", "median s", "spread", "peak RSS MB", "anon MB", "file MB", "CPU s",
                 "CPU/cp", "/cp", "/best peer", "/consolidate", "check"):
-        table.add_column(col, justify="right" if col[0] in "mpC/" else "left")
+        table.add_column(col, justify="right" if col[0] in "mpsC/" else "left")
     for r in rows:
         peer = f"{_fmt(r.ratio_best_peer, '.2f')} ({r.best_peer})" if r.best_peer else "-"
-        numbers = (_fmt(r.min_s, ".2f"), _fmt(r.median_s, ".2f"), _fmt(r.peak_rss_mb, ".0f"),
+        numbers = (_fmt(r.min_s, ".2f"), _fmt(r.median_s, ".2f"),
+                   "-" if r.spread is None else f"{r.spread:.0%}", _fmt(r.peak_rss_mb, ".0f"),
                    _fmt(r.peak_anon_mb, ".0f"), _fmt(r.peak_file_mb, ".0f"), _fmt(r.median_cpu_s, ".2f"),
                    _fmt(r.cpu_ratio_cp, ".2f"), _fmt(r.ratio_cp, ".2f"), peer, _fmt(r.ratio_consolidate, ".2f"))
         table.add_row(r.case, r.size, r.kind, *numbers, f"{r.status}: {r.note[:60]}" if r.note else r.status)
     console = Console(width=max(200, shutil.get_terminal_size().columns))
     console.print(table)
+    for note in floor_notes(rows):
+        console.print(f"  [yellow]note[/]    {note}")
     for g in goals:
         label, color = {True: ("met", "green"), False: ("MISSED", "red"), None: ("n/a", "yellow")}[g["met"]]
         mark = f"[{color}]{label:<6}[/]"
@@ -849,6 +865,7 @@ def write_json(path: Path, rows: list[Row], sizes: dict[str, Any], goals: list[d
                       "files: libraries and page-cache pages of mapped checkpoint files); MB = 1e6 B",
         "sizes": sizes,
         "rows": [asdict(r) for r in rows],
+        "floor_notes": floor_notes(rows),
         "targets": goals,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
