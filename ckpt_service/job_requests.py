@@ -129,7 +129,8 @@ Weights = Annotated[Annotated[WeightsChoice, one_of(WeightsChoice, "weights")] |
                     Field(description="DeepSpeed: fp32 (the master weights, the default) or module (the 16-bit "
                                       "module weights)."), flag("--weights")]
 OutputFormat = Literal["safetensors", "torch"]
-HFArchitecture = Literal["llama"]
+#: `converters.hf_families` CHOICES: auto (the checkpoint's own config picks) or a family of the table
+HFArchitecture = Literal["auto", "llama", "qwen2", "qwen3", "mistral", "mixtral"]
 ShardLayout = Literal["fsdp2"]
 OutputLayout = Literal["auto", "flat"]
 #: FP8 schemes of `converters.export_fp8` (llm-compressor's FP8_DYNAMIC, FP8_BLOCK, FP8_TENSOR), as flag values
@@ -189,8 +190,8 @@ class ExportRequest(OutputRequest):
                     Field(description="model (an export never holds optimizer state)."), flag("--only")] = "model"
     clean_keys: CleanKeys = True
     to_hf: Annotated[Annotated[HFArchitecture, one_of(HFArchitecture, "architecture")] | None,
-                     Field(description="Map a Megatron / NeMo GPT model to a Hugging Face architecture (llama) and "
-                                       "write its config.json."), flag("--to-hf")] = None
+                     Field(description="Map a Megatron / NeMo GPT model to a Hugging Face architecture (auto: the "
+                                       "one its config names) and write its config.json."), flag("--to-hf")] = None
     config_from: Annotated[Annotated[str, Field(min_length=1, max_length=4096)] | None,
                            Field(description="Folder to take config.json, generation config and tokenizer files "
                                              "from (default: the checkpoint's folder, its context/ and the two "

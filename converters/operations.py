@@ -16,6 +16,7 @@ from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
 from .errors import FormatError, OptionError
 from .formats import load_index, read_json
+from .hf_families.mapping import CHOICES as HF_CHOICES
 from .index import CheckpointIndex
 from .names import MANIFEST
 from .output import open_output
@@ -41,7 +42,7 @@ class ConvertOptions:
     drop_tied: list[str] = field(default_factory=list)
     verify: bool = False
     export: bool = False  # an export for serving: model weights only, never optimizer state
-    to_hf: str | None = None  # "llama": Megatron GPT -> LlamaForCausalLM names, layouts and config.json
+    to_hf: str | None = None  # a family (hf_families) or "auto": Megatron GPT -> HF names, layouts, config.json
     config_from: str | None = None  # an export's side files (config, tokenizer) from this folder (`sidefiles`)
     execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (default: the config's)
 
@@ -56,8 +57,8 @@ class ConvertOptions:
             raise OptionError("max_shard_size must be positive", option="max_shard_size")
         if self.memory_limit < 1024 * 1024:
             raise OptionError("memory_limit must be at least 1MiB", option="memory_limit")
-        if self.to_hf is not None and self.to_hf != "llama":
-            raise OptionError(f"to_hf {self.to_hf}: choose llama", option="to_hf")
+        if self.to_hf is not None and self.to_hf not in HF_CHOICES:
+            raise OptionError(f"to_hf {self.to_hf}: choose one of {', '.join(HF_CHOICES)}", option="to_hf")
         if self.config_from is not None and not self.export:
             raise OptionError("config_from applies to exports (their config and tokenizer files)", option="config_from")
         if self.to_hf and (self.to != "safetensors" or not self.keys.clean or self.keys.only != "model"):
@@ -217,14 +218,14 @@ def _export_keys(where: str, record: dict) -> KeyOptions:
 def _to_hf(source: str, options: ConvertOptions, index: CheckpointIndex, view: CheckpointIndex,
            reader: storage.RangeReader) -> tuple[CheckpointIndex, dict, list[str]]:
     from .formats import open_reader
-    from .hf_llama import to_llama
+    from .hf_families import to_hf
 
     source_reader = open_reader(source.rstrip("/"), options.source_format or index.format, reader)
     if not hasattr(source_reader, "model_config"):
-        raise OptionError(f"to_hf llama maps Megatron-core / NeMo GPT checkpoints; {source} is {index.format}",
-                          option="to_hf")
+        raise OptionError(f"to_hf {options.to_hf} maps Megatron-core / NeMo GPT checkpoints; {source} is "
+                          f"{index.format}", option="to_hf")
     config, where = source_reader.model_config(index)
-    view, hf_config, report = to_llama(view, config, where)
+    view, hf_config, report = to_hf(view, config, where, options.to_hf or "auto")
     if options.dtype:
         hf_config["torch_dtype"] = options.dtype
     return view, hf_config, report
@@ -259,8 +260,8 @@ def _verify(a: str, b: str, keys: KeyOptions | None, atol: float, rtol: float, a
             left = apply(a_index, _export_keys(where, record), reader).index
             right = apply(b_index, KeyOptions(only="all", clean=False, nest=False), reader).index
             if record.get("to_hf"):
-                left = _to_hf(a, ConvertOptions(export=True, to_hf="llama", source_format=a_format), a_index, left,
-                              reader)[0]
+                again = ConvertOptions(export=True, to_hf=str(record["to_hf"]), source_format=a_format)
+                left = _to_hf(a, again, a_index, left, reader)[0]
             for name in record.get("dropped_tied") or []:
                 left.tensors.pop(str(name), None)
             cast_ok = cast_ok or bool(record.get("dtype"))

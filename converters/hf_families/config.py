@@ -1,0 +1,183 @@
+"""Model config translation: a Megatron config (Megatron-LM `args` in common.pt, or a NeMo 2 `context/model.yaml`
+`config:` in TransformerConfig names) <-> a Hugging Face `config.json`.
+
+`read_megatron` reads what the mapping needs, and the features that decide the family (QKV bias, QK-norm, MoE,
+sliding window); `hf_config` writes a family's config.json; `megatron_args` is the other way (HF -> Megatron-LM
+argument names, the start of an import).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import FormatError, OptionError
+from .transforms import Shape
+
+FEATURES = ("qkv_bias", "qk_norm", "moe", "window")
+FEATURE_WORDS = {"qkv_bias": "QKV bias (add_qkv_bias)", "qk_norm": "QK-norm (qk_layernorm)",
+                 "moe": "mixture of experts (num_moe_experts)", "window": "sliding-window attention (window_size)"}
+
+
+@dataclass
+class ModelConfig:
+    shape: Shape
+    tied: bool
+    features: frozenset[str]
+    eps: float
+    rope_theta: float
+    max_positions: int
+    init_std: float
+    top_k: int = 0
+    window: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+    nemo_class: str = ""  # NeMo's config class (`LlamaConfig`, `Qwen2Config`, ...), when the config came from NeMo
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def _require(cfg: dict[str, Any], where: str, *names: str) -> Any:
+    value = get(cfg, *names)
+    if value is None:
+        raise FormatError(f"{where}: the model config has no {names[0]}; cannot build the Hugging Face config")
+    return value
+
+
+def _unsupported(cfg: dict[str, Any]) -> list[str]:
+    """What no family of the table expresses (the common decoder: RMSNorm, SwiGLU, rope, no linear biases)."""
+    problems = []
+    norm = get(cfg, "normalization", default="LayerNorm")
+    if norm != "RMSNorm":
+        problems.append(f"normalization {norm!r} (the table's families use RMSNorm)")
+    if not (get(cfg, "swiglu") or get(cfg, "gated_linear_unit")):
+        problems.append("no SwiGLU (swiglu / gated_linear_unit is off)")
+    if get(cfg, "add_bias_linear", default=True):
+        problems.append("linear biases (add_bias_linear)")
+    position = get(cfg, "position_embedding_type", default="learned_absolute")
+    if position != "rope" and not get(cfg, "use_rotary_position_embeddings"):
+        problems.append(f"position embeddings {position!r} (rope expected)")
+    if float(get(cfg, "rotary_percent", default=1.0)) != 1.0:
+        problems.append("rotary_percent != 1.0")
+    if get(cfg, "rotary_interleaved", default=False):
+        problems.append("interleaved rotary embeddings (rotary_interleaved)")
+    if get(cfg, "moe_shared_expert_intermediate_size"):
+        problems.append("shared experts (moe_shared_expert_intermediate_size)")
+    freq = get(cfg, "moe_layer_freq", default=1)
+    if freq != 1 and not (isinstance(freq, list) and all(f == 1 for f in freq)):
+        problems.append(f"moe_layer_freq {freq!r} (dense layers between MoE layers)")
+    if get(cfg, "multi_latent_attention", default=False) or get(cfg, "q_lora_rank"):
+        problems.append("multi-latent attention")
+    if get(cfg, "mtp_num_layers", default=0):
+        problems.append("multi-token prediction layers (mtp_num_layers)")
+    return problems
+
+
+def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
+    """The model's shape and features from its Megatron config; one line naming what no family expresses."""
+    problems = _unsupported(cfg)
+    if problems:
+        raise OptionError(f"{where}: no Hugging Face family in the table expresses " + "; ".join(problems)
+                          + "; export without `to_hf` to get the weights under their Megatron names")
+    hidden = int(_require(cfg, where, "hidden_size"))
+    heads = int(_require(cfg, where, "num_attention_heads"))
+    gqa = get(cfg, "group_query_attention", default=True)
+    groups = int(get(cfg, "num_query_groups", default=heads) if gqa else heads)
+    if groups <= 0 or heads % groups:
+        raise OptionError(f"{where}: {heads} attention heads do not divide into {groups} query groups; no Hugging "
+                          "Face attention expresses that", option="to_hf")
+    ffn = int(_require(cfg, where, "ffn_hidden_size"))
+    experts = int(get(cfg, "num_moe_experts", "num_experts", default=0) or 0)
+    window = get(cfg, "window_size")
+    features = {name for name, on in (("qkv_bias", get(cfg, "add_qkv_bias", default=False)),
+                                      ("qk_norm", get(cfg, "qk_layernorm", default=False)),
+                                      ("moe", experts > 0), ("window", window is not None)) if on}
+    shape = Shape(layers=int(_require(cfg, where, "num_layers")), hidden=hidden, ffn=ffn, heads=heads,
+                  groups=groups, head_dim=int(get(cfg, "kv_channels", default=hidden // heads)), experts=experts,
+                  moe_ffn=int(get(cfg, "moe_ffn_hidden_size", default=ffn)) if experts else 0)
+    tied = bool(get(cfg, "share_embeddings_and_output_weights",
+                    default=not get(cfg, "untie_embeddings_and_output_weights", default=False)))
+    scaling = None
+    if get(cfg, "use_rope_scaling") or get(cfg, "scale_factor"):
+        scaling = {"rope_type": "llama3",
+                   "factor": float(get(cfg, "rope_scaling_factor", "scale_factor", default=8.0)),
+                   "low_freq_factor": float(get(cfg, "low_freq_factor", default=1.0)),
+                   "high_freq_factor": float(get(cfg, "high_freq_factor", default=4.0)),
+                   "original_max_position_embeddings": int(get(cfg, "old_context_len", default=8192))}
+    if window is not None:
+        window = _window(window, where)
+    target = str(cfg.get("_target_") or "")
+    return ModelConfig(shape=shape, tied=tied, features=frozenset(features),
+                       eps=float(get(cfg, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
+                       rope_theta=float(get(cfg, "rotary_base", default=10000)),
+                       max_positions=int(get(cfg, "max_position_embeddings", "seq_length", default=4096)),
+                       init_std=float(get(cfg, "init_method_std", default=0.02)),
+                       top_k=int(get(cfg, "moe_router_topk", default=2)) if experts else 0, window=window,
+                       rope_scaling=scaling, nemo_class=target.rsplit(".", 1)[-1])
+
+
+def _window(value: Any, where: str) -> int:
+    """Megatron's window_size is (left, right) with right 0 for causal attention; HF keeps the left size."""
+    if isinstance(value, list | tuple) and len(value) == 2 and value[1] == 0 and int(value[0]) > 0:
+        return int(value[0])
+    if isinstance(value, int) and value > 0:
+        return value
+    raise OptionError(f"{where}: window_size {value!r} is not a causal sliding window (left, 0); no Hugging Face "
+                      "family in the table expresses it", option="to_hf")
+
+
+def hf_config(architecture: str, model_type: str, mc: ModelConfig, vocab: int, dtype: str,
+              extra: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of the family's HF class: the fields every family shares, then the family's own."""
+    s = mc.shape
+    config: dict[str, Any] = {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": s.hidden, "intermediate_size": s.moe_ffn if s.experts else s.ffn,
+        "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.groups,
+        "head_dim": s.head_dim, "vocab_size": vocab, "hidden_act": "silu", "max_position_embeddings": mc.max_positions,
+        "rms_norm_eps": mc.eps, "rope_theta": mc.rope_theta, "tie_word_embeddings": mc.tied,
+        "torch_dtype": dtype, "initializer_range": mc.init_std,
+    }
+    if mc.rope_scaling is not None:
+        config["rope_scaling"] = dict(mc.rope_scaling)
+    config.update(extra)
+    return config
+
+
+def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """A HF config.json in Megatron-LM argument names (what `args` in common.pt holds for the same model)."""
+    def need(name: str) -> Any:
+        if hf.get(name) is None:
+            raise FormatError(f"{where}: no {name}; cannot build the Megatron config")
+        return hf[name]
+
+    heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    args: dict[str, Any] = {
+        "num_layers": int(need("num_hidden_layers")), "hidden_size": hidden,
+        "ffn_hidden_size": int(need("intermediate_size")), "num_attention_heads": heads,
+        "group_query_attention": True, "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "kv_channels": int(hf.get("head_dim") or hidden // heads), "normalization": "RMSNorm",
+        "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "swiglu": True, "add_bias_linear": False,
+        "add_qkv_bias": hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
+        "qk_layernorm": hf.get("model_type") in ("qwen3", "qwen3_moe"),
+        "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
+        "position_embedding_type": "rope", "rotary_percent": 1.0,
+        "rotary_base": int(float((hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta")
+                                 or 10000)),
+        "max_position_embeddings": int(hf.get("max_position_embeddings") or 4096),
+        "padded_vocab_size": int(need("vocab_size")), "init_method_std": float(hf.get("initializer_range", 0.02)),
+    }
+    if experts:
+        args.update(num_experts=experts, moe_router_topk=int(need("num_experts_per_tok")),
+                    moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or need("intermediate_size")))
+    window = hf.get("sliding_window")
+    if window and (hf.get("model_type") != "qwen2" or hf.get("use_sliding_window")):
+        args["window_size"] = (int(window), 0)
+    return args

@@ -1,0 +1,129 @@
+"""The declarative mapping table: per family, Megatron-core names -> Hugging Face names + a transform.
+
+Layer rules are relative to `decoder.layers.{i}.` (Megatron) and `model.layers.{i}.` (HF). A rule's Megatron
+names are alternatives (the first present is used: Transformer Engine fuses the norms into the linear layers,
+the local spec keeps them apart). An expert rule (`per_expert`) has `{e}` in its HF names; its Megatron names
+either hold every expert on a leading axis (torch_dist's layout of grouped and sequential experts) or, with
+`{e}` in them, one expert each. `when` names the feature a rule needs (config.FEATURES, or "untied").
+Adding a family is one `Family(...)` entry here and a test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ModelConfig
+from .transforms import Transform, expert_gate_up, gate_up, identity, qkv
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: tuple[str, ...]
+    hf: tuple[str, ...]
+    transform: Transform = identity
+    when: str = ""
+    per_expert: bool = False
+
+
+def rule(megatron: str | tuple[str, ...], hf: str | tuple[str, ...], transform: Transform = identity,
+         when: str = "", per_expert: bool = False) -> Rule:
+    return Rule(megatron if isinstance(megatron, tuple) else (megatron,), hf if isinstance(hf, tuple) else (hf,),
+                transform, when, per_expert)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architecture: str
+    model_type: str
+    features: frozenset[str]  # what the model must have, of config.FEATURES
+    layer: tuple[Rule, ...]
+    optional: frozenset[str] = frozenset()  # what it may have
+    nemo_classes: tuple[str, ...] = ()  # NeMo config classes of this family (`--to-hf auto`)
+    extra: Any = None  # ModelConfig -> the family's own config.json fields
+    notes: tuple[str, ...] = field(default=())
+
+    def config_fields(self, mc: ModelConfig) -> dict[str, Any]:
+        return dict(self.extra(mc)) if self.extra is not None else {}
+
+
+TOP = (
+    rule("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    rule("decoder.final_layernorm.weight", "model.norm.weight"),
+    rule("output_layer.weight", "lm_head.weight", when="untied"),
+)
+
+ATTENTION = (
+    rule("self_attention.linear_qkv.weight",
+         ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), qkv),
+    rule("self_attention.linear_qkv.bias",
+         ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), qkv, when="qkv_bias"),
+    rule("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    rule(("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"), "input_layernorm.weight"),
+    rule("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", when="qk_norm"),
+    rule("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", when="qk_norm"),
+)
+
+DENSE_MLP = (
+    rule(("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "post_attention_layernorm.weight"),
+    rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), gate_up),
+    rule("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+)
+
+_EXPERTS = ("mlp.experts.experts.{}", "mlp.experts.{}", "mlp.experts.experts.{{e}}.{}",
+            "mlp.experts.local_experts.{{e}}.{}")
+
+
+def _experts(name: str) -> tuple[str, ...]:
+    return tuple(form.format(name) for form in _EXPERTS)
+
+
+def moe_mlp(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """A MoE block: router + experts (fc1 = [gate; up], fc2 = down) under the HF block `prefix`."""
+    return (
+        rule("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        rule("mlp.router.weight", f"{prefix}.gate.weight"),
+        rule(_experts("linear_fc1.weight"), (f"{prefix}.experts.{{e}}.{gate}.weight",
+                                             f"{prefix}.experts.{{e}}.{up}.weight"), expert_gate_up, per_expert=True),
+        rule(_experts("linear_fc2.weight"), f"{prefix}.experts.{{e}}.{down}.weight", per_expert=True),
+    )
+
+
+def _llama(mc: ModelConfig) -> dict[str, Any]:
+    return {"attention_bias": False, "mlp_bias": False}
+
+
+def _qwen2(mc: ModelConfig) -> dict[str, Any]:
+    return {"use_sliding_window": mc.window is not None, "sliding_window": mc.window,
+            "max_window_layers": mc.shape.layers}
+
+
+def _qwen3(mc: ModelConfig) -> dict[str, Any]:
+    return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+
+
+def _mistral(mc: ModelConfig) -> dict[str, Any]:
+    return {"sliding_window": mc.window}
+
+
+def _mixtral(mc: ModelConfig) -> dict[str, Any]:
+    return {"num_local_experts": mc.shape.experts, "num_experts_per_tok": mc.top_k, "sliding_window": mc.window,
+            "output_router_logits": False}
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", "LlamaForCausalLM", "llama", frozenset(), ATTENTION + DENSE_MLP,
+           nemo_classes=("LlamaConfig", "Llama2Config", "Llama3Config", "Llama31Config", "Llama32Config"),
+           extra=_llama),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", frozenset({"qkv_bias"}), ATTENTION + DENSE_MLP,
+           optional=frozenset({"window"}), nemo_classes=("Qwen2Config", "Qwen25Config"), extra=_qwen2),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", frozenset({"qk_norm"}), ATTENTION + DENSE_MLP,
+           nemo_classes=("Qwen3Config",), extra=_qwen3),
+    Family("mistral", "MistralForCausalLM", "mistral", frozenset(), ATTENTION + DENSE_MLP,
+           optional=frozenset({"window"}), nemo_classes=("MistralConfig", "MistralConfig7B", "MistralNeMoConfig"),
+           extra=_mistral),
+    Family("mixtral", "MixtralForCausalLM", "mixtral", frozenset({"moe"}),
+           ATTENTION + moe_mlp("block_sparse_moe", "w1", "w3", "w2"), optional=frozenset({"window"}),
+           nemo_classes=("MixtralConfig",), extra=_mixtral),
+)}
