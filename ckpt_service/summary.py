@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from converters import CheckpointIndex, CkptError, index_kinds, storage
+from converters import CheckpointIndex, CkptError, adapter_info, index_kinds, storage
 from converters import dtypes as dt
 
 
@@ -59,6 +59,9 @@ def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
     unclassified = sorted(name for name, p in kinds.items() if p.kind == "unknown")
     if unclassified:  # named like an optimizer, without its structure: never exported as model weights
         out["unclassified"] = unclassified
+    adapter = adapter_info(index)
+    if adapter is not None:
+        out["adapter"] = adapter
     if index.notes:
         out["notes"] = list(index.notes)
     if tensors:

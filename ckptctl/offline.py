@@ -69,6 +69,8 @@ def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> 
                   highlight=False)
     if "unclassified" in info:
         out.print(f"{'unclassified':>14}: " + ", ".join(info["unclassified"][:8]), highlight=False)
+    if "adapter" in info:
+        print_adapter(info["adapter"])
     for note in info.get("notes", []):
         out.print(f"{'note':>14}: {note}", highlight=False)
     if request.tensors:
@@ -113,6 +115,20 @@ Ray = Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="Write
                                          "the cluster at ADDRESS (ray://host:10001, auto); default: "
                                          "CKPT_EXECUTOR / CKPT_RAY_ADDRESS, else this process.")]
 WRITE_EXTRAS = [keyword("quiet", Quiet, False), keyword("as_json", AsJson, False), keyword("ray", Ray, None)]
+
+def print_adapter(adapter: dict) -> None:
+    """The LoRA adapter's lines of `inspect` (converters.adapters.adapter_info)."""
+    if "error" in adapter:
+        out.print(f"{'adapter':>14}: {adapter['error']}", highlight=False)
+        return
+    alpha = "unknown (no adapter_config.json)" if adapter["alpha"] is None else f"{adapter['alpha']:g}"
+    ranks = ", ".join(map(str, adapter["ranks"]))
+    out.print(f"{'adapter':>14}: {adapter['name']!r} {adapter['variant']}, {adapter['modules']} modules, rank {ranks}, "
+              f"alpha {alpha}, {human(adapter['bytes'])} ({adapter['parameters']} parameters)", highlight=False)
+    out.print(f"{'targets':>14}: " + ", ".join(adapter["target_modules"]), highlight=False)
+    if adapter["modules_to_save"]:
+        out.print(f"{'saved':>14}: " + ", ".join(adapter["modules_to_save"]), highlight=False)
+
 
 job_command(app, REQUESTS["inspect"], [("source", PATH)], [keyword("as_json", AsJson, False)], run_inspect)
 for _kind in kinds().values():  # every kind that writes an output, as its declaration says (`job_kinds`)

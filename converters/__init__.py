@@ -21,7 +21,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from . import dtypes, storage
-    from .adapters import export_adapter, export_merged
+    from .adapters import adapter_info, export_adapter, export_merged
     from .classify import index_kinds
     from .config import ContextThread, EngineConfig, PickleLimits
     from .config import install as install_config
@@ -57,7 +57,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "has_control": "pathsafety", "segments_below": "pathsafety",
     "ReshardOptions": "resharding", "ReshardResult": "resharding", "reshard": "resharding",
     "KeyOptions": "transforms", "VerifyReport": "verification", "WRITERS": "writers",
-    "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
+    "adapter_info": "adapters", "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -85,6 +85,7 @@ __all__ = [
     "UnsafePickleError",
     "VerifyError",
     "VerifyReport",
+    "adapter_info",
     "convert",
     "deepspeed_source",
     "detect",

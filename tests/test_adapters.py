@@ -225,3 +225,53 @@ def test_fsdp2_training_checkpoint(base: Path, tmp_path: Path) -> None:
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], v) for k, v in want.items())
     transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+
+
+# ---- inspect shows the adapter (engine summary -> ckptctl text and --json, REST inspect job) -----------------------
+
+
+def test_inspect_shows_the_adapter(base: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptctl import app as cli
+
+    env = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"}
+    for variant in ("lora", "saved"):
+        peft_model(base, variant).save_pretrained(tmp_path / variant)
+    saved = load_file(tmp_path / "lora" / "adapter_model.safetensors")  # the oracle of size and parameters
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path / "lora"), "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)["adapter"]
+    assert info == {"name": "default", "variant": "lora", "modules": 8, "ranks": [2, 4], "alpha": 8,
+                    "alpha_pattern": {"down_proj": 3}, "use_rslora": False, "variants": ["lora"],
+                    "target_modules": ["down_proj", "o_proj", "q_proj", "v_proj"], "modules_to_save": [],
+                    "bytes": 8064, "parameters": 2016, "other_adapters": [],
+                    "config": str(tmp_path / "lora" / "adapter_config.json")}
+    assert (info["bytes"], info["parameters"]) == (sum(t.nbytes for t in saved.values()),
+                                                   sum(t.numel() for t in saved.values()))
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path / "saved")], env=env)
+    assert result.exit_code == 0, result.output
+    lines = [line.strip() for line in result.output.splitlines()]
+    assert "adapter: 'default' lora, 4 modules, rank 4, alpha 4, 12.80 KB (3200 parameters)" in lines, lines
+    assert "targets: q_proj, up_proj" in lines and "saved: lm_head.weight" in lines
+    # rsLoRA and DoRA, through the REST inspect job
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from ckpt_service.executor import run_job
+    from ckpt_service.settings import Settings
+
+    for variant, settings in (("rslora-dora", dict(VARIANTS["dora"], use_rslora=True)),):
+        model = peft.get_peft_model(load_base(base), peft.LoraConfig(**settings))
+        model.save_pretrained(tmp_path / variant)
+    service = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
+    service.prepare()
+    with TestClient(create_app(service)) as client:
+        job = client.post("/v1/jobs", json={"kind": "inspect", "source": str(tmp_path / "rslora-dora")})
+        assert job.status_code == 202, job.text
+        store = client.app.state.service.store  # type: ignore[attr-defined]
+        claimed = store.claim("test-worker", 60.0)
+        assert run_job(store, claimed.id, claimed.attempt) == 0
+        shown = client.get(f"/v1/jobs/{job.json()['id']}").json()["result"]["adapter"]
+    assert (shown["variant"], shown["ranks"], shown["alpha"], shown["target_modules"]) == \
+        ("rslora+dora", [4], 8, ["gate_proj", "k_proj", "q_proj"])

@@ -29,6 +29,7 @@ from ..transforms import KeyOptions, apply
 from ..writers.safetensors import Planned, header_bytes, write_shards
 from . import merge
 from .detect import Adapter, LoraModule, find_adapter
+from .inspection import describe
 from .lora_settings import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, settings_for
 from .peft_folder import adapter_config, config_bytes, saved_names
 
@@ -46,16 +47,6 @@ class AdapterResult:
     def to_dict(self) -> dict:
         return {"target": self.target, "adapter": self.adapter,
                 "outputs": [{"name": n, "bytes": b} for n, b in self.outputs], "report": self.report}
-
-
-def describe(adapter: Adapter, settings: LoraSettings, tensors: dict[str, TensorEntry]) -> dict:
-    """What `inspect` shows of an adapter: name, ranks, alpha, variant, target and saved modules, size."""
-    return {"name": adapter.name, "modules": len(adapter.modules),
-            "ranks": sorted({m.rank for m in adapter.modules.values()}), "alpha": settings.alpha,
-            "variants": sorted(adapter.variants), "use_rslora": settings.use_rslora,
-            "target_modules": sorted({m.name.rpartition(".")[2] for m in adapter.modules.values()}),
-            "modules_to_save": sorted(adapter.replaced), "bytes": adapter.nbytes(tensors),
-            "other_adapters": adapter.other_adapters}
 
 
 @dataclass
