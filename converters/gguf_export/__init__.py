@@ -1,0 +1,130 @@
+"""`export_gguf`: an HF-layout checkpoint (config.json + weights the engine reads, + tokenizer files) written as
+one GGUF file for llama.cpp, key for key and byte for byte what llama.cpp's convert_hf_to_gguf.py writes from the
+same folder (tests/test_gguf_export.py runs it as the oracle).
+
+Families: Llama and Mistral (arch llama, Q/K rows permuted), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm),
+Qwen3-MoE (experts stacked [E, out, in]). Types (`outtype`): f32, f16, bf16, q8_0.
+
+Streaming: the header (metadata, token list, tensor infos) is built in memory; each tensor is then read, converted
+and written in slabs of whole rows of about `memory_limit // 8` bytes through one reused buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from .. import storage
+from ..copier import DEFAULT_MEMORY_LIMIT
+from ..errors import FormatError, OptionError
+from ..formats import load_index
+from ..output import open_output
+from ..sidefiles import CONFIG, collect
+from ..transforms import KeyOptions, apply
+from . import metadata, names, quant, tokenizer
+from .writer import HeaderWriter, Reader, write_data
+
+__all__ = ["OUTTYPES", "GgufResult", "export_gguf"]
+
+OUTTYPES = tuple(quant.OUTTYPES)
+_META_SIDE = ("config.json", "generation_config.json")
+
+
+@dataclass
+class GgufResult:
+    target: str
+    architecture: str
+    outtype: str
+    tensors: int
+    bytes: int
+    types: dict[str, int] = field(default_factory=dict)  # GGUF tensor type -> how many tensors
+    report: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "architecture": self.architecture, "outtype": self.outtype,
+                "tensors": self.tensors, "bytes": self.bytes, "types": dict(self.types), "report": self.report}
+
+
+def _general(writer: HeaderWriter, side: dict[str, bytes], source: str, folder: str) -> None:
+    """general.type, name, size_label... as llama.cpp's converter derives them (gguf-py's Metadata heuristics
+    over config.json, generation_config.json and the source folder's name)."""
+    base = os.path.basename(storage.local_path(source).rstrip("/")) if storage.is_local(source) else \
+        source.rstrip("/").rsplit("/", 1)[-1]
+    model_dir = Path(folder) / (base or "model")
+    model_dir.mkdir()
+    for name in _META_SIDE:
+        if name in side:
+            (model_dir / name).write_bytes(side[name])
+    total, shared, expert, count = writer.get_total_parameter_count()
+    meta = gguf.Metadata.load(None, model_dir, None, total)
+    if meta.name is None:
+        meta.name = model_dir.name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, count)
+    writer.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(writer)
+
+
+@storage.with_io_errors
+def export_gguf(source: str, target: str, outtype: str = "f16", *, overwrite: bool = False,
+                memory_limit: int = DEFAULT_MEMORY_LIMIT, config_from: str | None = None,
+                source_format: str | None = None, tokenizer_pre: str | None = None) -> GgufResult:
+    """Write the HF-layout checkpoint `source` as the GGUF file `target` (tensor types per `outtype`)."""
+    wanted, file_type = quant.outtype(outtype)
+    if memory_limit < 1024 * 1024:
+        raise OptionError("memory_limit must be at least 1MiB", field="memory_limit", option="memory_limit")
+    if not target.endswith(".gguf"):
+        raise OptionError(f"{target}: a GGUF export is one file; name it <name>.gguf", field="target")
+    storage.check_target(target, overwrite)
+    reader = storage.RangeReader()
+    try:
+        index = load_index(source, source_format, reader=reader)
+        view = apply(index, KeyOptions(only="model"), reader).index
+        if not view.tensors:
+            raise FormatError(f"{source}: holds no model tensors to export", uri=source)
+        side = collect(source, config_from, None)
+        if CONFIG not in side.data:
+            raise OptionError(f"{source}: no config.json beside the checkpoint; GGUF metadata comes from it: pass "
+                              "config_from=DIR (the folder holding the model's config.json)", field="config_from",
+                              option="config_from")
+        config = tokenizer._json(side.data[CONFIG], CONFIG, source)
+        fam = metadata.family(config, source)
+        blocks = metadata.block_count(config, source)
+        planned = names.plan(view.tensors, config, fam, blocks, source)
+        odd = [p for p in planned if p.source_dtype not in quant.FLOATS]
+        if odd:
+            raise FormatError(f"{source}: tensor {odd[0].hf_name} is {odd[0].source_dtype}; the GGUF export takes "
+                              "floating-point weights (dequantize the checkpoint first)", uri=source,
+                              key=odd[0].hf_name)
+        types = [quant.tensor_type(fam.arch, p.name, p.shape, wanted) for p in planned]
+        writer = HeaderWriter(None, fam.name)
+        for p, qtype in zip(planned, types, strict=True):
+            writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), quant.nbytes(p.shape, qtype), qtype)
+        with tempfile.TemporaryDirectory(prefix="ckpt-gguf-") as folder:
+            _general(writer, side.data, source, folder)
+        metadata.add_parameters(writer, config, fam, file_type, source)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        tokenizer.add_vocab(writer, side.data, config, source, tokenizer_pre,
+                            add_space_prefix=fam.arch == gguf.MODEL_ARCH.LLAMA)
+        header = writer.header()
+        source_reader = Reader(reader, max(memory_limit // 8, 1024 * 1024))
+        with open_output(target, overwrite, "gguf", single_file=True) as out:
+            with out.open() as fh:
+                fh.write(header)
+                write_data(fh, planned, types, source_reader)
+            size = sum(f["bytes"] for f in out.files.values()) if out.files else 0
+        counts: dict[str, int] = {}
+        for qtype in types:
+            counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        report = [f"{fam.name} GGUF, {len(planned)} tensors ({', '.join(f'{n} {k}' for k, n in counts.items())})",
+                  side.report()]
+        report.extend(reader.fetch_note())
+        return GgufResult(target, fam.name, outtype, len(planned), size, counts, report)
+    finally:
+        reader.close()
