@@ -82,7 +82,7 @@ def _experts(name: str) -> tuple[str, ...]:
 def moe_mlp(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
     """A MoE block: router + experts (fc1 = [gate; up], fc2 = down) under the HF block `prefix`."""
     return (
-        rule("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        rule(("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "post_attention_layernorm.weight"),
         rule("mlp.router.weight", f"{prefix}.gate.weight"),
         rule(_experts("linear_fc1.weight"), (f"{prefix}.experts.{{e}}.{gate}.weight",
                                              f"{prefix}.experts.{{e}}.{up}.weight"), expert_gate_up, per_expert=True),

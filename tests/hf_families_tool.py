@@ -1,0 +1,170 @@
+"""Make real Megatron-core checkpoints of Hugging Face models for tests/test_hf_families.py.
+
+`python tests/hf_families_tool.py ROOT PORT FAMILY...`: for each family, reads the tiny HF model saved at
+ROOT/hf/FAMILY (config.json + model.safetensors), builds megatron-core's own GPTModel (local spec) from the
+HF config, copies the HF weights in through the inverse mapping written here from megatron-core's documented
+layout (fused QKV rows per query group = [q heads of g, k_g, v_g]; linear_fc1 = cat([gate, up]); router +
+experts), saves it with `dist_checkpointing.save` as Megatron-LM lays it out (ROOT/megatron/FAMILY/
+latest_checkpointed_iteration.txt, iter_0000001/ with `args` in common.pt), and writes Megatron's own
+forward logits on the test tokens to ROOT/megatron/FAMILY/logits.pt.
+
+One process, gloo, world size 1, CPU; Megatron's CUDA calls are stubbed as in tests/megatron_tool.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import torch
+
+IDS = [[3, 17, 90, 42, 5, 77, 0, 64, 8, 33, 71, 12]]
+
+
+def _stub_cuda() -> None:
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _args(hf: dict) -> dict:
+    """The Megatron-LM arguments of the HF model (what common.pt's `args` holds)."""
+    heads = hf["num_attention_heads"]
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    args = dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads, group_query_attention=True,
+                num_query_groups=hf["num_key_value_heads"],
+                kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, normalization="RMSNorm",
+                norm_epsilon=hf["rms_norm_eps"], swiglu=True, add_bias_linear=False,
+                add_qkv_bias=hf["model_type"] == "qwen2", qk_layernorm=hf["model_type"] in ("qwen3", "qwen3_moe"),
+                untie_embeddings_and_output_weights=not hf["tie_word_embeddings"], position_embedding_type="rope",
+                rotary_base=int(hf["rope_parameters"]["rope_theta"]), rotary_percent=1.0,
+                max_position_embeddings=hf["max_position_embeddings"], seq_length=64,
+                padded_vocab_size=hf["vocab_size"], params_dtype=torch.float32, tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1)
+    if experts:
+        args.update(num_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
+                    moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf["intermediate_size"])
+    return args
+
+
+def _model(args: dict) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    experts = args.get("num_experts")
+    config = TransformerConfig(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
+        num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
+        kv_channels=args["kv_channels"], use_cpu_initialization=True, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=args["add_qkv_bias"], qk_layernorm=args["qk_layernorm"], layernorm_epsilon=args["norm_epsilon"],
+        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, num_moe_experts=experts,
+        moe_router_topk=args.get("moe_router_topk", 2), moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"),
+        moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=args["qk_layernorm"],
+                                    normalization="RMSNorm")
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
+                    max_sequence_length=args["max_position_embeddings"], position_embedding_type="rope",
+                    rotary_base=args["rotary_base"],
+                    share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"])
+
+
+def _inverse(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]:
+    """HF tensors -> megatron-core GPTModel (local spec) parameter names and layouts."""
+    heads, groups, d = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"]
+    per = heads // groups
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if args["untie_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(args["num_layers"]):
+        a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+
+        def fused(kind: str, a: str = a) -> torch.Tensor:
+            q, k, v = (hf[f"{a}self_attn.{p}_proj.{kind}"] for p in "qkv")
+            q = q.reshape(groups, per * d, *q.shape[1:])
+            k = k.reshape(groups, d, *k.shape[1:])
+            v = v.reshape(groups, d, *v.shape[1:])
+            return torch.cat([q, k, v], 1).reshape(-1, *q.shape[2:])
+
+        out[f"{m}self_attention.linear_qkv.weight"] = fused("weight")
+        if args["add_qkv_bias"]:
+            out[f"{m}self_attention.linear_qkv.bias"] = fused("bias")
+        if args["qk_layernorm"]:
+            out[f"{m}self_attention.q_layernorm.weight"] = hf[f"{a}self_attn.q_norm.weight"]
+            out[f"{m}self_attention.k_layernorm.weight"] = hf[f"{a}self_attn.k_norm.weight"]
+        out[f"{m}self_attention.linear_proj.weight"] = hf[f"{a}self_attn.o_proj.weight"]
+        out[f"{m}input_layernorm.weight"] = hf[f"{a}input_layernorm.weight"]
+        out[f"{m}pre_mlp_layernorm.weight"] = hf[f"{a}post_attention_layernorm.weight"]
+        if args.get("num_experts"):
+            moe = f"{a}block_sparse_moe." if f"{a}block_sparse_moe.gate.weight" in hf else f"{a}mlp."
+            names = ("w1", "w3", "w2") if "block_sparse_moe" in moe else ("gate_proj", "up_proj", "down_proj")
+            out[f"{m}mlp.router.weight"] = hf[f"{moe}gate.weight"]
+            for e in range(args["num_experts"]):
+                gate, up, down = (hf[f"{moe}experts.{e}.{n}.weight"] for n in names)
+                out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate, up])
+                out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down
+        else:
+            out[f"{m}mlp.linear_fc1.weight"] = torch.cat([hf[f"{a}mlp.gate_proj.weight"], hf[f"{a}mlp.up_proj.weight"]])
+            out[f"{m}mlp.linear_fc2.weight"] = hf[f"{a}mlp.down_proj.weight"]
+    return out
+
+
+def make(root: str, family: str) -> None:
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import load_file
+
+    with open(os.path.join(root, "hf", family, "config.json")) as fh:
+        hf_config = json.load(fh)
+    args = _args(hf_config)
+    model = _model(args)
+    weights = _inverse(load_file(os.path.join(root, "hf", family, "model.safetensors")), args)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+    model.eval()
+    # attention forks the CUDA RNG tracker for dropout; on CPU with dropout 0 in eval there is nothing to fork
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    # megatron-core 0.16 without Transformer Engine leaves te_general_gemm undefined in the router's matmul
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    ids = torch.tensor(IDS)
+    seq = ids.shape[1]
+    with torch.no_grad():
+        logits = model(ids, torch.arange(seq)[None], torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1))
+    out = os.path.join(root, "megatron", family)
+    ckpt = os.path.join(out, "iter_0000001")
+    os.makedirs(ckpt)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": argparse.Namespace(**args),
+                             "iteration": 1, "checkpoint_version": 3.0}, ckpt)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("1")
+    torch.save(logits.float().clone(), os.path.join(root, "logits", f"{family}.pt"))
+    with open(os.path.join(root, "logits", f"{family}.json"), "w") as fh:
+        json.dump({k: v for k, v in args.items() if k != "params_dtype"}, fh)
+
+
+def main() -> None:
+    root, port, families = sys.argv[1], sys.argv[2], sys.argv[3:]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    _stub_cuda()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    os.makedirs(os.path.join(root, "logits"), exist_ok=True)
+    for family in families:
+        make(root, family)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

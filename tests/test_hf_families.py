@@ -1,0 +1,189 @@
+"""export --to-hf for every family of the table (converters/hf_families), against the real classes.
+
+Slow: a tiny model of each real `transformers` class (random weights, offline) is saved with save_pretrained;
+tests/hf_families_tool.py builds megatron-core's own GPTModel from its config, copies the weights in through
+the inverse mapping written there from megatron-core's layout, saves it with `dist_checkpointing.save` and
+records Megatron's own forward logits. The export must give back the HF tensors bit for bit, a config.json
+that from_pretrained loads into the same model, and logits equal to the original's and to Megatron's.
+Fast: the refusals, on synthetic views.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from converters.errors import FormatError, OptionError
+from converters.hf_families import CHOICES, FAMILIES, megatron_args, to_hf
+from converters.index import ByteRange, CheckpointIndex, Chunk, TensorEntry
+
+from .conftest import ckptctl
+
+TOOL = Path(__file__).with_name("hf_families_tool.py")
+IDS = torch.tensor([[3, 17, 90, 42, 5, 77, 0, 64, 8, 33, 71, 12]])
+COMMON: dict[str, Any] = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                              max_position_embeddings=64, tie_word_embeddings=False)
+# family -> (transformers config class, its fields beyond COMMON); each exercises another corner of the mapping
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),  # QKV bias
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "num_key_value_heads": 1, "tie_word_embeddings": True}),  # MQA, tied
+    "mistral": ("MistralConfig", {"num_key_value_heads": 4, "sliding_window": None}),  # MHA
+    "mixtral": ("MixtralConfig", {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def test_the_request_schema_offers_the_table() -> None:
+    from ckpt_service.job_requests import HFArchitecture
+
+    assert get_args(HFArchitecture) == CHOICES == ("auto", *FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import transformers
+
+    root = tmp_path_factory.mktemp("families")
+    for family, (config_class, fields) in MODELS.items():
+        torch.manual_seed(len(family))
+        config = getattr(transformers, config_class)(**{**COMMON, **fields})
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # untrained norms are ones and biases zeros: make every value distinct
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(root / "hf" / family)
+        with torch.no_grad():
+            torch.save(model.eval()(IDS).logits, root / "hf" / family / "logits.pt")
+    proc = subprocess.run([sys.executable, str(TOOL), str(root), "29741", *MODELS], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MODELS))
+def test_export_gives_back_the_hf_model(models: Path, tmp_path: Path, family: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    # mistral's Megatron config reads as llama's (same layout, no sliding window): name it; the others: auto
+    choice = "mistral" if family == "mistral" else "auto"
+    proc = ckptctl("export", models / "megatron" / family, out, "--to-hf", choice, "-q", "--verify")
+    assert f"mapped to {ARCHITECTURES[family]}: 2 layers" in proc.stderr
+    original = models / "hf" / family
+    got, want = load_file(out / "model.safetensors"), load_file(original / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    config, source = (json.loads((p / "config.json").read_text()) for p in (out, original))
+    for key in ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
+                "num_local_experts", "num_experts_per_tok", "sliding_window"):
+        assert config.get(key) == source.get(key), key
+    assert config["head_dim"] == (source.get("head_dim") or 16)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.config.rope_parameters["rope_theta"] == source["rope_parameters"]["rope_theta"]
+    with torch.no_grad():
+        logits = model(IDS).logits
+    assert torch.equal(logits, torch.load(original / "logits.pt", weights_only=True))
+    # Megatron's own forward on its checkpoint: the mapping (both ways) preserves the model
+    torch.testing.assert_close(logits, torch.load(models / "logits" / f"{family}.pt", weights_only=True),
+                               atol=1e-4, rtol=1e-4)
+    # HF -> Megatron config: the arguments Megatron-LM saved for this model
+    saved = json.loads((models / "logits" / f"{family}.json").read_text())
+    args = megatron_args(source, "config.json")
+    assert {k: args[k] for k in saved if k in args} == {k: v for k, v in saved.items() if k in args}
+
+
+@pytest.mark.slow
+def test_a_family_that_cannot_express_the_model_is_refused_whole(models: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for family, choice, words in (
+            ("qwen3", "llama", "the model has QK-norm (qk_layernorm), which LlamaForCausalLM does not; choose qwen3"),
+            ("llama", "qwen2", "Qwen2ForCausalLM needs QKV bias (add_qkv_bias), which the model does not have; "
+                               "choose llama or mistral"),
+            ("mixtral", "mistral", "the model has mixture of experts (num_moe_experts), which MistralForCausalLM")):
+        proc = ckptctl("export", models / "megatron" / family, out, "--to-hf", choice, "-q", check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not out.exists()
+    proc = ckptctl("export", models / "megatron" / "llama", out, "--to-hf", "gemma", "-q", check=False)
+    assert proc.returncode == 2 and "gemma" in proc.stderr and not out.exists()
+
+
+# ------------------------------------------------------------------------------------------ fast: refusals
+
+def _view(tensors: dict[str, tuple[int, ...]]) -> CheckpointIndex:
+    entries = {n: TensorEntry(n, "float32", s, [Chunk((0,) * len(s), s, ByteRange("mem://x", 0, 4 * _numel(s)))])
+               for n, s in tensors.items()}
+    return CheckpointIndex(uri="mem://x", format="megatron", tensors=entries)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+CFG: dict[str, Any] = dict(num_layers=1, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4, num_query_groups=2,
+                           normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+                           untie_embeddings_and_output_weights=True)
+
+
+def _llama_view(**extra: tuple[int, ...]) -> CheckpointIndex:
+    return _view({"embedding.word_embeddings.weight": (16, 8), "decoder.final_layernorm.weight": (8,),
+                  "output_layer.weight": (16, 8), "decoder.layers.0.self_attention.linear_qkv.weight": (16, 8),
+                  "decoder.layers.0.self_attention.linear_proj.weight": (8, 8),
+                  "decoder.layers.0.input_layernorm.weight": (8,), "decoder.layers.0.pre_mlp_layernorm.weight": (8,),
+                  "decoder.layers.0.mlp.linear_fc1.weight": (24, 8), "decoder.layers.0.mlp.linear_fc2.weight": (8, 12),
+                  **extra})
+
+
+def test_views_split_qkv_per_query_group() -> None:
+    out, config, report = to_hf(_llama_view(), CFG, "args")
+    k = out.tensors["model.layers.0.self_attn.k_proj.weight"]
+    # 2 groups of [q, q, k, v] x head dim 2: k_0 = rows 4..5, k_1 = rows 12..13 (32 bytes a row... 8 floats)
+    assert [(c.offsets, c.data.offset) for c in k.chunks] == [((0, 0), 4 * 8 * 4), ((2, 0), 12 * 8 * 4)]
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == 2
+    assert report[0].startswith("mapped to LlamaForCausalLM: 1 layers, 4 heads in 2 query groups, vocab 16")
+
+
+@pytest.mark.parametrize(("cfg", "error", "words"), [
+    ({"num_query_groups": 3}, OptionError, "args: 4 attention heads do not divide into 3 query groups"),
+    ({"normalization": "LayerNorm"}, OptionError, "normalization 'LayerNorm'"),
+    ({"moe_shared_expert_intermediate_size": 4}, OptionError, "shared experts"),
+    ({"qk_layernorm": True, "add_qkv_bias": True}, OptionError, "no family in the table has QK-norm"),
+    ({"ffn_hidden_size": 10}, FormatError, "the config does not match the weights"),
+])
+def test_configs_the_table_cannot_express(cfg: dict[str, Any], error: type[Exception], words: str) -> None:
+    with pytest.raises(error) as caught:
+        to_hf(_llama_view(), {**CFG, **cfg}, "args")
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_left_over_and_missing_tensors_are_refused() -> None:
+    with pytest.raises(FormatError, match=r"tensors with no LlamaForCausalLM counterpart: decoder\.layers\.0\.extra"):
+        to_hf(_llama_view(**{"decoder.layers.0.extra": (8,)}), CFG, "args")
+    with pytest.raises(FormatError, match=r"no 'decoder\.layers\.0\.self_attention\.linear_qkv\.bias'"):
+        to_hf(_llama_view(), {**CFG, "add_qkv_bias": True}, "args", "qwen2")
+    with pytest.raises(OptionError, match="to_hf gemma: choose one of auto, llama"):
+        to_hf(_llama_view(), CFG, "args", "gemma")
+
+
+def test_auto_reads_the_family_from_the_config() -> None:
+    view = _llama_view(**{"decoder.layers.0.self_attention.linear_qkv.bias": (16,)})
+    assert to_hf(view, {**CFG, "add_qkv_bias": True}, "args")[1]["architectures"] == ["Qwen2ForCausalLM"]
+    nemo = {**CFG, "_target_": "nemo.collections.llm.gpt.model.mistral.MistralConfig7B", "window_size": [4, 0]}
+    config = to_hf(_llama_view(), nemo, "model.yaml")[1]
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 4)
