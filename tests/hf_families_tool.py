@@ -46,7 +46,9 @@ def _args(hf: dict) -> dict:
                 pipeline_model_parallel_size=1)
     if experts:
         args.update(num_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
-                    moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf["intermediate_size"])
+                    moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+                    # softmax over all experts, then the top k without renormalizing (Qwen-MoE's norm_topk_prob off)
+                    moe_router_pre_softmax=hf["model_type"] != "mixtral" and not hf.get("norm_topk_prob"))
     return args
 
 
@@ -64,7 +66,8 @@ def _model(args: dict) -> torch.nn.Module:
         add_qkv_bias=args["add_qkv_bias"], qk_layernorm=args["qk_layernorm"], layernorm_epsilon=args["norm_epsilon"],
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, num_moe_experts=experts,
         moe_router_topk=args.get("moe_router_topk", 2), moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"),
-        moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
+        moe_router_pre_softmax=args.get("moe_router_pre_softmax", False), moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather")
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=args["qk_layernorm"],
                                     normalization="RMSNorm")
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],

@@ -38,9 +38,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 24, "num_key_value_heads": 1, "tie_word_embeddings": True}),  # MQA, tied
     "mistral": ("MistralConfig", {"num_key_value_heads": 4, "sliding_window": None}),  # MHA
     "mixtral": ("MixtralConfig", {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"moe_intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "norm_topk_prob": False, "head_dim": 16}),  # QK-norm + MoE, pre-softmax router
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def test_the_request_schema_offers_the_table() -> None:
@@ -88,7 +90,8 @@ def test_export_gives_back_the_hf_model(models: Path, tmp_path: Path, family: st
     config, source = (json.loads((p / "config.json").read_text()) for p in (out, original))
     for key in ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
-                "num_local_experts", "num_experts_per_tok", "sliding_window"):
+                "num_local_experts", "num_experts_per_tok", "sliding_window", "num_experts", "moe_intermediate_size",
+                "norm_topk_prob"):
         assert config.get(key) == source.get(key), key
     assert config["head_dim"] == (source.get("head_dim") or 16)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

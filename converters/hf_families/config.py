@@ -14,9 +14,10 @@ from typing import Any
 from ..errors import FormatError, OptionError
 from .transforms import Shape
 
-FEATURES = ("qkv_bias", "qk_norm", "moe", "window")
+FEATURES = ("qkv_bias", "qk_norm", "moe", "window", "pre_softmax")
 FEATURE_WORDS = {"qkv_bias": "QKV bias (add_qkv_bias)", "qk_norm": "QK-norm (qk_layernorm)",
-                 "moe": "mixture of experts (num_moe_experts)", "window": "sliding-window attention (window_size)"}
+                 "moe": "mixture of experts (num_moe_experts)", "window": "sliding-window attention (window_size)",
+                 "pre_softmax": "router weights not renormalized over the top k (moe_router_pre_softmax)"}
 
 
 @dataclass
@@ -73,6 +74,11 @@ def _unsupported(cfg: dict[str, Any]) -> list[str]:
         problems.append(f"moe_layer_freq {freq!r} (dense layers between MoE layers)")
     if get(cfg, "multi_latent_attention", default=False) or get(cfg, "q_lora_rank"):
         problems.append("multi-latent attention")
+    score = get(cfg, "moe_router_score_function", default="softmax")
+    if score != "softmax":
+        problems.append(f"moe_router_score_function {score!r} (softmax routers only)")
+    if get(cfg, "moe_router_expert_bias", "moe_router_enable_expert_bias", default=False):
+        problems.append("router expert bias (moe_router_enable_expert_bias)")
     if get(cfg, "mtp_num_layers", default=0):
         problems.append("multi-token prediction layers (mtp_num_layers)")
     return problems
@@ -96,7 +102,8 @@ def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     window = get(cfg, "window_size")
     features = {name for name, on in (("qkv_bias", get(cfg, "add_qkv_bias", default=False)),
                                       ("qk_norm", get(cfg, "qk_layernorm", default=False)),
-                                      ("moe", experts > 0), ("window", window is not None)) if on}
+                                      ("moe", experts > 0), ("window", window is not None),
+                                      ("pre_softmax", experts > 0 and get(cfg, "moe_router_pre_softmax"))) if on}
     shape = Shape(layers=int(_require(cfg, where, "num_layers")), hidden=hidden, ffn=ffn, heads=heads,
                   groups=groups, head_dim=int(get(cfg, "kv_channels", default=hidden // heads)), experts=experts,
                   moe_ffn=int(get(cfg, "moe_ffn_hidden_size", default=ffn)) if experts else 0)
@@ -176,7 +183,9 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
     }
     if experts:
         args.update(num_experts=experts, moe_router_topk=int(need("num_experts_per_tok")),
-                    moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or need("intermediate_size")))
+                    moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or need("intermediate_size")),
+                    # Mixtral renormalizes the top k router weights; Qwen-MoE only with norm_topk_prob
+                    moe_router_pre_softmax=hf.get("model_type") != "mixtral" and not hf.get("norm_topk_prob"))
     window = hf.get("sliding_window")
     if window and (hf.get("model_type") != "qwen2" or hf.get("use_sliding_window")):
         args["window_size"] = (int(window), 0)

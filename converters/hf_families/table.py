@@ -112,6 +112,13 @@ def _mixtral(mc: ModelConfig) -> dict[str, Any]:
             "output_router_logits": False}
 
 
+def _qwen3_moe(mc: ModelConfig) -> dict[str, Any]:
+    return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+            "intermediate_size": mc.shape.ffn, "moe_intermediate_size": mc.shape.moe_ffn,
+            "num_local_experts": mc.shape.experts, "num_experts_per_tok": mc.top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": "pre_softmax" not in mc.features, "output_router_logits": False}
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", "llama", frozenset(), ATTENTION + DENSE_MLP,
            nemo_classes=("LlamaConfig", "Llama2Config", "Llama3Config", "Llama31Config", "Llama32Config"),
@@ -126,4 +133,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mixtral", "MixtralForCausalLM", "mixtral", frozenset({"moe"}),
            ATTENTION + moe_mlp("block_sparse_moe", "w1", "w3", "w2"), optional=frozenset({"window"}),
            nemo_classes=("MixtralConfig",), extra=_mixtral),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", frozenset({"qk_norm", "moe"}),
+           ATTENTION + moe_mlp("mlp", "gate_proj", "up_proj", "down_proj"), optional=frozenset({"pre_softmax"}),
+           nemo_classes=("Qwen3MoEConfig", "Qwen3MoeConfig"), extra=_qwen3_moe),
 )}
