@@ -1,0 +1,256 @@
+"""GGUF export for llama.cpp (converters.gguf_export), proven against llama.cpp's own convert_hf_to_gguf.py
+(tests/gguf_reference.py fetches it): for tiny random transformers models saved with save_pretrained, with a real
+BPE tokenizer trained here with `tokenizers`, both write a GGUF from the same folder and the files hold the same
+metadata keys and values, the same tensor names, types, shapes and bytes (slow: the oracle loads the model);
+plus refusals (fast).
+
+CI needs: pip install gguf==0.19.0 and the llama-cpp-python==0.3.36 sdist in $CKPT_CI_CACHE (see gguf_reference).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from converters.errors import FormatError, OptionError
+from converters.gguf_export import export_gguf
+
+from . import gguf_reference
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+#: The pre-tokenizer regexes of Llama 3 and Qwen2 as their tokenizer.json files hold them.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+TEXT = ["The quick brown fox jumps over the lazy dog. " * 3, "Llamas and qwens write 1234 tokens, don't they?",
+        "def main():\n    return 42\n", "Überall café naïve — 😀 emojis too."] * 20
+
+
+def _tokenizer(folder: Path, split: str, vocab: int = 300) -> None:
+    """A byte-level BPE tokenizer trained here on TEXT, saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|im_end|>")
+    fast.save_pretrained(folder)
+
+
+def _model(family: str, folder: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A random tiny model saved by transformers itself, with a tokenizer trained here."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False, rms_norm_eps=1e-5)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=32, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2))
+    with torch.no_grad():  # norms away from 1.0 so that their bytes say something
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.uniform_(0.5, 1.5)
+    model.to(dtype).save_pretrained(folder)
+    _tokenizer(folder, LLAMA3_SPLIT if family == "llama" else QWEN2_SPLIT)
+    return folder
+
+
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2"}
+
+
+def _fields(path: Path) -> dict[str, tuple[list[int], object]]:
+    reader = gguf.GGUFReader(path)
+    return {k: (list(f.types), f.contents()) for k, f in reader.fields.items()}
+
+
+def _tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    reader = gguf.GGUFReader(path)
+    return {t.name: (t.tensor_type.name, [int(n) for n in t.shape], t.data.tobytes()) for t in reader.tensors}
+
+
+def _assert_same(ours: Path, theirs: Path) -> None:
+    """Same keys (in the same order) and values, same tensors (names, order, types, shapes, bytes), same file."""
+    mine, oracle = _fields(ours), _fields(theirs)
+    assert list(mine) == list(oracle)
+    for key, value in oracle.items():
+        assert mine[key] == value, key
+    mine_t, oracle_t = _tensors(ours), _tensors(theirs)
+    assert list(mine_t) == list(oracle_t)
+    for name, (qtype, shape, data) in oracle_t.items():
+        assert mine_t[name][:2] == (qtype, shape), name
+        assert mine_t[name][2] == data, name
+    assert ours.read_bytes() == theirs.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-models")
+    return {family: _model(family, root / family) for family in ("llama", "qwen2", "qwen3", "qwen3moe")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3moe"])
+def test_same_file_as_llama_cpp(models: dict[str, Path], tmp_path: Path, family: str, outtype: str) -> None:
+    theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+    gguf_reference.convert(models[family], theirs, outtype, PRE[family])
+    result = export_gguf(str(models[family]), str(ours), outtype)
+    _assert_same(ours, theirs)
+    fields = _fields(ours)
+    assert fields["general.architecture"][1] == family
+    assert fields["general.file_type"][1] == {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[outtype]
+    assert fields["tokenizer.ggml.pre"][1] == PRE[family]
+    assert result.bytes == ours.stat().st_size and result.architecture == family
+    types = {name: t[0] for name, t in _tensors(ours).items()}
+    assert types["blk.0.attn_norm.weight"] == "F32"  # norms stay F32 in every type
+    assert types["blk.0.attn_q.weight"] == outtype.upper()
+    if family == "qwen3moe":
+        assert types["blk.0.ffn_gate_inp.weight"] == "F32"  # the router too
+        assert _tensors(ours)["blk.0.ffn_gate_exps.weight"][1] == [64, 48, 4]  # ne: {n_embd, n_ff_exp, E}
+
+
+@pytest.mark.slow
+def test_odd_shapes_f16_source_and_tied_embeddings(tmp_path: Path) -> None:
+    """A float16 Llama whose down_proj rows are not whole Q8_0 blocks (llama.cpp writes them F16) and whose
+    embeddings are tied (no output.weight)."""
+    torch.manual_seed(1)
+    folder = tmp_path / "odd"
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=72, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).to(torch.float16).save_pretrained(folder)
+    _tokenizer(folder, LLAMA3_SPLIT)
+    for outtype in ("q8_0", "bf16"):
+        theirs, ours = tmp_path / f"theirs-{outtype}.gguf", tmp_path / f"ours-{outtype}.gguf"
+        gguf_reference.convert(folder, theirs, outtype, "llama-bpe")
+        export_gguf(str(folder), str(ours), outtype)
+        _assert_same(ours, theirs)
+    types = {name: t[0] for name, t in _tensors(tmp_path / "ours-q8_0.gguf").items()}
+    assert types["blk.0.ffn_down.weight"] == "F16" and types["blk.0.ffn_up.weight"] == "Q8_0"
+    assert "output.weight" not in types
+
+
+@pytest.mark.slow
+def test_fused_experts_as_llama_cpp_writes_them_unfused(models: dict[str, Path], tmp_path: Path) -> None:
+    """Experts saved fused (mlp.experts.gate_up_proj [E, 2*ff, hidden], down_proj [E, hidden, ff], transformers'
+    in-memory layout) give the same file as llama.cpp writes from the per-expert checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    source = models["qwen3moe"]
+    fused = tmp_path / "fused" / source.name  # general.name comes from the folder's name
+    fused.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (fused / name).write_bytes((source / name).read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = range(4)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(
+            [tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]]) for e in experts])
+        out[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in experts])
+    save_file(out, fused / "model.safetensors", metadata={"format": "pt"})
+    theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+    gguf_reference.convert(source, theirs, "q8_0", "qwen2")
+    export_gguf(str(fused), str(ours), "q8_0")
+    mine, oracle = _tensors(ours), _tensors(theirs)
+    assert sorted(mine) == sorted(oracle)
+    for name, value in oracle.items():
+        assert mine[name] == value, name
+    assert _fields(ours) == _fields(theirs)
+
+
+# ---------------------------------------------------------------- the parts, and refusals (fast)
+
+def test_qk_permutation_rows() -> None:
+    """llama.cpp's permute for one head of 8 rows: rows 0,4,1,5,2,6,3,7 (read back from our writer's reader)."""
+    from converters.gguf_export.names import Part
+    from converters.gguf_export.writer import Reader
+    from converters.index import TensorEntry
+
+    class Rows(Reader):
+        def _read(self, part: Part, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+            return torch.arange(16, dtype=torch.float32).reshape(16, 1)[offsets[0]: offsets[0] + sizes[0]]
+
+    part = Part(TensorEntry("q_proj.weight", "float32", (16, 1), []), (0, 0), (16, 1), heads=2)
+    rows = torch.cat(list(Rows(None, 8 * 4).slabs(part)))  # type: ignore[arg-type]  # one head per slab
+    assert rows[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+
+
+def _small(folder: Path, tokenizer: bool = True) -> Path:
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=64)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    if tokenizer:
+        _tokenizer(folder, QWEN2_SPLIT)
+    return folder
+
+
+def _one_line(exc: pytest.ExceptionInfo[Exception]) -> str:
+    text = str(exc.value)
+    assert "\n" not in text
+    return text
+
+
+def test_refuses_missing_tokenizer_in_one_line(tmp_path: Path) -> None:
+    source = _small(tmp_path / "model", tokenizer=False)
+    target = tmp_path / "out.gguf"
+    with pytest.raises(OptionError) as exc:
+        export_gguf(str(source), str(target))
+    assert _one_line(exc) == (f"{source}: no tokenizer beside the checkpoint; llama.cpp needs tokenizer.json (a "
+                              "byte-level BPE tokenizer) or tokenizer.model (SentencePiece): put it in the source "
+                              "folder or pass config_from=DIR")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing left behind
+
+
+def test_refusals_exit_two() -> None:
+    from ckpt_service.service_errors import exit_code
+
+    assert exit_code(OptionError("x")) == 2 and exit_code(FormatError("x")) == 2
+
+
+def test_refuses_unknown_family_outtype_and_pre_tokenizer(tmp_path: Path) -> None:
+    source = _small(tmp_path / "model")
+    with pytest.raises(OptionError) as exc:
+        export_gguf(str(source), str(tmp_path / "out.gguf"), "q4_k")
+    assert _one_line(exc) == "outtype 'q4_k' is not one of f32, f16, bf16, q8_0"
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FormatError) as exc:
+        export_gguf(str(source), str(tmp_path / "out.gguf"))
+    assert _one_line(exc).startswith(f"{source} (config.json): 'GPT2LMHeadModel' is not a family the GGUF export "
+                                     "knows (it knows LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, ")
+    config["architectures"] = ["Qwen3ForCausalLM"]
+    (source / "config.json").write_text(json.dumps(config))
+    doc = json.loads((source / "tokenizer.json").read_text())
+    doc["pre_tokenizer"] = {"type": "Whitespace"}
+    (source / "tokenizer.json").write_text(json.dumps(doc))
+    with pytest.raises(FormatError) as exc:
+        export_gguf(str(source), str(tmp_path / "out.gguf"))
+    assert _one_line(exc) == (f"{source} (tokenizer.json): its pre-tokenizer is not one the GGUF export recognizes; "
+                              "pass tokenizer_pre=NAME (llama.cpp's name for it, e.g. llama-bpe, qwen2)")
+    export_gguf(str(source), str(tmp_path / "out.gguf"), "f32", tokenizer_pre="qwen2")
+    assert _fields(tmp_path / "out.gguf")["tokenizer.ggml.pre"][1] == "qwen2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out.gguf"]
