@@ -1,0 +1,130 @@
+"""`scan`: per-tensor statistics of any checkpoint the engine reads, in one streaming pass.
+
+The source is opened as `verify` opens it (`load_index`, then the key clean-up of `transforms.apply`), and
+each tensor is read through the copier's slabs (`Copier.stream`: one reused buffer of a bounded size, DCP
+records located and grouped as a conversion reads them), so memory stays at a slab plus one float64
+sub-block whatever the checkpoint's size. What is computed, and how, is in `moments`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from .. import storage
+from ..config import ContextPool, EngineConfig, use
+from ..copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
+from ..errors import OptionError, SourceError
+from ..files import static_source
+from ..formats import load_index
+from ..index import CheckpointIndex, TensorEntry
+from ..readahead import Budget, ReadAhead
+from ..transforms import KeyOptions, apply
+from .moments import SUPPORTED, Moments, TensorStats, numpy_dtype
+
+#: the key clean-up `verify` applies when none is given: every entry, under clean names, not nested
+DEFAULT_KEYS = KeyOptions(only="all", clean=True, nest=False)
+SLAB_BYTES = 8 << 20  # bytes read at a time: two slabs (one read ahead) stay small
+
+
+@dataclass
+class ScanResult:
+    source: str
+    format: str
+    tensors: list[TensorStats] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # "name (dtype)": dtypes without statistics (complex, packed)
+    bytes_read: int = 0
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Names of the tensors holding a NaN or an infinity."""
+        return [t.name for t in self.tensors if t.nonfinite]
+
+    @property
+    def finite(self) -> bool:
+        return not self.nonfinite
+
+    def by_name(self) -> dict[str, TensorStats]:
+        return {t.name: t for t in self.tensors}
+
+    def summary(self) -> str:
+        bad = self.nonfinite
+        line = f"{len(self.tensors)} tensors, {self.bytes_read} bytes scanned"
+        if self.skipped:
+            line += f"; no statistics for {len(self.skipped)} (dtype): " + ", ".join(self.skipped[:5])
+        if bad:
+            return line + f"; non-finite values in {len(bad)}: " + ", ".join(bad[:8]) + (
+                f" (+{len(bad) - 8})" if len(bad) > 8 else "")
+        return line + "; all finite"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "format": self.format, "finite": self.finite, "nonfinite": self.nonfinite,
+                "bytes_read": self.bytes_read, "skipped": self.skipped,
+                "tensors": [t.to_dict() for t in self.tensors]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def tensor_stats(entry: TensorEntry, blocks: Iterable[memoryview]) -> TensorStats:
+    """The statistics of `entry` from its row-major bytes in `blocks` (`Copier.stream`)."""
+    moments = Moments(entry.name, entry.dtype, entry.shape)
+    kind = numpy_dtype(entry.dtype)
+    for view in blocks:
+        moments.add(np.frombuffer(view, dtype=kind))
+    return moments.result()
+
+
+@contextmanager
+def reading(uri: str) -> Iterator[None]:
+    """An OSError while reading `uri` becomes one SourceError naming the file (remote listings cached)."""
+    try:
+        with static_source(uri):
+            yield
+    except OSError as exc:
+        name = os.fsdecode(exc.filename) if exc.filename else uri
+        raise SourceError(f"{name}: cannot read ({exc.strerror or exc}); check the checkpoint {uri}",
+                          uri=name) from None
+
+
+def select(index: CheckpointIndex, keys: KeyOptions | None, reader: storage.RangeReader) -> CheckpointIndex:
+    """`index` under the key clean-up `verify` uses (or `keys`)."""
+    return apply(index, keys or DEFAULT_KEYS, reader).index
+
+
+def scan(source: str, *, source_format: str | None = None, keys: KeyOptions | None = None,
+         memory_limit: int = DEFAULT_MEMORY_LIMIT, on_progress: Callable[[Progress], None] | None = None,
+         config: EngineConfig | None = None) -> ScanResult:
+    """Per-tensor statistics of the checkpoint at `source` (any format the engine reads), streamed in one
+    read pass under `config` (default: the engine config in force). `keys` picks and names the tensors as in
+    `verify` (default: all of them, keys cleaned)."""
+    if memory_limit < 1024 * 1024:
+        raise OptionError("memory_limit must be at least 1MiB", option="memory_limit")
+    with use(config), reading(source):
+        reader = storage.RangeReader()
+        try:
+            index = load_index(source, source_format, reader=reader)
+            view = select(index, keys, reader)
+            result = ScanResult(source, index.format)
+            chosen = [t for t in view.tensors.values() if t.dtype in SUPPORTED]
+            result.skipped = [f"{t.name} ({t.dtype})" for t in view.tensors.values() if t.dtype not in SUPPORTED]
+            progress = Progress(total_bytes=sum(t.nbytes for t in chosen), total_tensors=len(chosen),
+                                callback=on_progress)
+            copier = Copier(reader, memory_limit, progress, threads=1)
+            copier.slab_bytes = min(copier.slab_bytes, SLAB_BYTES)
+            with ContextPool(1, thread_name_prefix="ckpt-scan") as pool, \
+                    ReadAhead(pool, [partial(copier.stream, entry, None, None) for entry in chosen],
+                              Budget(2 * copier.slab_bytes)) as ahead:
+                for i, entry in enumerate(chosen):  # one thread reads the next slab while this one computes
+                    result.tensors.append(tensor_stats(entry, ahead.blocks(i)))
+                    result.bytes_read += entry.nbytes
+            return result
+        finally:
+            reader.close()
