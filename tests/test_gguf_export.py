@@ -179,6 +179,43 @@ def test_fused_experts_as_llama_cpp_writes_them_unfused(models: dict[str, Path],
     assert _fields(ours) == _fields(theirs)
 
 
+def _spm_model(folder: Path) -> Path:
+    """A tiny Mistral (llama arch in GGUF) with a SentencePiece tokenizer.model trained here (byte fallback, a
+    user-defined and a control piece) beside the tokenizer.json transformers writes from it, as Llama 2 / Mistral
+    repositories ship both; llama.cpp's converter takes tokenizer.model first."""
+    import io
+
+    sentencepiece = pytest.importorskip("sentencepiece")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=352, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        tie_word_embeddings=False)
+    transformers.MistralForCausalLM(config).save_pretrained(folder)
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT), model_writer=model, vocab_size=340, model_type="bpe", byte_fallback=True,
+        user_defined_symbols=["<tool>"], control_symbols=["<ctl>"], minloglevel=2)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    transformers.LlamaTokenizer(vocab_file=str(folder / "tokenizer.model")).save_pretrained(folder)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    return folder
+
+
+@pytest.mark.slow
+def test_sentencepiece_tokenizer_as_llama_cpp(tmp_path: Path) -> None:
+    folder = _spm_model(tmp_path / "mistral")
+    theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+    gguf_reference.convert(folder, theirs, "q8_0")
+    export_gguf(str(folder), str(ours), "q8_0")
+    _assert_same(ours, theirs)
+    fields = _fields(ours)
+    assert (fields["tokenizer.ggml.model"][1], fields["tokenizer.ggml.pre"][1]) == ("llama", "default")
+    tokens, types = fields["tokenizer.ggml.tokens"][1], fields["tokenizer.ggml.token_type"][1]
+    assert isinstance(tokens, list) and isinstance(types, list) and len(tokens) == 352
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"] and types[:3] == [2, 3, 3] and tokens[-1] == "[PAD351]"
+    assert 6 in types  # byte pieces
+
+
 # ---------------------------------------------------------------- the parts, and refusals (fast)
 
 def test_qk_permutation_rows() -> None:
@@ -205,6 +242,16 @@ def _small(folder: Path, tokenizer: bool = True) -> Path:
     if tokenizer:
         _tokenizer(folder, QWEN2_SPLIT)
     return folder
+
+
+def test_refuses_damaged_tokenizer_model(tmp_path: Path) -> None:
+    source = _small(tmp_path / "model")
+    (source / "tokenizer.model").write_bytes(b"\xff" * 16)
+    with pytest.raises(FormatError) as exc:
+        export_gguf(str(source), str(tmp_path / "out.gguf"))
+    assert _one_line(exc) == (f"{source} (tokenizer.model): not a SentencePiece model (no pieces could be read); "
+                              "replace the file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def _one_line(exc: pytest.ExceptionInfo[Exception]) -> str:

@@ -8,8 +8,11 @@ writes it for the families we export:
   holding only those side files, read through the engine's size-capped side-file reader).
 - The pre-tokenizer name (tokenizer.ggml.pre): llama.cpp picks it by hashing the token ids of a fixed text; we
   pick it from the pre-tokenizer's split regex in tokenizer.json (`PRE_BY_REGEX`), or take `pre` when given.
-- A SentencePiece tokenizer.model (which llama.cpp prefers when present) and byte-fallback tokenizer.json files
-  are refused in one line for now; so is a source with no tokenizer.json (llama.cpp needs one).
+- SentencePiece (a tokenizer.model, which llama.cpp prefers when present): model "llama", pre "default", the
+  pieces with their scores and types (read by `spm`), added_tokens.json and tokenizer_config.json's
+  added_tokens_decoder on top, then the same SpecialVocab keys.
+- Byte-fallback tokenizer.json files (llama.cpp's LlamaHfVocab) are refused in one line for now; so is a source
+  with neither tokenizer.json nor tokenizer.model.
 
 Reading is JSON only: no tokenizer library is imported.
 """
@@ -24,6 +27,7 @@ from typing import Any
 import gguf
 
 from ..errors import FormatError, OptionError
+from . import spm
 
 #: Split regexes of byte-level BPE pre-tokenizers -> llama.cpp's pre-tokenizer name for them.
 PRE_BY_REGEX = {
@@ -32,7 +36,8 @@ PRE_BY_REGEX = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+": "qwen2",
 }
-SIDE = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja", "chat_template.json")
+SIDE = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja", "chat_template.json",
+        "added_tokens.json")
 NEEDED = "tokenizer.json (a byte-level BPE tokenizer) or tokenizer.model (SentencePiece)"
 
 
@@ -70,9 +75,14 @@ def _looks_special(token: str) -> bool:
 def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str, Any], uri: str,
               pre: str | None = None, add_space_prefix: bool = False) -> None:
     """Add the tokenizer.ggml.* keys for the tokenizer in `side` (file name -> bytes)."""
-    if "tokenizer.model" in side:
-        raise OptionError(f"{uri}: a SentencePiece tokenizer.model is not exported to GGUF yet; use llama.cpp's "
-                          "convert_hf_to_gguf.py for this model", field="source")
+    if add_space_prefix:
+        cfg = _json(side["tokenizer_config.json"], "tokenizer_config.json", uri) \
+            if "tokenizer_config.json" in side else {}
+        if (prefix := cfg.get("add_prefix_space")) is not None:
+            writer.add_add_space_prefix(bool(prefix))
+    if "tokenizer.model" in side:  # llama.cpp prefers it to tokenizer.json
+        _add_spm(writer, side, config, uri)
+        return
     if "tokenizer.json" not in side:
         raise OptionError(f"{uri}: no tokenizer beside the checkpoint; llama.cpp needs {NEEDED}: put it in the "
                           "source folder or pass config_from=DIR", field="config_from", option="config_from")
@@ -84,11 +94,6 @@ def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str,
     if model.get("byte_fallback"):
         raise FormatError(f"{uri} (tokenizer.json): a byte-fallback (SentencePiece-style) BPE tokenizer is not "
                           "exported to GGUF yet; use llama.cpp's convert_hf_to_gguf.py", uri=uri, key="model")
-    if add_space_prefix:
-        cfg = _json(side["tokenizer_config.json"], "tokenizer_config.json", uri) \
-            if "tokenizer_config.json" in side else {}
-        if (prefix := cfg.get("add_prefix_space")) is not None:
-            writer.add_add_space_prefix(bool(prefix))
     vocab: dict[int, str] = {}
     for token, tid in model["vocab"].items():
         if isinstance(tid, int):
@@ -122,14 +127,59 @@ def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str,
     writer.add_tokenizer_pre(pre or _pre_name(tokenizer, uri))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
+    _add_special(writer, side, uri, load_merges=True)
+
+
+def _add_special(writer: gguf.GGUFWriter, side: dict[str, bytes], uri: str, load_merges: bool,
+                 n_vocab: int | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ckpt-gguf-vocab-") as folder:
         for name in SIDE:
             if name in side:
                 with open(os.path.join(folder, name), "wb") as fh:
                     fh.write(side[name])
         try:
-            special = gguf.SpecialVocab(folder, load_merges=True)
+            special = gguf.SpecialVocab(folder, load_merges=load_merges, n_vocab=n_vocab)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{uri} (tokenizer.json/tokenizer_config.json): cannot read the special tokens "
                               f"({type(exc).__name__}); fix the tokenizer files", uri=uri) from None
     special.add_to_gguf(writer, quiet=True)
+
+
+def _add_spm(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str, Any], uri: str) -> None:
+    """SentencePiece: as llama.cpp's _create_vocab_sentencepiece (model "llama", pre "default", scores)."""
+    found = spm.pieces(side["tokenizer.model"], uri)
+    size = config.get("vocab_size") or len(found)
+    if not isinstance(size, int) or size <= 0:
+        raise FormatError(f"{uri} (config.json): vocab_size {size!r} is not a count; fix config.json", uri=uri,
+                          key="vocab_size")
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    scores = [-10000.0] * size
+    types = [spm.UNUSED] * size
+    for i, (piece, score, kind) in enumerate(found[:size]):
+        tokens[i], scores[i] = piece, score
+        types[i] = kind if kind in (spm.UNKNOWN, spm.CONTROL, spm.UNUSED, spm.BYTE) else spm.NORMAL
+
+    def entries(name: str) -> dict[str, Any]:
+        return _json(side[name], name, uri) if name in side else {}
+
+    for token, tid in entries("added_tokens.json").items():
+        if isinstance(tid, int) and 0 <= tid < size:
+            tokens[tid], scores[tid], types[tid] = token, -1000.0, spm.USER_DEFINED
+    decoder = entries("tokenizer_config.json").get("added_tokens_decoder") or {}
+    for key, data in decoder.items() if isinstance(decoder, dict) else ():
+        tid = int(key) if isinstance(key, str) and key.isdecimal() else -1
+        if not 0 <= tid < size or not isinstance(data, dict) or not isinstance(data.get("content"), str):
+            continue
+        token = data["content"]
+        if data.get("special") or _looks_special(token):
+            types[tid] = spm.CONTROL
+        else:
+            token = token.replace("\u2581", " ")
+            types[tid] = spm.USER_DEFINED
+        tokens[tid], scores[tid] = token, -1000.0
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    _add_special(writer, side, uri, load_merges=False, n_vocab=len(tokens))
