@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from converters.stats import moments, scan
+from converters.stats import diff, diffs, moments, scan
 from converters.stats import stats as scan_module
 
 NAN, INF = float("nan"), float("inf")
@@ -159,3 +159,119 @@ def test_dtypes_without_statistics_are_listed_as_skipped(tmp_path: Path) -> None
     result = scan(str(path))
     assert [t.name for t in result.tensors] == ["r"]
     assert result.skipped == ["c (complex64)"]
+
+
+# ---- diff ---------------------------------------------------------------------------------------------------------
+
+
+def torch_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a-b|, ||a-b|| / ||b||) by torch in float64 on the whole tensors (both finite)."""
+    d = a.double() - b.double()
+    return float(d.abs().max()), float(torch.linalg.vector_norm(d) / torch.linalg.vector_norm(b.double()))
+
+
+def pair() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    a = {f"layers.{i}.mlp.weight": torch.randn(64, 33, generator=g) for i in range(3)}
+    a["layers.0.mlp.bias"] = torch.randn(64, generator=g)
+    a["embed.weight"] = torch.randn(50, 8, generator=g).bfloat16()
+    a["norm.weight"] = torch.ones(8)
+    a["nan.weight"] = torch.tensor([1.0, NAN, INF, 2.0])
+    a["nan_moved.weight"] = torch.tensor([1.0, NAN, 3.0])
+    a["cast.weight"] = torch.randn(10, generator=g)
+    a["shape.weight"] = torch.zeros(4, 2)
+    a["gone.weight"] = torch.zeros(3)
+    b = {name: t.clone() for name, t in a.items() if name != "gone.weight"}
+    b["layers.1.mlp.weight"] += 1e-3 * torch.randn(64, 33, generator=g)  # a small step
+    b["layers.2.mlp.weight"][5, 7] += 0.5  # one element moved
+    b["layers.0.mlp.bias"] *= 2  # a large change in a frozen layer's neighbour: layers.0 moved
+    b["nan_moved.weight"] = torch.tensor([1.0, 2.0, NAN])
+    b["cast.weight"] = a["cast.weight"].bfloat16()
+    b["shape.weight"] = torch.zeros(2, 4)
+    b["new.weight"] = torch.ones(2)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict, dict]:
+    a, b = pair()
+    folder = tmp_path_factory.mktemp("diff")
+    save_file(a, str(folder / "a.safetensors"))
+    save_file(b, str(folder / "b.safetensors"))
+    return folder / "a.safetensors", folder / "b.safetensors", a, b
+
+
+def check_diff(result: diffs.DiffResult, a: dict, b: dict) -> None:
+    got = {t.name: t for t in result.tensors}
+    assert set(got) == {n for n in a if n in b and a[n].shape == b[n].shape}
+    for name in ("layers.0.mlp.weight", "embed.weight", "norm.weight"):
+        assert got[name].identical and not got[name].changed and got[name].max_abs_diff == 0.0, name
+        assert got[name].rel_l2 == 0.0
+        assert close(got[name].l2, float(torch.linalg.vector_norm(b[name].double())), 0.0)
+    for name in ("layers.1.mlp.weight", "layers.2.mlp.weight", "layers.0.mlp.bias", "cast.weight"):
+        top, rel = torch_diff(a[name], b[name])
+        assert got[name].max_abs_diff == top, name  # exact: |a-b| of float32 values is exact in float64
+        assert close(got[name].rel_l2, rel, 0.0), name
+        assert not got[name].identical and got[name].differs, name
+    assert got["nan.weight"].identical and not got["nan.weight"].differs  # NaN against NaN: no difference
+    moved = got["nan_moved.weight"]
+    assert (moved.unmatched_nonfinite, moved.max_abs_diff, moved.differs) == (2, math.inf, True)
+    assert result.only_a == ["gone.weight"] and result.only_b == ["new.weight"]
+    assert result.shape_mismatch == ["shape.weight (float32[4, 2] vs float32[2, 4])"]
+    assert result.dtype_mismatch == ["cast.weight"]
+    assert result.differs
+
+
+def test_diff_equals_torch_on_the_loaded_tensors(two: tuple[Path, Path, dict, dict]) -> None:
+    path_a, path_b, a, b = two
+    check_diff(diff(str(path_a), str(path_b)), a, b)
+
+
+def test_diff_in_blocks_smaller_than_the_tensors(two: tuple[Path, Path, dict, dict],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    path_a, path_b, a, b = two
+    monkeypatch.setattr(moments, "SUB_BLOCK", 5)
+    monkeypatch.setattr(diffs, "compare_slab", lambda memory_limit: 40)  # slabs of a row or less
+    check_diff(diff(str(path_a), str(path_b)), a, b)
+
+
+def test_diff_summarises_by_layer(two: tuple[Path, Path, dict, dict]) -> None:
+    path_a, path_b, a, b = two
+    result = diff(str(path_a), str(path_b))
+    layers = {layer.name: layer for layer in result.layers}
+    assert diffs.layer_of("optim.state.layers.3.mlp.weight.exp_avg") == "optim.state.layers.3"
+    assert diffs.layer_of("embed.weight") == "embed" and diffs.layer_of("step") == "step"
+    assert (layers["layers.0"].tensors, layers["layers.0"].changed) == (2, 1)
+    want = math.sqrt(float(((a["layers.0.mlp.bias"].double() - b["layers.0.mlp.bias"].double()) ** 2).sum())
+                     / float(sum((b[n].double() ** 2).sum() for n in ("layers.0.mlp.weight", "layers.0.mlp.bias"))))
+    assert close(layers["layers.0"].rel_l2, want, 0.0)
+    assert [layer.name for layer in result.layers] == ["cast", "embed", "layers.0", "layers.1", "layers.2", "nan",
+                                                       "nan_moved", "norm"]
+    assert result.unchanged() == ["embed", "nan", "norm"]
+    assert [layer.name for layer in result.moved_most(2)] == ["nan_moved", "layers.0"]  # unmatched NaN first
+    assert "unchanged: embed, nan, norm" in result.summary()
+    doc = json.loads(result.to_json())
+    assert doc["differs"] is True and doc["unchanged_layers"] == ["embed", "nan", "norm"]
+
+
+def test_tolerances_decide_differs(tmp_path: Path) -> None:
+    a = {"w": torch.tensor([1.0, 2.0, 100.0]), "step": torch.tensor(3)}
+    b = {"w": torch.tensor([1.0, 2.001, 100.5]), "step": torch.tensor(3)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    args = (str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"))
+    assert diff(*args).differs
+    assert diff(*args, atol=0.4).differs  # 0.5 > 0.4
+    assert not diff(*args, rtol=0.006).differs  # 0.5 <= 0.006 * 100.5, 0.001 <= 0.006 * 2.001
+    assert not diff(*args, atol=0.5).differs
+    assert diff(*args, rtol=0.004).differs
+    assert not diff(args[0], args[0]).differs
+    assert "equal within" in diff(args[0], args[0]).summary()
+
+
+def test_bad_tolerance_is_refused_naming_the_option(two: tuple[Path, Path, dict, dict]) -> None:
+    from converters.errors import OptionError
+
+    with pytest.raises(OptionError, match="tolerances are finite and not negative") as caught:
+        diff(str(two[0]), str(two[1]), rtol=-1)
+    assert caught.value.option == "rtol"
