@@ -1,8 +1,9 @@
 """GGUF export for llama.cpp (converters.gguf_export), proven against llama.cpp's own convert_hf_to_gguf.py
-(tests/gguf_reference.py fetches it): for tiny random transformers models saved with save_pretrained, with a real
-BPE tokenizer trained here with `tokenizers`, both write a GGUF from the same folder and the files hold the same
-metadata keys and values, the same tensor names, types, shapes and bytes (slow: the oracle loads the model);
-plus refusals (fast).
+(tests/gguf_reference.py fetches it): for tiny random Llama, Mixtral, Qwen2, Qwen3 and Qwen3-MoE models saved with
+save_pretrained, with a real byte-level BPE tokenizer trained here with `tokenizers` (and a Mistral with a
+SentencePiece tokenizer.model trained with `sentencepiece`), both write a GGUF from the same folder and the files hold
+the same metadata keys (in order) and values, the same tensor names, types, shapes and bytes: the same file (slow:
+the oracle loads the model); plus the Q/K permutation by hand and one-line refusals (fast).
 
 CI needs: pip install gguf==0.19.0 and the llama-cpp-python==0.3.36 sdist in $CKPT_CI_CACHE (see gguf_reference).
 """
@@ -62,6 +63,9 @@ def _model(family: str, folder: Path, dtype: torch.dtype = torch.bfloat16) -> Pa
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
+    elif family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, head_dim=32, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2))
@@ -70,11 +74,15 @@ def _model(family: str, folder: Path, dtype: torch.dtype = torch.bfloat16) -> Pa
             if param.ndim == 1:
                 param.uniform_(0.5, 1.5)
     model.to(dtype).save_pretrained(folder)
-    _tokenizer(folder, LLAMA3_SPLIT if family == "llama" else QWEN2_SPLIT)
+    _tokenizer(folder, LLAMA3_SPLIT if family in ("llama", "mixtral") else QWEN2_SPLIT)
     return folder
 
 
-PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2"}
+PRE = {"llama": "llama-bpe", "mixtral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2"}
+ARCH = {"mixtral": "llama"}
+#: every type for a dense model of each rope style; f16 and q8_0 for the rest
+CASES = [(family, outtype) for family in ("llama", "qwen3") for outtype in ("f32", "f16", "bf16", "q8_0")] + \
+    [(family, outtype) for family in ("qwen2", "qwen3moe", "mixtral") for outtype in ("f16", "q8_0")]
 
 
 def _fields(path: Path) -> dict[str, tuple[list[int], object]]:
@@ -104,28 +112,29 @@ def _assert_same(ours: Path, theirs: Path) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-models")
-    return {family: _model(family, root / family) for family in ("llama", "qwen2", "qwen3", "qwen3moe")}
+    return {family: _model(family, root / family) for family in PRE}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16", "q8_0"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3moe"])
+@pytest.mark.parametrize(("family", "outtype"), CASES)
 def test_same_file_as_llama_cpp(models: dict[str, Path], tmp_path: Path, family: str, outtype: str) -> None:
     theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
     gguf_reference.convert(models[family], theirs, outtype, PRE[family])
     result = export_gguf(str(models[family]), str(ours), outtype)
     _assert_same(ours, theirs)
     fields = _fields(ours)
-    assert fields["general.architecture"][1] == family
+    assert fields["general.architecture"][1] == ARCH.get(family, family)
     assert fields["general.file_type"][1] == {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[outtype]
     assert fields["tokenizer.ggml.pre"][1] == PRE[family]
-    assert result.bytes == ours.stat().st_size and result.architecture == family
+    assert result.bytes == ours.stat().st_size and result.architecture == ARCH.get(family, family)
     types = {name: t[0] for name, t in _tensors(ours).items()}
     assert types["blk.0.attn_norm.weight"] == "F32"  # norms stay F32 in every type
     assert types["blk.0.attn_q.weight"] == outtype.upper()
-    if family == "qwen3moe":
+    if family in ("qwen3moe", "mixtral"):
         assert types["blk.0.ffn_gate_inp.weight"] == "F32"  # the router too
-        assert _tensors(ours)["blk.0.ffn_gate_exps.weight"][1] == [64, 48, 4]  # ne: {n_embd, n_ff_exp, E}
+        n_ff = 48 if family == "qwen3moe" else 96
+        assert _tensors(ours)["blk.0.ffn_gate_exps.weight"][1] == [64, n_ff, 4]  # ne: {n_embd, n_ff_exp, E}
+        assert _tensors(ours)["blk.0.ffn_down_exps.weight"][1] == [n_ff, 64, 4]
 
 
 @pytest.mark.slow

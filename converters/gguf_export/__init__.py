@@ -2,8 +2,9 @@
 one GGUF file for llama.cpp, key for key and byte for byte what llama.cpp's convert_hf_to_gguf.py writes from the
 same folder (tests/test_gguf_export.py runs it as the oracle).
 
-Families: Llama and Mistral (arch llama, Q/K rows permuted), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm),
-Qwen3-MoE (experts stacked [E, out, in]). Types (`outtype`): f32, f16, bf16, q8_0.
+Families: Llama, Mistral and Mixtral (arch llama, Q/K rows permuted), Qwen2 (+ q/k/v bias), Qwen3 (+ q/k norm),
+Qwen3-MoE; MoE experts stacked [E, out, in]. Types (`outtype`): f32, f16, bf16, q8_0. Tokenizers: byte-level BPE
+(tokenizer.json) and SentencePiece (tokenizer.model).
 
 Streaming: the header (metadata, token list, tensor infos) is built in memory; each tensor is then read, converted
 and written in slabs of whole rows of about `memory_limit // 8` bytes through one reused buffer.

@@ -19,7 +19,7 @@ class Family:
     hf_arch: str  # config.json architectures[0]
     arch: gguf.MODEL_ARCH
     permute_qk: bool  # llama-style rope: q_proj/k_proj rows permuted as llama.cpp's LlamaModel.permute
-    moe: bool = False
+    experts: str = ""  # how per-expert tensors are named (names._EXPERTS): "qwen", "mixtral"; "" dense
 
     @property
     def name(self) -> str:
@@ -29,9 +29,10 @@ class Family:
 FAMILIES = {f.hf_arch: f for f in (
     Family("LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA, True),
     Family("MistralForCausalLM", gguf.MODEL_ARCH.LLAMA, True),
+    Family("MixtralForCausalLM", gguf.MODEL_ARCH.LLAMA, True, experts="mixtral"),
     Family("Qwen2ForCausalLM", gguf.MODEL_ARCH.QWEN2, False),
     Family("Qwen3ForCausalLM", gguf.MODEL_ARCH.QWEN3, False),
-    Family("Qwen3MoeForCausalLM", gguf.MODEL_ARCH.QWEN3MOE, False, moe=True),
+    Family("Qwen3MoeForCausalLM", gguf.MODEL_ARCH.QWEN3MOE, False, experts="qwen"),
 )}
 
 
@@ -142,7 +143,7 @@ def add_parameters(writer: gguf.GGUFWriter, config: dict[str, Any], fam: Family,
             _number(_required(config, ("hidden_size",), uri), "hidden_size", uri) // \
             max(_number(_required(config, ("num_attention_heads",), uri), "num_attention_heads", uri), 1)
         writer.add_rope_dimension_count(_number(rope_dim, "head_dim", uri))
-    if fam.moe and (moe_ff := config.get("moe_intermediate_size")) is not None:
+    if fam.arch == gguf.MODEL_ARCH.QWEN3MOE and (moe_ff := config.get("moe_intermediate_size")) is not None:
         writer.add_expert_feed_forward_length(_number(moe_ff, "moe_intermediate_size", uri))
 
 

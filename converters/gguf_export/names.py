@@ -19,8 +19,15 @@ from ..index import TensorEntry
 from .metadata import Family
 
 SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
-_EXPERT = re.compile(r"^(?P<layer>model\.layers\.(?P<bid>\d+)\.mlp\.experts)\.(?P<xid>\d+)\."
-                     r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+#: Per-expert tensors, the order llama.cpp stacks their projections in, and the name it maps the stack by.
+_EXPERTS = {
+    "qwen": (re.compile(r"^(?P<layer>model\.layers\.(?P<bid>\d+)\.mlp\.experts)\.(?P<xid>\d+)\."
+                        r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$"),
+             ("down_proj", "gate_proj", "up_proj"), "{layer}.{x}.{proj}.weight", "{layer}.{proj}.weight"),
+    "mixtral": (re.compile(r"^(?P<layer>model\.layers\.(?P<bid>\d+)\.block_sparse_moe\.experts)\.(?P<xid>\d+)\."
+                           r"(?P<proj>w1|w2|w3)\.weight$"),
+                ("w1", "w2", "w3"), "{layer}.{x}.{proj}.weight", "layers.{bid}.feed_forward.experts.{proj}.weight"),
+}
 _FUSED = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)(\.weight)?$")
 
 
@@ -84,7 +91,8 @@ def plan(tensors: dict[str, TensorEntry], config: dict[str, Any], fam: Family, b
     for hf_name, entry in tensors.items():
         if hf_name.endswith(SKIPPED):
             continue
-        if fam.moe and (m := _EXPERT.match(hf_name)):
+        experts = _EXPERTS.get(fam.experts)
+        if experts and (m := experts[0].match(hf_name)):
             if not isinstance(n_experts, int) or n_experts <= 0:
                 raise FormatError(f"{uri} (config.json): no num_experts for the expert tensor {hf_name}; fix "
                                   "config.json", uri=uri, key=hf_name)
@@ -92,8 +100,8 @@ def plan(tensors: dict[str, TensorEntry], config: dict[str, Any], fam: Family, b
             layer[hf_name] = entry
             if len(layer) < n_experts * 3:
                 continue
-            for proj in ("down_proj", "gate_proj", "up_proj"):
-                names = [f"{m['layer']}.{x}.{proj}.weight" for x in range(n_experts)]
+            for proj in experts[1]:
+                names = [experts[2].format(layer=m["layer"], x=x, proj=proj) for x in range(n_experts)]
                 missing = [n for n in names if n not in layer]
                 if missing:
                     raise FormatError(f"{uri}: expert tensor {missing[0]} is missing; the checkpoint is incomplete",
@@ -102,10 +110,11 @@ def plan(tensors: dict[str, TensorEntry], config: dict[str, Any], fam: Family, b
                 if len(shapes) != 1:
                     raise FormatError(f"{uri}: the experts of {m['layer']}.*.{proj} differ in shape; the checkpoint "
                                       "is damaged", uri=uri, key=names[0])
-                add(f"{m['layer']}.{proj}.weight", (n_experts, *shapes.pop()), [_whole(layer[n]) for n in names])
+                add(experts[3].format(layer=m["layer"], bid=m["bid"], proj=proj), (n_experts, *shapes.pop()),
+                    [_whole(layer[n]) for n in names])
             del pending[m["layer"]]
             continue
-        if fam.moe and (m := _FUSED.match(hf_name)):
+        if fam.experts == "qwen" and (m := _FUSED.match(hf_name)):
             if m["proj"] == "down_proj":
                 add(f"{m['layer']}.down_proj.weight", entry.shape, [_whole(entry)])
                 continue
