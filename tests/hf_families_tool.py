@@ -52,7 +52,7 @@ def _args(hf: dict) -> dict:
     return args
 
 
-def _model(args: dict) -> torch.nn.Module:
+def _model(args: dict, tp: int = 1, ep: int = 1) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -62,6 +62,7 @@ def _model(args: dict) -> torch.nn.Module:
         num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
         num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
         kv_channels=args["kv_channels"], use_cpu_initialization=True, normalization="RMSNorm",
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=args["add_qkv_bias"], qk_layernorm=args["qk_layernorm"], layernorm_epsilon=args["norm_epsilon"],
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, num_moe_experts=experts,
@@ -128,6 +129,21 @@ def make(root: str, family: str) -> None:
     weights = _inverse(load_file(os.path.join(root, "hf", family, "model.safetensors")), args)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+    logits = _forward(model)
+    out = os.path.join(root, "megatron", family)
+    ckpt = os.path.join(out, "iter_0000001")
+    os.makedirs(ckpt)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": argparse.Namespace(**args),
+                             "iteration": 1, "checkpoint_version": 3.0}, ckpt)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("1")
+    torch.save(logits.float().clone(), os.path.join(root, "logits", f"{family}.pt"))
+    with open(os.path.join(root, "logits", f"{family}.json"), "w") as fh:
+        json.dump({k: v for k, v in args.items() if k != "params_dtype"}, fh)
+
+
+def _forward(model: torch.nn.Module) -> torch.Tensor:
+    """Megatron's forward on IDS (causal attention)."""
     model.eval()
     # attention forks the CUDA RNG tracker for dropout; on CPU with dropout 0 in eval there is nothing to fork
     from megatron.core import tensor_parallel
@@ -141,20 +157,41 @@ def make(root: str, family: str) -> None:
     ids = torch.tensor(IDS)
     seq = ids.shape[1]
     with torch.no_grad():
-        logits = model(ids, torch.arange(seq)[None], torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1))
-    out = os.path.join(root, "megatron", family)
-    ckpt = os.path.join(out, "iter_0000001")
-    os.makedirs(ckpt)
-    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": argparse.Namespace(**args),
-                             "iteration": 1, "checkpoint_version": 3.0}, ckpt)
-    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
-        fh.write("1")
-    torch.save(logits.float().clone(), os.path.join(root, "logits", f"{family}.pt"))
-    with open(os.path.join(root, "logits", f"{family}.json"), "w") as fh:
-        json.dump({k: v for k, v in args.items() if k != "params_dtype"}, fh)
+        return model(ids, torch.arange(seq)[None], torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1))
+
+
+def _load_worker(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int, port: int) -> None:
+    """Build the GPTModel at TP=tp x EP=ep from the args our import wrote to common.pt, load the checkpoint with
+    Megatron's own `dist_checkpointing.load`, and save its forward logits (rank 0) to `out`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    _stub_cuda()
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    args = torch.load(os.path.join(ckpt, "common.pt"), weights_only=True)["args"]
+    model = _model(args, tp, ep)
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    model.load_state_dict(dist_checkpointing.load(sharded, ckpt), strict=False)
+    logits = _forward(model).contiguous()
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits, group=parallel_state.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, -1)
+    if rank == 0:
+        torch.save(logits.float().clone(), out)
+    dist.destroy_process_group()
 
 
 def main() -> None:
+    if sys.argv[1] == "load":  # load CKPT OUT TP EP PORT
+        import torch.multiprocessing as mp
+
+        ckpt, out, tp, ep, port = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+        mp.spawn(_load_worker, args=(max(tp, ep), ckpt, out, tp, ep, port), nprocs=max(tp, ep))
+        return
     root, port, families = sys.argv[1], sys.argv[2], sys.argv[3:]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     _stub_cuda()

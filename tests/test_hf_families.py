@@ -190,3 +190,59 @@ def test_auto_reads_the_family_from_the_config() -> None:
     nemo = {**CFG, "_target_": "nemo.collections.llm.gpt.model.mistral.MistralConfig7B", "window_size": [4, 0]}
     config = to_hf(_llama_view(), nemo, "model.yaml")[1]
     assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 4)
+
+
+# ------------------------------------------------------------------------------------- HF -> Megatron (import)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MODELS))
+def test_import_then_export_gives_back_the_hf_model(models: Path, tmp_path: Path, family: str) -> None:
+    from converters.hf_families.importer import import_hf
+
+    result = import_hf(str(models / "hf" / family), str(tmp_path / "megatron"))
+    assert result.family == family and result.report[0].startswith(f"imported {ARCHITECTURES[family]} as Megatron")
+    assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert json.loads((tmp_path / "megatron" / "release" / "metadata.json").read_text())["sharded_backend"] == \
+        "torch_dist"
+    # the same names, shapes and bytes megatron-core itself saved for this model (the `models` fixture)
+    from converters.formats import load_index
+
+    ours, theirs = load_index(str(tmp_path / "megatron")), load_index(str(models / "megatron" / family))
+    assert {n: t.shape for n, t in ours.tensors.items()} == {n: t.shape for n, t in theirs.tensors.items()}
+    out = tmp_path / "back"
+    ckptctl("export", tmp_path / "megatron", out, "--to-hf", "mistral" if family == "mistral" else "auto", "-q",
+            "--verify")
+    got, want = load_file(out / "model.safetensors"), load_file(models / "hf" / family / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "tp", "ep"), [("qwen2", 2, 1), ("qwen3_moe", 2, 1), ("mixtral", 1, 2)])
+def test_megatron_loads_the_import_in_parallel(models: Path, tmp_path: Path, family: str, tp: int, ep: int) -> None:
+    """megatron-core's own dist_checkpointing.load reads the import into a GPTModel at TP=2 (or EP=2) built from the
+    args the import wrote; its forward equals the HF model's."""
+    from converters.hf_families.importer import import_hf
+
+    import_hf(str(models / "hf" / family), str(tmp_path / "megatron"))
+    logits = tmp_path / "logits.pt"
+    proc = subprocess.run([sys.executable, str(TOOL), "load", str(tmp_path / "megatron" / "release"), str(logits),
+                           str(tp), str(ep), str(29750 + tp * 3 + ep + len(family))], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.testing.assert_close(torch.load(logits, weights_only=True),
+                               torch.load(models / "hf" / family / "logits.pt", weights_only=True), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_import_refusals(tmp_path: Path) -> None:
+    from converters.hf_families.importer import import_hf
+
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(FormatError, match=r"no config\.json"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_attention_heads": 4}))
+    with pytest.raises(OptionError, match="model_type 'gemma2' has no family in the table"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -7,10 +7,10 @@ read until the writer copies it and memory stays flat whatever the model's size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import FormatError
-from ..index import TensorEntry
+from ..index import Chunk, TensorEntry
 from ..stacking import concat, rows, view
 
 
@@ -84,3 +84,42 @@ def expert(entry: TensorEntry, index: int, count: int) -> TensorEntry:
                           "(num_moe_experts); the config does not match the weights")
     box = ((index, *(0,) * (len(entry.shape) - 1)), (1, *entry.shape[1:]))
     return view(entry, box, f"{entry.name}[{index}]", drop=1)
+
+
+# ---------------------------------------------------------------------------------- the other way: HF -> Megatron
+
+def qkv_join(parts: list[TensorEntry], shape: Shape, name: str) -> TensorEntry:
+    """q, k, v (weights or biases) -> Megatron's fused rows, per query group [q heads of g, k_g, v_g]."""
+    q, k, v = parts
+    per_group, d = shape.heads // shape.groups, shape.head_dim
+    _expect(q, (shape.groups * per_group * d, *q.shape[1:]), "query heads x head dim rows")
+    for part in (k, v):
+        _expect(part, (shape.groups * d, *q.shape[1:]), "query groups x head dim rows")
+    pieces = []
+    for g in range(shape.groups):
+        pieces += [rows(q, g * per_group * d, per_group * d, name), rows(k, g * d, d, name), rows(v, g * d, d, name)]
+    return concat(name, pieces)
+
+
+def join(parts: list[TensorEntry], shape: Shape, name: str) -> TensorEntry:
+    """gate, up -> the fused `linear_fc1` (cat along dim 0); one part -> itself under the Megatron name."""
+    return concat(name, parts)
+
+
+def stack(name: str, parts: list[TensorEntry]) -> TensorEntry:
+    """Tensors of one shape as one with a new leading axis (layers, or experts), as views: no data is read."""
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.shape != first.shape for p in parts):
+        raise FormatError(f"cannot stack {', '.join(p.name for p in parts[:3])} into {name!r}: shapes or dtypes "
+                          "differ")
+    chunks = []
+    for i, part in enumerate(parts):
+        for c in part.chunks:
+            stride = c.data.stride
+            data = c.data if stride is None else replace(c.data, stride=(0, *stride))
+            chunks.append(Chunk((i, *c.offsets), (1, *c.sizes), data))
+    return TensorEntry(name, first.dtype, (len(parts), *first.shape), chunks)
+
+
+INVERSE: dict[Transform, Callable[[list[TensorEntry], Shape, str], TensorEntry]] = {
+    identity: join, qkv: qkv_join, gate_up: join, expert_gate_up: join}
