@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -275,3 +277,88 @@ def test_bad_tolerance_is_refused_naming_the_option(two: tuple[Path, Path, dict,
     with pytest.raises(OptionError, match="tolerances are finite and not negative") as caught:
         diff(str(two[0]), str(two[1]), rtol=-1)
     assert caught.value.option == "rtol"
+
+
+# ---- real FSDP2 steps (tests/stats_job.py) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests import stats_job
+
+    out = tmp_path_factory.mktemp("fsdp2-steps")
+    proc = subprocess.run([sys.executable, "-m", "tests.stats_job", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert all((out / f"step-{n}").is_dir() for n in range(1, stats_job.STEPS + 1))
+    return out
+
+
+def unsharded(steps: Path, step: int) -> dict[str, torch.Tensor]:
+    """The tensors the ranks gathered at `step`, under the names `scan` and `diff` give them (model keys cleaned)."""
+    full = torch.load(steps / f"full-{step}.pt", weights_only=True)
+    return {name.removeprefix("model."): t for name, t in full.items()}
+
+
+@pytest.mark.slow
+def test_stats_of_fsdp2_steps_equal_torch_on_the_unsharded_tensors(steps: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    for i, step in enumerate((1, 2, 3, 3)):
+        if i == 3:  # step 3 again, in slabs across the ranks' chunks and short sub-blocks
+            monkeypatch.setattr(moments, "SUB_BLOCK", 13)
+            monkeypatch.setattr(scan_module, "SLAB_BYTES", 200)
+        want = unsharded(steps, step)
+        result = scan(str(steps / f"step-{step}"))
+        got = result.by_name()
+        assert set(got) == set(want), step
+        for name, t in want.items():
+            assert_matches(got[name], t)
+        assert result.format == "dcp"
+
+
+@pytest.mark.slow
+def test_a_nan_injected_by_training_is_counted(steps: Path) -> None:
+    assert scan(str(steps / "step-2")).finite
+    result = scan(str(steps / "step-3"))
+    assert result.nonfinite == ["layers.2.weight"]
+    poisoned = result.by_name()["layers.2.weight"]
+    assert (poisoned.nan, poisoned.posinf, poisoned.neginf, poisoned.count) == (1, 0, 0, 24 * 24)
+    assert json.loads(result.to_json())["nonfinite"] == ["layers.2.weight"]
+
+
+@pytest.mark.slow
+def test_diff_between_consecutive_fsdp2_steps_equals_torch(steps: Path) -> None:
+    before, after = unsharded(steps, 1), unsharded(steps, 2)
+    result = diff(str(steps / "step-1"), str(steps / "step-2"))
+    got = {t.name: t for t in result.tensors}
+    assert set(got) == set(before)
+    assert (result.only_a, result.only_b, result.shape_mismatch, result.dtype_mismatch) == ([], [], [], [])
+    for name, a in before.items():
+        b = after[name]
+        same = torch.equal(a, b)
+        assert got[name].identical is same, name
+        if same:
+            assert got[name].max_abs_diff == 0.0 and not got[name].differs
+            continue
+        top, rel = torch_diff(a, b)
+        assert got[name].max_abs_diff == top, name
+        assert close(got[name].rel_l2, rel, 0.0), name
+        assert got[name].differs
+    # the frozen layer did not move, every trained one did
+    assert sorted(name for name, t in got.items() if t.identical) == ["layers.1.bias", "layers.1.weight"]
+    assert result.unchanged() == ["layers.1"]
+    moved = {layer.name for layer in result.layers if layer.changed}
+    assert moved == {"embed", "head", "layers.0", "layers.2", "optim.state.embed.weight", "optim.state.head.bias",
+                     "optim.state.head.weight", "optim.state.layers.0", "optim.state.layers.2"}
+    assert result.differs
+
+
+@pytest.mark.slow
+def test_diff_finds_the_injected_nan_and_a_checkpoint_equals_itself(steps: Path) -> None:
+    result = diff(str(steps / "step-2"), str(steps / "step-3"))
+    poisoned = {t.name: t for t in result.tensors}["layers.2.weight"]
+    assert (poisoned.unmatched_nonfinite, poisoned.max_abs_diff, poisoned.differs) == (1, math.inf, True)
+    assert result.moved_most(1)[0].name == "layers.2"
+    same = diff(str(steps / "step-3"), str(steps / "step-3"))
+    assert not same.differs and all(t.identical for t in same.tensors)
+    assert same.unchanged() == [layer.name for layer in same.layers]
