@@ -168,6 +168,11 @@ def test_views_split_qkv_per_query_group() -> None:
     ({"moe_shared_expert_intermediate_size": 4}, OptionError, "shared experts"),
     ({"qk_layernorm": True, "add_qkv_bias": True}, OptionError, "no family in the table has QK-norm"),
     ({"ffn_hidden_size": 10}, FormatError, "the config does not match the weights"),
+    ({"hidden_size": "64"}, FormatError, "args: hidden_size is '64', not a positive integer; the model config is "
+                                         "damaged"),
+    ({"num_attention_heads": 0}, FormatError, "args: num_attention_heads is 0, not a positive integer"),
+    ({"rotary_base": [1]}, FormatError, "args: rotary_base is [1], not a number"),
+    ({"window_size": ["a", 0]}, OptionError, "is not a causal sliding window (left, 0)"),
 ])
 def test_configs_the_table_cannot_express(cfg: dict[str, Any], error: type[Exception], words: str) -> None:
     with pytest.raises(error) as caught:
@@ -244,5 +249,12 @@ def test_import_refusals(tmp_path: Path) -> None:
         import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gemma2", "num_attention_heads": 4}))
     with pytest.raises(OptionError, match="model_type 'gemma2' has no family in the table"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": "four"}))
+    with pytest.raises(FormatError, match=r"config\.json: num_attention_heads is 'four', not a positive integer"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", **COMMON, "num_attention_heads": 4, "num_key_value_heads": 3}))
+    with pytest.raises(OptionError, match="4 attention heads do not divide into 3 query groups"):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

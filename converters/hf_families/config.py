@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FormatError, OptionError
+from ..errors import FormatError, OptionError, short
 from .transforms import Shape
 
 FEATURES = ("qkv_bias", "qk_norm", "moe", "window", "pre_softmax")
@@ -50,6 +50,32 @@ def _require(cfg: dict[str, Any], where: str, *names: str) -> Any:
     return value
 
 
+# the numeric settings the translation reads (sizes must be positive integers)
+MEGATRON_SIZES = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "num_layers",
+                  "kv_channels", "moe_ffn_hidden_size", "moe_router_topk", "max_position_embeddings", "seq_length",
+                  "old_context_len")
+MEGATRON_NUMBERS = ("num_moe_experts", "num_experts", "rotary_percent", "rope_scaling_factor", "scale_factor",
+                    "low_freq_factor", "high_freq_factor", "norm_epsilon", "layernorm_epsilon", "rotary_base",
+                    "init_method_std")
+HF_SIZES = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "vocab_size", "num_experts_per_tok", "moe_intermediate_size",
+            "sliding_window")
+HF_NUMBERS = ("num_local_experts", "num_experts", "rms_norm_eps", "rope_theta", "initializer_range")
+
+
+def check_numbers(cfg: dict[str, Any], where: str, sizes: tuple[str, ...], numbers: tuple[str, ...]) -> None:
+    """One line naming the first setting that is not a number (or, for a size, not a positive integer)."""
+    for name in sizes + numbers:
+        value = cfg.get(name)
+        if value is None:
+            continue
+        size = name in sizes
+        if isinstance(value, bool) or not isinstance(value, int | float) or (size and (
+                not float(value).is_integer() or value <= 0)):
+            raise FormatError(f"{where}: {name} is {short(value)}, not a "
+                              + ("positive integer" if size else "number") + "; the model config is damaged")
+
+
 def _unsupported(cfg: dict[str, Any]) -> list[str]:
     """What no family of the table expresses (the common decoder: RMSNorm, SwiGLU, rope, no linear biases)."""
     problems = []
@@ -86,6 +112,7 @@ def _unsupported(cfg: dict[str, Any]) -> list[str]:
 
 def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     """The model's shape and features from its Megatron config; one line naming what no family expresses."""
+    check_numbers(cfg, where, MEGATRON_SIZES, MEGATRON_NUMBERS)
     problems = _unsupported(cfg)
     if problems:
         raise OptionError(f"{where}: no Hugging Face family in the table expresses " + "; ".join(problems)
@@ -130,9 +157,10 @@ def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
 
 def _window(value: Any, where: str) -> int:
     """Megatron's window_size is (left, right) with right 0 for causal attention; HF keeps the left size."""
-    if isinstance(value, list | tuple) and len(value) == 2 and value[1] == 0 and int(value[0]) > 0:
-        return int(value[0])
-    if isinstance(value, int) and value > 0:
+    if isinstance(value, list | tuple) and len(value) == 2 and value[1] == 0 and type(value[0]) is int \
+            and value[0] > 0:
+        return value[0]
+    if type(value) is int and value > 0:
         return value
     raise OptionError(f"{where}: window_size {value!r} is not a causal sliding window (left, 0); no Hugging Face "
                       "family in the table expresses it", option="to_hf")
@@ -163,6 +191,9 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
             raise FormatError(f"{where}: no {name}; cannot build the Megatron config")
         return hf[name]
 
+    check_numbers(hf, where, HF_SIZES, HF_NUMBERS)
+    rope = hf.get("rope_parameters")
+    check_numbers(rope if isinstance(rope, dict) else {}, where, (), ("rope_theta",))
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
     experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
@@ -176,8 +207,8 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
         "qk_layernorm": hf.get("model_type") in ("qwen3", "qwen3_moe"),
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
         "position_embedding_type": "rope", "rotary_percent": 1.0,
-        "rotary_base": int(float((hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta")
-                                 or 10000)),
+        "rotary_base": int(float((rope if isinstance(rope, dict) else {}).get("rope_theta")
+                                 or hf.get("rope_theta") or 10000)),
         "max_position_embeddings": int(hf.get("max_position_embeddings") or 4096),
         "padded_vocab_size": int(need("vocab_size")), "init_method_std": float(hf.get("initializer_range", 0.02)),
     }

@@ -133,6 +133,7 @@ def _import(source: str, target: str, family_name: str, overwrite: bool, memory_
         raise FormatError(f"{where}: not a JSON object", uri=where)
     family = family_of(hf_config, where, family_name)
     args = megatron_args(hf_config, where)
+    check(family, read_megatron(args, where), where)  # a config the table cannot express: before reading weights
     reader = storage.RangeReader()
     try:
         hf = load_index(source, None, reader=reader)
