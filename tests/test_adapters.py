@@ -134,6 +134,21 @@ def test_merged_cast_to_bfloat16_is_the_fp32_merge_cast(base: Path, tmp_path: Pa
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+def test_bfloat16_adapter_on_a_bfloat16_base_merges_as_peft(base: Path, tmp_path: Path) -> None:
+    """16-bit LoRA weights: PEFT multiplies them in float32 and casts the delta back; so do the row slabs."""
+    model = peft_model(base, "lora").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "adapter")
+    model.base_model.model.save_pretrained(tmp_path / "base16")  # the base weights, bfloat16 (LoRA layers unmerged)
+    plain = {k.replace(".base_layer", ""): v for k, v in load_file(tmp_path / "base16" / "model.safetensors").items()
+             if "lora_" not in k}
+    save_file(plain, tmp_path / "base16" / "model.safetensors")
+    want = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+    export_merged(str(tmp_path / "adapter"), str(tmp_path / "merged"), str(tmp_path / "base16"))
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v) for k, v in want.items())
+
+
 # ---- refusals ----------------------------------------------------------------------------------------------------
 
 
@@ -206,25 +221,44 @@ def test_adapter_alone_needs_a_base_to_merge(base: Path, tmp_path: Path) -> None
 # ---- a training checkpoint: FSDP2 at 2 gloo ranks, saved with torch.distributed.checkpoint (slow) -------------------
 
 
-@pytest.mark.slow
-def test_fsdp2_training_checkpoint(base: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tests.adapter_job", str(base), str(tmp_path)], capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    checkpoint = str(tmp_path / "checkpoint")
-    settings = json.loads((tmp_path / "lora.json").read_text())
+def _check_training_checkpoint(base: Path, run: Path, checkpoint: str) -> None:
+    """The adapter export of a training run's checkpoint gives the trained model's logits in PeftModel; the merged
+    export equals the trained model's `merge_and_unload()` bit for bit (files the run saved beside it)."""
+    settings = json.loads((run / "lora.json").read_text())
     # alpha and rsLoRA are not in the weights: given by the caller, as the training run set them
-    export_adapter(checkpoint, str(tmp_path / "adapter"), alpha=settings["lora_alpha"],
-                   use_rslora=settings["use_rslora"])
-    loaded = peft.PeftModel.from_pretrained(load_base(base), tmp_path / "adapter").eval()
-    assert torch.equal(logits(loaded), load_file(tmp_path / "trained.safetensors")["logits"])
-    export_merged(checkpoint, str(tmp_path / "merged"), alpha=settings["lora_alpha"],
-                  use_rslora=settings["use_rslora"], config_from=str(base))
-    got = load_file(tmp_path / "merged" / "model.safetensors")
-    want = load_file(tmp_path / "merged_by_peft.safetensors")
+    export_adapter(checkpoint, str(run / "adapter"), alpha=settings["lora_alpha"], use_rslora=settings["use_rslora"])
+    loaded = peft.PeftModel.from_pretrained(load_base(base), run / "adapter").eval()
+    assert torch.equal(logits(loaded), load_file(run / "trained.safetensors")["logits"])
+    export_merged(checkpoint, str(run / "merged"), alpha=settings["lora_alpha"], use_rslora=settings["use_rslora"],
+                  config_from=str(base))
+    got = load_file(run / "merged" / "model.safetensors")
+    want = load_file(run / "merged_by_peft.safetensors")
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], v) for k, v in want.items())
-    transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    transformers.LlamaForCausalLM.from_pretrained(run / "merged")
+
+
+def _run_job(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_fsdp2_training_checkpoint(base: Path, tmp_path: Path) -> None:
+    _run_job("tests.adapter_job", str(base), str(tmp_path))
+    _check_training_checkpoint(base, tmp_path, str(tmp_path / "checkpoint"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_training_checkpoint(base: Path, tmp_path: Path, stage: int) -> None:
+    """A real DeepSpeed engine (CPU, 2 gloo ranks) trained the PEFT model and saved with save_checkpoint: the
+    adapter is found under DeepSpeed's `module.` prefix, the frozen base weights in the model states (ZeRO-2) or
+    their fragments (ZeRO-3), the trained ones in the fp32 partitions."""
+    pytest.importorskip("deepspeed")
+    _run_job("tests.adapter_sources_job", str(base), str(tmp_path), "--stage", str(stage))
+    _check_training_checkpoint(base, tmp_path, str(tmp_path / "checkpoint"))
 
 
 # ---- inspect shows the adapter (engine summary -> ckptctl text and --json, REST inspect job) -----------------------

@@ -3,35 +3,43 @@ base with the adapter merged into it, as PEFT's `merge_and_unload()` leaves it, 
 
 Any source the engine reads (PEFT's own folder, a DCP/FSDP, Accelerate or DeepSpeed training checkpoint) is
 opened through `load_index` under its wrapper-cleaned model names; the adapter is found by structure (`detect`).
-The merged export streams one output tensor at a time: a LoRA Linear in row slabs of 1/32 of `memory_limit`
-(a slab of W, of lora_B, B @ A and the scaled delta at once), other tensors in slabs of 1/16, freed heap handed
-back between slabs (2.3 GB fp32 base + rank-64 LoRA on every Linear: 278 MB peak RSS, 228 MB of it torch).
+The merged export writes each output file at known offsets: the tensors it leaves as they are (embeddings,
+norms, every non-target weight, modules_to_save copies) take the copier's ordinary path in two threads
+(`copy_file_range` when uncast), while a LoRA Linear is merged in row slabs of 1/64 of `memory_limit` in two
+reused workspaces, one slab written by a writer thread while the next is computed (torch at one intra-op
+thread); torch itself is imported in the background meanwhile. 2.14 GB fp32 base + rank-64 LoRA on every
+Linear (benchmarks/merge_adapter.py): 286 MB peak RSS, 225 MB of it torch's import.
 The output appears only when complete.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-
-import torch
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 from .. import dtypes, storage
-from ..copier import DEFAULT_MEMORY_LIMIT
+from ..copier import DEFAULT_MEMORY_LIMIT, Copier
 from ..errors import FormatError, OptionError
 from ..formats import load_index
 from ..index import CheckpointIndex, TensorEntry
 from ..jsonsafe import read_json
-from ..output import Output, open_output
+from ..output import open_output
 from ..sidefiles import collect
-from ..tensorio import read_box, slabs
 from ..transforms import KeyOptions, apply
-from ..writers.safetensors import Planned, header_bytes, write_shards
-from . import merge
+from ..writers.safetensors import write_shards
 from .detect import Adapter, LoraModule, find_adapter
 from .inspection import describe
 from .lora_settings import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, settings_for
 from .peft_folder import adapter_config, config_bytes, saved_names
+from .shard_writer import Item, copied, write_file
+
+if TYPE_CHECKING:
+    import torch
+
+    from . import merge
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MIN_SLAB = 1 << 20  # bytes: the smallest row slab a LoRA Linear is merged in (tests lower it)
@@ -71,6 +79,12 @@ def _open(source: str, reader: storage.RangeReader, source_format: str | None, a
     return _Opened(index, found, settings)
 
 
+def _copier(reader: storage.RangeReader, memory_limit: int) -> Copier:
+    """The copier of the tensors an export writes unchanged (uncast: in the kernel, no buffer), in two threads
+    with an eighth of the memory budget (casting slabs of 1/48: torch and the merge's slabs have the rest)."""
+    return Copier(reader, memory_limit // 8, threads=2)
+
+
 def _check_common(memory_limit: int, max_shard_size: int, target: str) -> None:
     if max_shard_size <= 0:
         raise OptionError("max_shard_size must be positive", field="max_shard_size")
@@ -98,11 +112,11 @@ def export_adapter(source: str, target: str, *, adapter: str | None = None, alph
         source_doc = read_json(settings.found_in) if settings.found_in else None
         doc = adapter_config(opened.adapter, settings, source_doc if isinstance(source_doc, dict) else None,
                              base_model_name_or_path or settings.base_model_name_or_path)
-        items = [_Item(out, opened.index.tensors[name].dtype, opened.index.tensors[name].shape,
-                       _copy(reader, opened.index.tensors[name], None, memory_limit)) for out, name in names.items()]
+        items = [copied(out, opened.index.tensors[name], None) for out, name in names.items()]
+        copier = _copier(reader, memory_limit)
         with open_output(target, overwrite, "safetensors") as out:
             out.about["adapter_export"] = {"adapter": opened.adapter.name}
-            _write_file(out, ADAPTER_WEIGHTS, items)
+            write_file(out, ADAPTER_WEIGHTS, items, copier)
             with out.open(ADAPTER_CONFIG) as fh:
                 fh.write(config_bytes(doc))
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
@@ -113,72 +127,68 @@ def export_adapter(source: str, target: str, *, adapter: str | None = None, alph
         reader.close()
 
 
-@dataclass
-class _Item:
-    """One output tensor and the slabs of its bytes (produced when written)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    blocks: Callable[[], Iterator[memoryview]]
-
-    @property
-    def nbytes(self) -> int:
-        return dtypes.numel(self.shape) * dtypes.itemsize(self.dtype)
-
-
 def _bytes(tensor: torch.Tensor) -> memoryview:
+    import torch
+
     return tensor.contiguous().view(torch.uint8).numpy().data.cast("B")
 
 
-def _copy(reader: storage.RangeReader, entry: TensorEntry, cast_to: str | None,
-          memory_limit: int) -> Callable[[], Iterator[memoryview]]:
-    def blocks() -> Iterator[memoryview]:
-        item = dtypes.itemsize(entry.dtype)
-        for box in slabs(entry.shape, item, max(memory_limit // 16, 1 << 20)):
-            nbytes = dtypes.numel(box[1]) * item
-            if not nbytes:
-                continue
-            merge.release()
-            buffer = bytearray(nbytes)
-            read_box(reader, entry, box, memoryview(buffer))
-            if cast_to is None or cast_to == entry.dtype:
-                yield memoryview(buffer)
-            else:
-                tensor = torch.frombuffer(buffer, dtype=merge.torch_dtype(entry.dtype))
-                yield _bytes(tensor.to(merge.torch_dtype(cast_to)))
-    return blocks
-
-
-def _write_file(out: Output, name: str, items: list[_Item]) -> None:
-    items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
-    planned = [Planned(item.name, TensorEntry(item.name, item.dtype, item.shape, []), item.dtype) for item in items]
-    with out.open(name) as fh:
-        fh.write(header_bytes(planned, {"format": "pt"}))
-        for item in items:
-            written = 0
-            for block in item.blocks():
-                fh.write(block)
-                written += len(block)
-            if written != item.nbytes:  # a merge that produced the wrong size would corrupt the file
-                raise FormatError(f"{item.name}: produced {written} bytes, expected {item.nbytes}", key=item.name)
+def _import_torch() -> threading.Thread:
+    """Import torch (through `merge`) in the background: its second of imports overlaps reading the indexes,
+    planning, and copying the tensors the merge leaves as they are."""
+    thread = threading.Thread(target=import_module, args=(f"{__package__}.merge",), name="ckpt-import", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Merger:
     """The merged tensors of one adapter: base weights from `base`, adapter tensors from `lora` (indexes of model
-    tensors, both read through `reader`)."""
+    tensors, both read through `reader`). A row slab is computed in one of two workspaces in turn, so the slab
+    yielded stays valid until the one after next is asked for (one is written while the next is computed)."""
 
     def __init__(self, reader: storage.RangeReader, lora: CheckpointIndex, adapter: Adapter, settings: LoraSettings,
                  cast_to: str | None, memory_limit: int) -> None:
         self.reader, self.lora, self.adapter, self.settings = reader, lora, adapter, settings
-        self.cast_to, self.budget = cast_to, max(memory_limit // 32, MIN_SLAB)
+        self.cast_to, self.budget = cast_to, max(memory_limit // 64, MIN_SLAB)
+        self.spaces: list[merge.Workspace] = []
+        self.turn = 0
+        self.threads: int | None = None  # torch's intra-op threads before the merge set them to one
 
-    def _out(self, tensor: torch.Tensor) -> memoryview:
-        if self.cast_to and tensor.dtype.is_floating_point:
-            tensor = tensor.to(merge.torch_dtype(self.cast_to))
+    def _space(self) -> merge.Workspace:
+        """The next workspace. The first call sets torch to one intra-op thread: the slabs are small, the writes
+        and copies run in threads of their own, and on a busy machine torch's spinning workers cost several times
+        the merge itself (2.3 GB base: 2.3 s with one thread, 9-19 s with two on 2 loaded cores)."""
+        import torch
+
+        from . import merge
+
+        if not self.spaces:
+            self.spaces = [merge.Workspace(), merge.Workspace()]
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        self.turn ^= 1
+        return self.spaces[self.turn]
+
+    def close(self) -> None:
+        """Give torch its intra-op threads back."""
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
+            self.threads = None
+
+    def _out(self, tensor: torch.Tensor, space: merge.Workspace | None = None) -> memoryview:
+        """The bytes of `tensor`, cast (into `space`: `copy_` rounds as `.to` does) when asked."""
+        from . import merge
+
+        if self.cast_to and tensor.dtype.is_floating_point and merge.torch_dtype(self.cast_to) != tensor.dtype:
+            target = merge.torch_dtype(self.cast_to)
+            tensor = space.get("out", tuple(tensor.shape), target).copy_(tensor) if space else tensor.to(target)
         return _bytes(tensor)
 
     def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        from . import merge
+
         return merge.read_tensor(self.reader, self.lora.tensors[name], rows)
 
     def weight(self, module: LoraModule, base: TensorEntry) -> Callable[[], Iterator[memoryview]]:
@@ -186,6 +196,8 @@ class _Merger:
         fifo = self.settings.fan_in_fan_out and module.kind == "linear"
 
         def blocks() -> Iterator[memoryview]:
+            from . import merge
+
             a = self._read(module.a)
             magnitude = self._read(module.magnitude) if module.magnitude else None
             if module.kind == "embedding" or fifo:
@@ -199,19 +211,23 @@ class _Merger:
             step = max(1, self.budget // row_bytes)
             for start in range(0, rows_out, step):
                 n = min(step, rows_out - start)
-                merge.release()
-                weight = merge.read_tensor(self.reader, base, (start, n))
-                delta = merge.delta_weight(a, self._read(module.b, (start, n)), scaling, False)
+                space = self._space()
+                weight = space.read("weight", self.reader, base, (start, n))
+                b = space.read("b", self.reader, self.lora.tensors[module.b], (start, n))
+                delta = merge.delta_rows(a, b, scaling, space)
                 if magnitude is not None:
-                    yield self._out(merge.merge_dora(weight, delta, magnitude[start: start + n], False))
+                    yield self._out(merge.merge_dora(weight, delta, magnitude[start: start + n], False), space)
                 else:
-                    yield self._out(merge.merge_lora(weight, delta))
+                    yield self._out(merge.merge_lora(weight, delta), space)
+            merge.release()  # DoRA's temporaries
         return blocks
 
     def bias(self, module: LoraModule, base: TensorEntry) -> Callable[[], Iterator[memoryview]]:
         scaling = self.settings.scaling(module.name, module.rank)
 
         def blocks() -> Iterator[memoryview]:
+            from . import merge
+
             assert module.b_bias
             yield self._out(merge.merge_bias(merge.read_tensor(self.reader, base), self._read(module.b_bias),
                                              scaling))
@@ -277,7 +293,9 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
     cast_to = dtypes.cast_target(dtype)
     settings = settings_for(source, alpha, use_rslora, fan_in_fan_out, adapter_config_from)
     storage.check_target(target, overwrite)
+    _import_torch()
     reader = storage.RangeReader()
+    merger: _Merger | None = None
     try:
         opened = _open(source, reader, source_format, adapter, settings)
         tensors = _base_tensors(opened, base, base_format, reader)
@@ -294,20 +312,20 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
                     raise FormatError(f"{opened.adapter.replaced[name]}: modules_to_save copy of shape "
                                       f"{list(saved.shape)}, the base {name} is {list(entry.shape)}; pass the base the "
                                       "adapter was trained on", key=name)
-                out_dtype = cast_to if cast_to and saved.dtype in dtypes.FLOATING else saved.dtype
-                items.append(_Item(name, out_dtype, saved.shape, _copy(reader, saved, cast_to, memory_limit)))
+                items.append(copied(name, saved, cast_to))
             elif module is not None and name == module.weight:
-                items.append(_Item(name, out_dtype, entry.shape, merger.weight(module, entry)))
+                items.append(Item(name, out_dtype, entry.shape, blocks=merger.weight(module, entry)))
             elif name in merged_bias:
-                items.append(_Item(name, out_dtype, entry.shape, merger.bias(merged_bias[name], entry)))
+                items.append(Item(name, out_dtype, entry.shape, blocks=merger.bias(merged_bias[name], entry)))
             else:
-                items.append(_Item(name, out_dtype, entry.shape, _copy(reader, entry, cast_to, memory_limit)))
+                items.append(copied(name, entry, cast_to))
         for item in items:
             dtypes.to_safetensors(item.dtype, item.name)
         side = collect(base or source, config_from, cast_to)
         with open_output(target, overwrite, "safetensors") as out:
             out.about["adapter_merge"] = {"adapter": opened.adapter.name, "dtype": cast_to}
-            write_shards(out, items, max_shard_size, _write_file, side.data)
+            copier = _copier(reader, memory_limit)
+            write_shards(out, items, max_shard_size, lambda o, n, i: write_file(o, n, i, copier), side.data)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         variants = ", ".join(sorted(opened.adapter.variants))
         report = [f"merged adapter {opened.adapter.name!r} ({variants}) into {len(opened.adapter.modules)} modules, "
@@ -315,4 +333,6 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
                   *reader.fetch_note()]
         return AdapterResult(target, describe(opened.adapter, settings, opened.index.tensors), outputs, report)
     finally:
+        if merger is not None:
+            merger.close()
         reader.close()

@@ -61,6 +61,44 @@ def delta_weight(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_ou
     return out.to(dtype=dtype) if cast else out
 
 
+class Workspace:
+    """Reused buffers, one per purpose, grown to the largest slab asked for: slabs of a merge land in the same
+    pages each time (no page faults, no heap to hand back), so memory stays flat at a few slabs."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, purpose: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel(shape) * dtype.itemsize
+        buffer = self._buffers.get(purpose)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[purpose] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype).view(shape)
+
+    def read(self, purpose: str, reader: RangeReader, entry: TensorEntry, rows: tuple[int, int]) -> torch.Tensor:
+        """Rows [start, start + n) of `entry`, read into this workspace."""
+        shape = (rows[1], *entry.shape[1:])
+        tensor = self.get(purpose, shape, torch_dtype(entry.dtype))
+        if numel(shape):
+            box = ((rows[0], *(0,) * (len(shape) - 1)), shape)
+            read_box(reader, entry, box, tensor.view(-1).view(torch.uint8).numpy().data.cast("B"))
+        return tensor
+
+
+def delta_rows(a: torch.Tensor, b: torch.Tensor, scaling: float, space: Workspace) -> torch.Tensor:
+    """`delta_weight` of a Linear without fan_in_fan_out, for some rows of lora_B, in `space`: the same operations
+    (matmul, times scaling, cast back from float32 for 16-bit adapters), written into reused buffers."""
+    shape = (b.shape[0], a.shape[1])
+    if b.dtype in _SIXTEEN:
+        product = space.get("delta32", shape, torch.float32)
+        torch.matmul(b.float(), a.float(), out=product)
+        product.mul_(scaling)
+        return space.get("delta", shape, b.dtype).copy_(product)
+    product = space.get("delta", shape, b.dtype)
+    torch.matmul(b, a, out=product)
+    return product.mul_(scaling)
+
+
 def merge_lora(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """`base_layer.weight.data += delta_weight`."""
     weight += delta
