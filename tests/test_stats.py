@@ -362,3 +362,17 @@ def test_diff_finds_the_injected_nan_and_a_checkpoint_equals_itself(steps: Path)
     same = diff(str(steps / "step-3"), str(steps / "step-3"))
     assert not same.differs and all(t.identical for t in same.tensors)
     assert same.unchanged() == [layer.name for layer in same.layers]
+
+
+def test_unreadable_sources_are_refused_in_one_line_naming_the_file(tmp_path: Path,
+                                                                     sample: tuple[Path, dict]) -> None:
+    from converters.errors import FormatError, SourceError
+
+    with pytest.raises(SourceError, match="does not exist") as missing:
+        diff(str(sample[0]), str(tmp_path / "nowhere"))
+    assert str(tmp_path / "nowhere") in str(missing.value) and "\n" not in str(missing.value)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(sample[0].read_bytes()[:-100])
+    with pytest.raises(FormatError, match="truncated") as truncated:
+        scan(str(cut))
+    assert str(cut) in str(truncated.value) and "\n" not in str(truncated.value)
