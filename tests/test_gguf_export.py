@@ -225,6 +225,37 @@ def test_sentencepiece_tokenizer_as_llama_cpp(tmp_path: Path) -> None:
     assert 6 in types  # byte pieces
 
 
+CARD = """---
+license: apache-2.0
+base_model: Qwen/Qwen3-0.6B
+tags:
+- text-generation
+- tiny
+language:
+- en
+- no
+---
+# A tiny model
+"""
+
+
+@pytest.mark.slow
+def test_model_card_metadata_as_llama_cpp(models: dict[str, Path], tmp_path: Path) -> None:
+    """README.md's front matter (license, base model, tags, languages) goes into general.* as llama.cpp puts it."""
+    import shutil
+
+    folder = tmp_path / "card"
+    shutil.copytree(models["qwen3"], folder)
+    (folder / "README.md").write_text(CARD)
+    theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+    gguf_reference.convert(folder, theirs, "f16", "qwen2")
+    export_gguf(str(folder), str(ours), "f16")
+    _assert_same(ours, theirs)
+    fields = _fields(ours)
+    assert fields["general.license"][1] == "apache-2.0" and fields["general.languages"][1] == ["en", "no"]
+    assert fields["general.base_model.0.repo_url"][1] == "https://huggingface.co/Qwen/Qwen3-0.6B"
+
+
 # ---------------------------------------------------------------- the parts, and refusals (fast)
 
 def test_qk_permutation_rows() -> None:
@@ -263,6 +294,16 @@ def test_refuses_damaged_tokenizer_model(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_refuses_unreadable_model_card(tmp_path: Path) -> None:
+    source = _small(tmp_path / "model")
+    (source / "README.md").write_text("---\nlicense: [unclosed\n---\n")
+    with pytest.raises(FormatError) as exc:
+        export_gguf(str(source), str(tmp_path / "out.gguf"))
+    assert _one_line(exc) == (f"{source} (README.md): its front matter cannot be read (ParserError); fix or remove "
+                              "README.md")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def _one_line(exc: pytest.ExceptionInfo[Exception]) -> str:
     text = str(exc.value)
     assert "\n" not in text
@@ -296,8 +337,10 @@ def test_refuses_unknown_family_outtype_and_pre_tokenizer(tmp_path: Path) -> Non
     (source / "config.json").write_text(json.dumps(config))
     with pytest.raises(FormatError) as exc:
         export_gguf(str(source), str(tmp_path / "out.gguf"))
-    assert _one_line(exc).startswith(f"{source} (config.json): 'GPT2LMHeadModel' is not a family the GGUF export "
-                                     "knows (it knows LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, ")
+    assert _one_line(exc) == (f"{source} (config.json): 'GPT2LMHeadModel' is not a family the GGUF export knows (it "
+                              "knows LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+                              "Qwen3ForCausalLM, Qwen3MoeForCausalLM); set architectures or use llama.cpp's "
+                              "convert_hf_to_gguf.py")
     config["architectures"] = ["Qwen3ForCausalLM"]
     (source / "config.json").write_text(json.dumps(config))
     doc = json.loads((source / "tokenizer.json").read_text())

@@ -35,6 +35,8 @@ __all__ = ["OUTTYPES", "GgufResult", "export_gguf"]
 
 OUTTYPES = tuple(quant.OUTTYPES)
 _META_SIDE = ("config.json", "generation_config.json")
+README = "README.md"
+_README_CAP = 1024 * 1024
 
 
 @dataclass
@@ -52,18 +54,34 @@ class GgufResult:
                 "tensors": self.tensors, "bytes": self.bytes, "types": dict(self.types), "report": self.report}
 
 
+def _folder(source: str) -> str:
+    base = os.path.abspath(storage.local_path(source)) if storage.is_local(source) else source.rstrip("/")
+    return base if storage.isdir(base) else storage.parent(base)
+
+
+def _model_card(folder: str) -> bytes | None:
+    """The source folder's README.md (its YAML front matter: license, tags, base models... for general.*)."""
+    uri = storage.join(folder, README)
+    return storage.read_all(uri, _README_CAP) if storage.exists(uri) else None
+
+
 def _general(writer: HeaderWriter, side: dict[str, bytes], source: str, folder: str) -> None:
     """general.type, name, size_label... as llama.cpp's converter derives them (gguf-py's Metadata heuristics
-    over config.json, generation_config.json and the source folder's name)."""
-    base = os.path.basename(storage.local_path(source).rstrip("/")) if storage.is_local(source) else \
-        source.rstrip("/").rsplit("/", 1)[-1]
-    model_dir = Path(folder) / (base or "model")
+    over README.md, config.json, generation_config.json and the source folder's name)."""
+    model_dir = Path(folder) / (storage.basename(_folder(source)) or "model")
     model_dir.mkdir()
-    for name in _META_SIDE:
+    for name in (*_META_SIDE, README):
         if name in side:
             (model_dir / name).write_bytes(side[name])
     total, shared, expert, count = writer.get_total_parameter_count()
-    meta = gguf.Metadata.load(None, model_dir, None, total)
+    try:
+        meta = gguf.Metadata.load(None, model_dir, None, total)
+    except Exception as exc:  # yaml.YAMLError (gguf-py reads the front matter with yaml.safe_load), bad values
+        if not isinstance(exc, ValueError | TypeError | AttributeError | KeyError) and \
+                not type(exc).__module__.startswith("yaml"):
+            raise
+        raise FormatError(f"{source} ({README}): its front matter cannot be read ({type(exc).__name__}); fix or "
+                          "remove README.md", uri=source, key=README) from None
     if meta.name is None:
         meta.name = model_dir.name
     if meta.size_label is None and total > 0:
@@ -107,14 +125,15 @@ def export_gguf(source: str, target: str, outtype: str = "f16", *, overwrite: bo
         writer = HeaderWriter(None, fam.name)
         for p, qtype in zip(planned, types, strict=True):
             writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), quant.nbytes(p.shape, qtype), qtype)
+        card = _model_card(_folder(source))
         with tempfile.TemporaryDirectory(prefix="ckpt-gguf-") as folder:
-            _general(writer, side.data, source, folder)
+            _general(writer, {**side.data, README: card} if card is not None else side.data, source, folder)
         metadata.add_parameters(writer, config, fam, file_type, source)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         tokenizer.add_vocab(writer, side.data, config, source, tokenizer_pre,
                             add_space_prefix=fam.arch == gguf.MODEL_ARCH.LLAMA)
         header = writer.header()
-        source_reader = Reader(reader, max(memory_limit // 8, 1024 * 1024))
+        source_reader = Reader(reader, max(memory_limit // 32, 1024 * 1024))
         with open_output(target, overwrite, "gguf", single_file=True) as out:
             with out.open() as fh:
                 fh.write(header)

@@ -41,9 +41,10 @@ def family(config: dict[str, Any], uri: str) -> Family:
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     if arch not in FAMILIES:
         known = ", ".join(sorted(FAMILIES))
-        said = repr(arch) if arch and len(arch) <= 60 else "no architectures entry"
-        raise FormatError(f"{uri} (config.json): {said} is not a family the GGUF export knows (it knows {known}); "
-                          "export to safetensors and use llama.cpp's convert_hf_to_gguf.py", uri=uri)
+        said = f"{arch!r} is not a family the GGUF export knows" if arch and len(arch) <= 60 else \
+            "has no architectures entry naming the model class"
+        raise FormatError(f"{uri} (config.json): {said} (it knows {known}); set architectures or use llama.cpp's "
+                          "convert_hf_to_gguf.py", uri=uri, key="architectures")
     return FAMILIES[arch]
 
 
