@@ -121,6 +121,7 @@ def test_blocks_smaller_than_the_tensor_give_the_same_statistics(sample: tuple[P
     path, made = sample
     monkeypatch.setattr(moments, "SUB_BLOCK", 7)  # many sub-blocks per slab, and a short last one
     monkeypatch.setattr(scan_module, "SLAB_BYTES", 100)  # slabs of a few rows: many reads per tensor
+    monkeypatch.setattr(scan_module, "SPLIT_ELEMENTS", 3)  # each slab computed in two threads, then merged
     got = scan(str(path)).by_name()
     for name, t in made.items():
         assert_matches(got[name], t)
@@ -307,6 +308,7 @@ def test_stats_of_fsdp2_steps_equal_torch_on_the_unsharded_tensors(steps: Path,
         if i == 3:  # step 3 again, in slabs across the ranks' chunks and short sub-blocks
             monkeypatch.setattr(moments, "SUB_BLOCK", 13)
             monkeypatch.setattr(scan_module, "SLAB_BYTES", 200)
+            monkeypatch.setattr(scan_module, "SPLIT_ELEMENTS", 5)
         want = unsharded(steps, step)
         result = scan(str(steps / f"step-{step}"))
         got = result.by_name()

@@ -171,6 +171,22 @@ class Moments:
             self.sq_err += (value - total) + self.sq
         self.sq = total
 
+    def merge(self, other: Moments) -> None:
+        """Take in the elements `other` saw (another part of the same tensor, computed side by side)."""
+        s, o = self.stats, other.stats
+        s.count += o.count
+        s.nan += o.nan
+        s.posinf += o.posinf
+        s.neginf += o.neginf
+        s.zeros += o.zeros
+        if other.n:
+            self._extremes(other.lo, other.hi)
+            self._combine(other.n, other.mean, other.m2)
+        self._add_sq(other.sq)
+        self._add_sq(other.sq_err)
+        other.n, other.mean, other.m2, other.sq, other.sq_err, other.lo, other.hi = 0, 0.0, 0.0, 0.0, 0.0, None, None
+        o.count = o.nan = o.posinf = o.neginf = o.zeros = 0
+
     def result(self) -> TensorStats:
         s = self.stats
         if self.n:
