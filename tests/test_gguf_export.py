@@ -304,6 +304,29 @@ def test_refuses_unreadable_model_card(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_dcp_source_and_object_storage_give_the_same_file(tmp_path: Path) -> None:
+    """Any source the engine reads: a torch.distributed.checkpoint of the same weights (config and tokenizer taken
+    with config_from) and the HF folder on object storage, written to object storage, give the local file's bytes
+    (which the slow tests prove equal to llama.cpp's)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from converters import storage
+
+    source = _small(tmp_path / "hf" / "model")
+    export_gguf(str(source), str(tmp_path / "local.gguf"), "q8_0")
+    expected = (tmp_path / "local.gguf").read_bytes()
+    dcp.save({"model": load_file(source / "model.safetensors")}, checkpoint_id=str(tmp_path / "dcp" / "model"))
+    export_gguf(str(tmp_path / "dcp" / "model"), str(tmp_path / "dcp.gguf"), "q8_0", config_from=str(source))
+    assert (tmp_path / "dcp.gguf").read_bytes() == expected
+    fs, _ = storage.filesystem("memory://gguf-src")
+    for item in source.iterdir():
+        fs.pipe(f"/gguf-src/model/{item.name}", item.read_bytes())
+    result = export_gguf("memory://gguf-src/model", "memory://gguf-out/model.gguf", "q8_0")
+    assert storage.read_all("memory://gguf-out/model.gguf", len(expected) + 1) == expected
+    assert result.bytes == len(expected)
+
+
 def _one_line(exc: pytest.ExceptionInfo[Exception]) -> str:
     text = str(exc.value)
     assert "\n" not in text
