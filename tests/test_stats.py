@@ -156,6 +156,27 @@ def test_scan_result_is_json(sample: tuple[Path, dict[str, torch.Tensor]]) -> No
     assert all("NaN" not in json.dumps(t) for t in doc["tensors"])
 
 
+def test_progress_counts_every_byte_read(sample: tuple[Path, dict[str, torch.Tensor]],
+                                         two: tuple[Path, Path, dict, dict]) -> None:
+    seen: list[tuple[int, int, int, int]] = []
+    result = scan(str(sample[0]), on_progress=lambda p: seen.append(
+        (p.done_bytes, p.total_bytes, p.done_tensors, p.total_tensors)))
+    assert seen[-1] == (result.bytes_read, result.bytes_read, len(sample[1]), len(sample[1]))
+    compared: list[tuple[int, int, int]] = []
+    found = diff(str(two[0]), str(two[1]), on_progress=lambda p: compared.append(
+        (p.done_bytes, p.total_bytes, p.done_tensors)))
+    both = sum(two[2][t.name].numel() * two[2][t.name].element_size()
+               + two[3][t.name].numel() * two[3][t.name].element_size() for t in found.tensors)
+    assert compared[-1] == (both, both, len(found.tensors))
+
+
+def test_float64_overflow_is_written_as_a_string_in_json(tmp_path: Path) -> None:
+    path = tmp_path / "huge.safetensors"
+    save_file({"w": torch.tensor([1e200, -1e200], dtype=torch.float64)}, str(path))
+    doc = json.loads(scan(str(path)).to_json())  # strict JSON: no Infinity
+    assert (doc["tensors"][0]["l2"], doc["tensors"][0]["max"], doc["tensors"][0]["mean"]) == ("inf", 1e200, 0.0)
+
+
 def test_dtypes_without_statistics_are_listed_as_skipped(tmp_path: Path) -> None:
     path = tmp_path / "complex.safetensors"
     save_file({"c": torch.randn(3, dtype=torch.complex64), "r": torch.ones(2)}, str(path))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from .. import dtypes, storage
 from ..config import EngineConfig, use
-from ..copier import DEFAULT_MEMORY_LIMIT
+from ..copier import DEFAULT_MEMORY_LIMIT, Progress
 from ..errors import OptionError
 from ..formats import load_index
 from ..index import TensorEntry
@@ -36,7 +37,7 @@ from ..tensorio import compare_slab, read_box, same_bytes, slabs
 from ..transforms import KeyOptions
 from ..writers.objects import load_object
 from . import moments
-from .moments import SUPPORTED, Widener, numpy_dtype
+from .moments import SUPPORTED, Widener, json_number, numpy_dtype
 from .stats import reading, select
 
 
@@ -64,8 +65,8 @@ class TensorDiff:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "other_dtype": self.other_dtype, "shape": list(self.shape),
-                "identical": self.identical, "max_abs_diff": _finite_or_str(self.max_abs_diff),
-                "rel_l2": _finite_or_str(self.rel_l2), "diff_l2": self.diff_l2, "l2": self.l2,
+                "identical": self.identical, "max_abs_diff": json_number(self.max_abs_diff),
+                "rel_l2": json_number(self.rel_l2), "diff_l2": json_number(self.diff_l2), "l2": json_number(self.l2),
                 "unmatched_nonfinite": self.unmatched_nonfinite, "differs": self.differs}
 
 
@@ -85,7 +86,7 @@ class LayerDiff:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "tensors": self.tensors, "changed": self.changed, "differs": self.differs,
-                "max_abs_diff": _finite_or_str(self.max_abs_diff), "rel_l2": _finite_or_str(self.rel_l2)}
+                "max_abs_diff": json_number(self.max_abs_diff), "rel_l2": json_number(self.rel_l2)}
 
 
 @dataclass
@@ -157,11 +158,6 @@ def relative(diff: float, base: float) -> float:
     return 0.0 if diff == 0 else math.inf
 
 
-def _finite_or_str(value: float) -> float | str:
-    """JSON has no infinity: an infinite value is written as the string "inf"."""
-    return value if math.isfinite(value) else str(value)
-
-
 def layer_of(name: str) -> str:
     """The layer a key belongs to: up to its first numeric component, else its module (`layers.3`,
     `optim.state.layers.3`, `tok_emb` of `tok_emb.weight`; a key without a dot is its own layer)."""
@@ -220,7 +216,7 @@ class _Pair:
 
 
 def tensor_diff(reader: storage.RangeReader, a: TensorEntry, b: TensorEntry, budget: int, rtol: float,
-                atol: float) -> TensorDiff:
+                atol: float, progress: Progress | None = None) -> TensorDiff:
     """Compare `a` with `b` (same shape) slab by slab, each side read into its own reused buffer."""
     diff = TensorDiff(a.name, a.dtype, b.dtype, a.shape, identical=a.dtype == b.dtype)
     pair = _Pair(diff, rtol, atol)
@@ -234,11 +230,15 @@ def tensor_diff(reader: storage.RangeReader, a: TensorEntry, b: TensorEntry, bud
         buf_a, buf_b = raw_a[: n * item_a], raw_b[: n * item_b]
         read_box(reader, a, box, buf_a)
         read_box(reader, b, box, buf_b)
+        if progress is not None:
+            progress.add(len(buf_a) + len(buf_b))
         if diff.identical and same_bytes(buf_a, buf_b):  # no difference: only ||b|| is needed
             pair.sq += _sum_squares(pair.wide_b, np.frombuffer(buf_b, dtype=kind_b))
             continue
         diff.identical = False
         pair.add(np.frombuffer(buf_a, dtype=kind_a), np.frombuffer(buf_b, dtype=kind_b))
+    if progress is not None:
+        progress.add(tensors=1)
     return pair.result()
 
 
@@ -255,7 +255,7 @@ def _sum_squares(wide: Widener, values: np.ndarray) -> float:
 
 def diff(a: str, b: str, rtol: float = 0.0, atol: float = 0.0, *, a_format: str | None = None,
          b_format: str | None = None, keys: KeyOptions | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
-         config: EngineConfig | None = None) -> DiffResult:
+         on_progress: Callable[[Progress], None] | None = None, config: EngineConfig | None = None) -> DiffResult:
     """Compare checkpoint `a` with checkpoint `b` (any formats the engine reads) after the same key clean-up
     (`keys`, default `verify`'s: every entry under clean names), streaming both sides, under `config`."""
     if rtol < 0 or atol < 0 or not (math.isfinite(rtol) and math.isfinite(atol)):
@@ -273,19 +273,22 @@ def diff(a: str, b: str, rtol: float = 0.0, atol: float = 0.0, *, a_format: str 
             result.only_a = sorted(names_a - names_b)
             result.only_b = sorted(names_b - names_a)
             budget = compare_slab(memory_limit)
+            pairs = []
             for name, ta in left.tensors.items():
                 tb = right.tensors.get(name)
                 if tb is None:
                     continue
                 if ta.shape != tb.shape:
                     result.shape_mismatch.append(f"{name} ({ta.dtype}{list(ta.shape)} vs {tb.dtype}{list(tb.shape)})")
-                    continue
-                if ta.dtype not in SUPPORTED or tb.dtype not in SUPPORTED:
+                elif ta.dtype not in SUPPORTED or tb.dtype not in SUPPORTED:
                     result.skipped.append(f"{name} ({ta.dtype} vs {tb.dtype})")
-                    continue
-                if ta.dtype != tb.dtype:
-                    result.dtype_mismatch.append(name)
-                result.tensors.append(tensor_diff(reader, ta, tb, budget, rtol, atol))
+                else:
+                    result.dtype_mismatch += [name] if ta.dtype != tb.dtype else []
+                    pairs.append((ta, tb))
+            progress = Progress(total_bytes=sum(ta.nbytes + tb.nbytes for ta, tb in pairs), total_tensors=len(pairs),
+                                callback=on_progress)
+            for ta, tb in pairs:
+                result.tensors.append(tensor_diff(reader, ta, tb, budget, rtol, atol, progress))
             for name in sorted(set(left.objects) & set(right.objects)):
                 if load_object(left.objects[name], reader) != load_object(right.objects[name], reader):
                     result.objects_differ.append(name)

@@ -56,8 +56,13 @@ class TensorStats:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "count": self.count,
                 "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf, "zeros": self.zeros,
-                "min": self.min, "max": self.max, "mean": self.mean, "std": self.std,
-                "l2": self.l2}
+                "min": json_number(self.min), "max": json_number(self.max), "mean": json_number(self.mean),
+                "std": json_number(self.std), "l2": json_number(self.l2)}
+
+
+def json_number(value: float | int | None) -> float | int | str | None:
+    """JSON has no infinity or NaN: such a value (a float64 sum that overflowed) is written as a string."""
+    return value if value is None or isinstance(value, int) or math.isfinite(value) else str(value)
 
 
 def numpy_dtype(dtype: str) -> Any:
@@ -165,6 +170,9 @@ class Moments:
 
     def _add_sq(self, value: float) -> None:
         total = self.sq + value
+        if not math.isfinite(total):  # float64 overflow (values beyond ~1e154): the norm is reported as inf
+            self.sq, self.sq_err = math.inf, 0.0
+            return
         if abs(self.sq) >= abs(value):
             self.sq_err += (self.sq - total) + value
         else:
