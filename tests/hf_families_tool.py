@@ -173,8 +173,9 @@ def _load_worker(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int, p
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     args = torch.load(os.path.join(ckpt, "common.pt"), weights_only=True)["args"]
     model = _model(args, tp, ep)
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
-    model.load_state_dict(dist_checkpointing.load(sharded, ckpt), strict=False)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)  # every key, as Megatron-LM asks
+    assert loaded["args"]["num_layers"] == args["num_layers"]  # and common.pt beside them
+    model.load_state_dict(loaded["model"])
     logits = _forward(model).contiguous()
     if tp > 1:
         parts = [torch.empty_like(logits) for _ in range(tp)]

@@ -214,6 +214,7 @@ def test_import_then_export_gives_back_the_hf_model(models: Path, tmp_path: Path
 
     ours, theirs = load_index(str(tmp_path / "megatron")), load_index(str(models / "megatron" / family))
     assert {n: t.shape for n, t in ours.tensors.items()} == {n: t.shape for n, t in theirs.tensors.items()}
+    assert {n for n in ours.objects if "_extra_state" in n} == {n for n in theirs.objects if "_extra_state" in n}
     out = tmp_path / "back"
     ckptctl("export", tmp_path / "megatron", out, "--to-hf", "mistral" if family == "mistral" else "auto", "-q",
             "--verify")

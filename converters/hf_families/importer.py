@@ -105,11 +105,31 @@ def megatron_view(hf: CheckpointIndex, family: Family, cfg: dict[str, Any], wher
                 layers.append(_join(hf, r, shape, at, name))
                 used.update(at + n for n in r.hf)
         tensors[name] = stack(name, layers)
+    objects = {name: ObjectEntry(name, value=[None], path=(name,)) for name in extra_states(family, shape)}
     left = [n for n in hf.tensors if n not in used and not (mc.tied and n == "lm_head.weight")]
     if left:
         raise FormatError(f"{hf.uri}: tensors with no Megatron counterpart in the {family.name} table: "
                           f"{', '.join(left[:5])}; nothing was written")
-    return CheckpointIndex(uri=hf.uri, format="megatron", tensors=tensors)
+    return CheckpointIndex(uri=hf.uri, format="megatron", tensors=tensors, objects=objects)
+
+
+def extra_states(family: Family, shape: Shape) -> list[str]:
+    """The `_extra_state` entries megatron-core saves beside each layer's linear modules (None for the local
+    spec's layers, which Transformer Engine's layers also accept): a full model `dist_checkpointing.load`, as
+    Megatron-LM does, asks for every one. Keyed per layer (`shard_{i}_{L}`), per layer and expert
+    (`shard_{i}.{e}_{L}.{E}`)."""
+    names = []
+    for r in family.layer:
+        module = _megatron_name(r).rsplit(".", 1)[0]
+        if not module.rsplit(".", 1)[-1].startswith("linear_") or not _megatron_name(r).endswith(".weight"):
+            continue
+        for i in range(shape.layers):
+            if r.per_expert:
+                names += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{shape.layers}.{shape.experts}"
+                          for e in range(shape.experts)]
+            else:
+                names.append(f"decoder.layers.{module}._extra_state/shard_{i}_{shape.layers}")
+    return names
 
 
 def import_hf(source: str, target: str, family: str = AUTO, overwrite: bool = False,
