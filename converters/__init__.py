@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .formats import READERS, detect, load_index, register_format
     from .formats.base import BaseReader
     from .formats.deepspeed import source_for as deepspeed_source
+    from .hf_families.importer import ImportResult, import_hf
     from .index import CheckpointIndex
     from .layouts import parse_dim_rules
     from .names import tmp_prefix
@@ -58,6 +59,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "ReshardOptions": "resharding", "ReshardResult": "resharding", "reshard": "resharding",
     "KeyOptions": "transforms", "VerifyReport": "verification", "WRITERS": "writers",
     "adapter_info": "adapters", "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
+    "import_hf": "hf_families.importer", "ImportResult": "hf_families.importer",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -74,6 +76,7 @@ __all__ = [
     "ConvertResult",
     "EngineConfig",
     "FormatError",
+    "ImportResult",
     "KeyOptions",
     "OptionError",
     "PickleLimits",
@@ -94,6 +97,7 @@ __all__ = [
     "export_fp8",
     "export_merged",
     "has_control",
+    "import_hf",
     "index_kinds",
     "inspect",
     "install_config",
