@@ -327,6 +327,18 @@ def test_dcp_source_and_object_storage_give_the_same_file(tmp_path: Path) -> Non
     assert result.bytes == len(expected)
 
 
+def test_refuses_vocab_size_past_the_embedding(tmp_path: Path) -> None:
+    source = _small(tmp_path / "model")
+    config = json.loads((source / "config.json").read_text())
+    config["vocab_size"] = 10**12  # would be a token list of 10**12 entries
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FormatError) as exc:
+        export_gguf(str(source), str(tmp_path / "out.gguf"))
+    assert _one_line(exc) == (f"{source} (config.json): vocab_size 1000000000000 does not fit the 320 rows of the "
+                              "token embedding; fix config.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def _one_line(exc: pytest.ExceptionInfo[Exception]) -> str:
     text = str(exc.value)
     assert "\n" not in text

@@ -130,7 +130,11 @@ def export_gguf(source: str, target: str, outtype: str = "f16", *, overwrite: bo
             _general(writer, {**side.data, README: card} if card is not None else side.data, source, folder)
         metadata.add_parameters(writer, config, fam, file_type, source)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        tokenizer.add_vocab(writer, side.data, config, source, tokenizer_pre,
+        embedding = next((p for p in planned if p.name == "token_embd.weight"), None)
+        if embedding is None or len(embedding.shape) != 2:
+            raise FormatError(f"{source}: no 2-D token embedding (model.embed_tokens.weight); llama.cpp needs it",
+                              uri=source, key="model.embed_tokens.weight")
+        tokenizer.add_vocab(writer, side.data, config, source, embedding.shape[0], tokenizer_pre,
                             add_space_prefix=fam.arch == gguf.MODEL_ARCH.LLAMA)
         header = writer.header()
         source_reader = Reader(reader, max(memory_limit // 32, 1024 * 1024))

@@ -19,7 +19,6 @@ Reading is JSON only: no tokenizer library is imported.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import gguf
 
 from ..errors import FormatError, OptionError
+from ..jsonsafe import loads
 from . import spm
 
 #: Split regexes of byte-level BPE pre-tokenizers -> llama.cpp's pre-tokenizer name for them.
@@ -42,10 +42,7 @@ NEEDED = "tokenizer.json (a byte-level BPE tokenizer) or tokenizer.model (Senten
 
 
 def _json(data: bytes, name: str, uri: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        doc = None
+    doc = loads(data, f"{uri} ({name})")
     if not isinstance(doc, dict):
         raise FormatError(f"{uri} ({name}): not a JSON object; fix the file", uri=uri, key=name)
     return doc
@@ -72,16 +69,26 @@ def _looks_special(token: str) -> bool:
         or (token.startswith("<｜") and token.endswith("｜>")) or (token.startswith("<unused") and token.endswith(">"))
 
 
-def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str, Any], uri: str,
+def _vocab_size(config: dict[str, Any], found: int, rows: int, uri: str) -> int:
+    """config.json's vocab_size (else the tokenizer's size), which must not pass the embedding's rows."""
+    size = config.get("vocab_size") or found
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= rows:
+        raise FormatError(f"{uri} (config.json): vocab_size {size!r} does not fit the {rows} rows of the token "
+                          "embedding; fix config.json", uri=uri, key="vocab_size")
+    return size
+
+
+def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str, Any], uri: str, rows: int,
               pre: str | None = None, add_space_prefix: bool = False) -> None:
-    """Add the tokenizer.ggml.* keys for the tokenizer in `side` (file name -> bytes)."""
+    """Add the tokenizer.ggml.* keys for the tokenizer in `side` (file name -> bytes); `rows`: the token
+    embedding's rows (the most tokens the list may hold)."""
     if add_space_prefix:
         cfg = _json(side["tokenizer_config.json"], "tokenizer_config.json", uri) \
             if "tokenizer_config.json" in side else {}
         if (prefix := cfg.get("add_prefix_space")) is not None:
             writer.add_add_space_prefix(bool(prefix))
     if "tokenizer.model" in side:  # llama.cpp prefers it to tokenizer.json
-        _add_spm(writer, side, config, uri)
+        _add_spm(writer, side, config, uri, rows)
         return
     if "tokenizer.json" not in side:
         raise OptionError(f"{uri}: no tokenizer beside the checkpoint; llama.cpp needs {NEEDED}: put it in the "
@@ -103,8 +110,8 @@ def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str,
         if isinstance(item, dict) and isinstance(item.get("id"), int) and isinstance(item.get("content"), str):
             vocab[item["id"]] = item["content"]
             added[item["id"]] = item
-    size = config.get("vocab_size", len(vocab))
-    if not isinstance(size, int) or (vocab and max(vocab) >= size):
+    size = _vocab_size(config, len(vocab), rows, uri)
+    if vocab and max(vocab) >= size:
         raise FormatError(f"{uri} (config.json): vocab_size {size!r} is smaller than the tokenizer's "
                           f"{max(vocab) + 1 if vocab else 0} tokens; fix config.json", uri=uri, key="vocab_size")
     tokens, types = [], []
@@ -145,13 +152,10 @@ def _add_special(writer: gguf.GGUFWriter, side: dict[str, bytes], uri: str, load
     special.add_to_gguf(writer, quiet=True)
 
 
-def _add_spm(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str, Any], uri: str) -> None:
+def _add_spm(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str, Any], uri: str, rows: int) -> None:
     """SentencePiece: as llama.cpp's _create_vocab_sentencepiece (model "llama", pre "default", scores)."""
     found = spm.pieces(side["tokenizer.model"], uri)
-    size = config.get("vocab_size") or len(found)
-    if not isinstance(size, int) or size <= 0:
-        raise FormatError(f"{uri} (config.json): vocab_size {size!r} is not a count; fix config.json", uri=uri,
-                          key="vocab_size")
+    size = _vocab_size(config, len(found), rows, uri)
     tokens = [f"[PAD{i}]" for i in range(size)]
     scores = [-10000.0] * size
     types = [spm.UNUSED] * size
