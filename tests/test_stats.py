@@ -399,3 +399,23 @@ def test_unreadable_sources_are_refused_in_one_line_naming_the_file(tmp_path: Pa
     with pytest.raises(FormatError, match="truncated") as truncated:
         scan(str(cut))
     assert str(cut) in str(truncated.value) and "\n" not in str(truncated.value)
+
+
+@pytest.mark.slow
+def test_a_step_on_object_storage_scans_and_diffs_as_on_disk(steps: Path) -> None:
+    import fsspec
+
+    from .s3server import clear_fs_caches
+
+    clear_fs_caches()
+    mem = fsspec.filesystem("memory")
+    try:
+        for path in sorted((steps / "step-2").iterdir()):
+            mem.pipe_file("memory://stats-runs/step-2/" + path.name, path.read_bytes())
+        remote, local = scan("memory://stats-runs/step-2"), scan(str(steps / "step-2"))
+        assert [t.to_dict() for t in remote.tensors] == [t.to_dict() for t in local.tensors]
+        same = diff("memory://stats-runs/step-2", str(steps / "step-2"))
+        assert not same.differs and all(t.identical for t in same.tensors) and len(same.tensors) == 30
+    finally:
+        mem.rm("memory://stats-runs", recursive=True)
+        clear_fs_caches()

@@ -4,12 +4,13 @@
 
 - counts: elements, NaN, +Inf, -Inf, zeros (exact);
 - over the finite elements only (NaN and +-Inf are counted, then left out): min and max (exact: every
-  floating value is exact in float64; integers and bool in their own dtype), the mean, the population standard deviation
-  (sqrt(M2 / n), divisor n, not n-1), and the L2 norm sqrt(sum x**2);
+  floating value is exact in float64; integers and bool in their own dtype), the mean, the population
+  standard deviation (sqrt(M2 / n), divisor n, not n-1), and the L2 norm sqrt(sum x**2) (inf when the sum of
+  squares overflows float64, values beyond ~1e154);
 - the mean and M2 of each sub-block by two passes over it (in cache), combined across sub-blocks with Chan,
   Golub and LeVeque's parallel update; the sum of squares of a sub-block from its M2 and mean (no
-  cancellation: both terms are non-negative), summed with Neumaier's compensation. The
-  results equal torch's float64 computation on the whole tensor to float64 rounding.
+  cancellation: both terms are non-negative), summed with Neumaier's compensation. The results equal
+  torch's float64 computation on the whole tensor to float64 rounding (tests: within 1e-12 relative).
 
 Work per block is a few numpy ops (single-threaded: no BLAS or OpenMP threads spinning on shared cores)
 over sub-blocks of `SUB_BLOCK` elements, each widened once into one reused float64 buffer that stays in

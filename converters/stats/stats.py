@@ -1,9 +1,10 @@
 """`scan`: per-tensor statistics of any checkpoint the engine reads, in one streaming pass.
 
 The source is opened as `verify` opens it (`load_index`, then the key clean-up of `transforms.apply`), and
-each tensor is read through the copier's slabs (`Copier.stream`: one reused buffer of a bounded size, DCP
-records located and grouped as a conversion reads them), so memory stays at a slab plus one float64
-sub-block whatever the checkpoint's size. What is computed, and how, is in `moments`.
+each tensor is read through the copier's slabs (`Copier.stream`, DCP records located, and grouped for the
+order they are read in, as a conversion to safetensors reads them), one slab read ahead in a thread while
+two threads compute on the one before: memory stays at two slabs plus two float64 sub-blocks whatever the
+checkpoint's size. What is computed, and how, is in `moments`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..files import static_source
 from ..formats import load_index
 from ..index import CheckpointIndex, TensorEntry
 from ..readahead import Budget, ReadAhead
+from ..tensorio import group_records, read_positions
 from ..transforms import KeyOptions, apply
 from .moments import SUPPORTED, Moments, TensorStats, numpy_dtype
 
@@ -129,6 +131,9 @@ def scan(source: str, *, source_format: str | None = None, keys: KeyOptions | No
             view = select(index, keys, reader)
             result = ScanResult(source, index.format)
             chosen = [t for t in view.tensors.values() if t.dtype in SUPPORTED]
+            # DCP records from object storage fetched in groups, for the order they are read in here
+            chosen = list(group_records({t.name: t for t in chosen}, read_positions([[(t, None) for t in chosen]]))
+                          .values())
             result.skipped = [f"{t.name} ({t.dtype})" for t in view.tensors.values() if t.dtype not in SUPPORTED]
             progress = Progress(total_bytes=sum(t.nbytes for t in chosen), total_tensors=len(chosen),
                                 callback=on_progress)
