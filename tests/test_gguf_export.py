@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from converters.errors import FormatError, OptionError
-from converters.gguf_export import export_gguf
 
 from . import gguf_reference
 
-gguf = pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")  # gguf-py, which converters.gguf_export writes with
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
+
+from converters.gguf_export import export_gguf  # noqa: E402  (after the skip: it imports gguf)
 
 #: The pre-tokenizer regexes of Llama 3 and Qwen2 as their tokenizer.json files hold them.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"

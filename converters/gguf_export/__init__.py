@@ -112,7 +112,7 @@ def export_gguf(source: str, target: str, outtype: str = "f16", *, overwrite: bo
             raise OptionError(f"{source}: no config.json beside the checkpoint; GGUF metadata comes from it: pass "
                               "config_from=DIR (the folder holding the model's config.json)", field="config_from",
                               option="config_from")
-        config = tokenizer._json(side.data[CONFIG], CONFIG, source)
+        config = tokenizer.json_object(side.data[CONFIG], CONFIG, source)
         fam = metadata.family(config, source)
         blocks = metadata.block_count(config, source)
         planned = names.plan(view.tensors, config, fam, blocks, source)

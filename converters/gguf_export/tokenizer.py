@@ -41,7 +41,7 @@ SIDE = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template
 NEEDED = "tokenizer.json (a byte-level BPE tokenizer) or tokenizer.model (SentencePiece)"
 
 
-def _json(data: bytes, name: str, uri: str) -> dict[str, Any]:
+def json_object(data: bytes, name: str, uri: str) -> dict[str, Any]:
     doc = loads(data, f"{uri} ({name})")
     if not isinstance(doc, dict):
         raise FormatError(f"{uri} ({name}): not a JSON object; fix the file", uri=uri, key=name)
@@ -83,7 +83,7 @@ def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str,
     """Add the tokenizer.ggml.* keys for the tokenizer in `side` (file name -> bytes); `rows`: the token
     embedding's rows (the most tokens the list may hold)."""
     if add_space_prefix:
-        cfg = _json(side["tokenizer_config.json"], "tokenizer_config.json", uri) \
+        cfg = json_object(side["tokenizer_config.json"], "tokenizer_config.json", uri) \
             if "tokenizer_config.json" in side else {}
         if (prefix := cfg.get("add_prefix_space")) is not None:
             writer.add_add_space_prefix(bool(prefix))
@@ -93,7 +93,7 @@ def add_vocab(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str,
     if "tokenizer.json" not in side:
         raise OptionError(f"{uri}: no tokenizer beside the checkpoint; llama.cpp needs {NEEDED}: put it in the "
                           "source folder or pass config_from=DIR", field="config_from", option="config_from")
-    tokenizer = _json(side["tokenizer.json"], "tokenizer.json", uri)
+    tokenizer = json_object(side["tokenizer.json"], "tokenizer.json", uri)
     model = tokenizer.get("model") or {}
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise FormatError(f"{uri} (tokenizer.json): not a BPE tokenizer; the GGUF export writes byte-level BPE "
@@ -164,7 +164,7 @@ def _add_spm(writer: gguf.GGUFWriter, side: dict[str, bytes], config: dict[str, 
         types[i] = kind if kind in (spm.UNKNOWN, spm.CONTROL, spm.UNUSED, spm.BYTE) else spm.NORMAL
 
     def entries(name: str) -> dict[str, Any]:
-        return _json(side[name], name, uri) if name in side else {}
+        return json_object(side[name], name, uri) if name in side else {}
 
     for token, tid in entries("added_tokens.json").items():
         if isinstance(tid, int) and 0 <= tid < size:
