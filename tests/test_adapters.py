@@ -4,9 +4,10 @@
   modules_to_save) -> our merged export equals `merge_and_unload()` tensor by tensor, bit for bit in fp32, and
   loads with transformers' from_pretrained; our adapter export loads with `PeftModel.from_pretrained` and gives
   PEFT's logits exactly (fast);
-- a training checkpoint: the PEFT model under FSDP2 (fully_shard, 2 gloo ranks), trained 2 steps, saved with
-  torch.distributed.checkpoint -> our adapter export gives the trained model's logits, our merged export equals
-  its `merge_and_unload()` (slow: spawns ranks; tests/adapter_job.py);
+- training checkpoints, each trained 2 steps at 2 gloo ranks: the PEFT model under FSDP2 (fully_shard, saved with
+  torch.distributed.checkpoint; tests/adapter_job.py), under DeepSpeed ZeRO-2 and ZeRO-3 (engine.save_checkpoint;
+  tests/adapter_sources_job.py) and under Accelerate's FSDP (save_state; tests/adapter_accelerate_tool.py) -> our
+  adapter export gives the trained model's logits, our merged export equals its `merge_and_unload()` (slow);
 - refusals in one line with an exit-2 error: target module missing from the base, rank mismatch, unknown variant,
   alpha unknown.
 
@@ -258,6 +259,18 @@ def test_deepspeed_zero_training_checkpoint(base: Path, tmp_path: Path, stage: i
     their fragments (ZeRO-3), the trained ones in the fp32 partitions."""
     pytest.importorskip("deepspeed")
     _run_job("tests.adapter_sources_job", str(base), str(tmp_path), "--stage", str(stage))
+    _check_training_checkpoint(base, tmp_path, str(tmp_path / "checkpoint"))
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp_training_checkpoint(base: Path, tmp_path: Path) -> None:
+    """Accelerate's FSDP (FSDP1, SHARDED_STATE_DICT, 2 gloo ranks) trained the PEFT model and `save_state` wrote
+    its checkpoint (pytorch_model_fsdp_0/ + optimizer_0/): the adapter is read from the model's DCP folder."""
+    pytest.importorskip("accelerate")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("adapter_accelerate_tool.py")), str(base), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     _check_training_checkpoint(base, tmp_path, str(tmp_path / "checkpoint"))
 
 
