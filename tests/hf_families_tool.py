@@ -52,7 +52,7 @@ def _args(hf: dict) -> dict:
     return args
 
 
-def _model(args: dict, tp: int = 1, ep: int = 1) -> torch.nn.Module:
+def _model(args: dict, tp: int = 1, ep: int = 1, pp: int = 1, stage: int = 0) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -62,7 +62,7 @@ def _model(args: dict, tp: int = 1, ep: int = 1) -> torch.nn.Module:
         num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
         num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
         kv_channels=args["kv_channels"], use_cpu_initialization=True, normalization="RMSNorm",
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=args["add_qkv_bias"], qk_layernorm=args["qk_layernorm"], layernorm_epsilon=args["norm_epsilon"],
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, num_moe_experts=experts,
@@ -74,7 +74,8 @@ def _model(args: dict, tp: int = 1, ep: int = 1) -> torch.nn.Module:
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
                     max_sequence_length=args["max_position_embeddings"], position_embedding_type="rope",
                     rotary_base=args["rotary_base"],
-                    share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"])
+                    share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
+                    pre_process=stage == 0, post_process=stage == pp - 1)
 
 
 def _inverse(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]:
@@ -142,8 +143,9 @@ def make(root: str, family: str) -> None:
         json.dump({k: v for k, v in args.items() if k != "params_dtype"}, fh)
 
 
-def _forward(model: torch.nn.Module) -> torch.Tensor:
-    """Megatron's forward on IDS (causal attention)."""
+def _forward(model: torch.nn.Module, before: torch.Tensor | None = None) -> torch.Tensor:
+    """Megatron's forward on IDS (causal attention); a later pipeline stage starts from `before`, the hidden
+    states of the stage before it."""
     model.eval()
     # attention forks the CUDA RNG tracker for dropout; on CPU with dropout 0 in eval there is nothing to fork
     from megatron.core import tensor_parallel
@@ -156,13 +158,16 @@ def _forward(model: torch.nn.Module) -> torch.Tensor:
         moe_utils.te_general_gemm = None
     ids = torch.tensor(IDS)
     seq = ids.shape[1]
+    if before is not None:
+        model.set_input_tensor(before)
     with torch.no_grad():
         return model(ids, torch.arange(seq)[None], torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1))
 
 
-def _load_worker(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int, port: int) -> None:
-    """Build the GPTModel at TP=tp x EP=ep from the args our import wrote to common.pt, load the checkpoint with
-    Megatron's own `dist_checkpointing.load`, and save its forward logits (rank 0) to `out`."""
+def _load_worker(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int, pp: int, port: int) -> None:
+    """Build the GPTModel at TP=tp x PP=pp (or EP=ep) from the args our import wrote to common.pt, load the
+    checkpoint with Megatron's own `dist_checkpointing.load`, run the forward through the pipeline stages (hidden
+    states sent from one to the next) and save the logits (first rank of the last stage) to `out`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     _stub_cuda()
@@ -170,28 +175,40 @@ def _load_worker(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int, p
     from megatron.core import dist_checkpointing, parallel_state
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             pipeline_model_parallel_size=pp)
     args = torch.load(os.path.join(ckpt, "common.pt"), weights_only=True)["args"]
-    model = _model(args, tp, ep)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    model = _model(args, tp, ep, pp, stage)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)  # every key, as Megatron-LM asks
     assert loaded["args"]["num_layers"] == args["num_layers"]  # and common.pt beside them
     model.load_state_dict(loaded["model"])
-    logits = _forward(model).contiguous()
+    before = None
+    if stage > 0:
+        before = torch.empty(len(IDS[0]), 1, args["hidden_size"])
+        dist.recv(before, parallel_state.get_pipeline_model_parallel_prev_rank())
+    logits = _forward(model, before).contiguous()
+    if stage < pp - 1:
+        dist.send(logits, parallel_state.get_pipeline_model_parallel_next_rank())
+        dist.destroy_process_group()
+        return
     if tp > 1:
         parts = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(parts, logits, group=parallel_state.get_tensor_model_parallel_group())
         logits = torch.cat(parts, -1)
-    if rank == 0:
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
         torch.save(logits.float().clone(), out)
     dist.destroy_process_group()
 
 
 def main() -> None:
-    if sys.argv[1] == "load":  # load CKPT OUT TP EP PORT
+    if sys.argv[1] == "load":  # load CKPT OUT TP EP PP PORT (EP with TP = PP = 1)
         import torch.multiprocessing as mp
 
-        ckpt, out, tp, ep, port = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-        mp.spawn(_load_worker, args=(max(tp, ep), ckpt, out, tp, ep, port), nprocs=max(tp, ep))
+        ckpt, out = sys.argv[2], sys.argv[3]
+        tp, ep, pp, port = (int(a) for a in sys.argv[4:8])
+        world = ep if ep > 1 else tp * pp
+        mp.spawn(_load_worker, args=(world, ckpt, out, tp, ep, pp, port), nprocs=world)
         return
     root, port, families = sys.argv[1], sys.argv[2], sys.argv[3:]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

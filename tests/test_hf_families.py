@@ -225,17 +225,19 @@ def test_import_then_export_gives_back_the_hf_model(models: Path, tmp_path: Path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "tp", "ep"), [("qwen2", 2, 1), ("qwen3_moe", 2, 1), ("mixtral", 1, 2)])
-def test_megatron_loads_the_import_in_parallel(models: Path, tmp_path: Path, family: str, tp: int, ep: int) -> None:
-    """megatron-core's own dist_checkpointing.load reads the import into a GPTModel at TP=2 (or EP=2) built from the
-    args the import wrote; its forward equals the HF model's."""
+@pytest.mark.parametrize(("family", "tp", "ep", "pp"), [("qwen2", 2, 1, 1), ("qwen3_moe", 2, 1, 1),
+                                                        ("mixtral", 1, 2, 1), ("llama", 1, 1, 2)])
+def test_megatron_loads_the_import_in_parallel(models: Path, tmp_path: Path, family: str, tp: int, ep: int,
+                                               pp: int) -> None:
+    """megatron-core's own dist_checkpointing.load reads the import into a GPTModel at TP=2, EP=2 or PP=2 built from
+    the args the import wrote; its forward (through both pipeline stages at PP=2) equals the HF model's."""
     from converters.hf_families.importer import import_hf
 
     import_hf(str(models / "hf" / family), str(tmp_path / "megatron"))
     logits = tmp_path / "logits.pt"
     proc = subprocess.run([sys.executable, str(TOOL), "load", str(tmp_path / "megatron" / "release"), str(logits),
-                           str(tp), str(ep), str(29750 + tp * 3 + ep + len(family))], capture_output=True, text=True,
-                          timeout=600)
+                           str(tp), str(ep), str(pp), str(29750 + tp * 3 + ep + pp * 5 + len(family))],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     torch.testing.assert_close(torch.load(logits, weights_only=True),
                                torch.load(models / "hf" / family / "logits.pt", weights_only=True), atol=1e-4,
