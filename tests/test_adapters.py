@@ -22,9 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 from ckpt_service.service_errors import exit_code
 from converters.adapters import export_adapter, export_merged
@@ -100,10 +101,20 @@ def test_peft_folder_merged_equals_merge_and_unload(base: Path, tmp_path: Path, 
 
 
 def test_merged_in_row_slabs_is_the_same(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Merged 3 output rows at a time (slabs of 384 bytes): no bit changes (each row is its own)."""
+    """Merged 3 output rows at a time (2 for down_proj: slabs of 384 bytes): no bit changes (each row is its
+    own), on disk and streamed to object storage."""
     from converters.adapters import export as adapter_export
+    from converters.adapters import merge
 
     monkeypatch.setattr(adapter_export, "MIN_SLAB", 3 * 32 * 4)
+    monkeypatch.setattr(adapter_export, "SLAB_SHARE", 1 << 30)  # every slab is MIN_SLAB
+    read, slabs = merge.Workspace.read, []
+
+    def counted(self: merge.Workspace, purpose: str, *args: object) -> torch.Tensor:
+        slabs.append(purpose)
+        return read(self, purpose, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(merge.Workspace, "read", counted)
     for variant in ("lora", "dora"):
         model = peft_model(base, variant)
         model.save_pretrained(tmp_path / variant)
@@ -111,6 +122,13 @@ def test_merged_in_row_slabs_is_the_same(base: Path, tmp_path: Path, monkeypatch
         export_merged(str(tmp_path / variant), str(tmp_path / f"{variant}-out"), str(base), memory_limit=1 << 20)
         got = load_file(tmp_path / f"{variant}-out" / "model.safetensors")
         assert all(torch.equal(got[k], v) for k, v in want.items())
+        # streamed in order to object storage (the slabs' reused workspaces, uploaded one after another)
+        export_merged(str(tmp_path / variant), f"memory://merged-{variant}", str(base), memory_limit=1 << 20)
+        uploaded = load(fsspec.filesystem("memory").cat(f"memory://merged-{variant}/model.safetensors"))
+        assert all(torch.equal(uploaded[k], v) for k, v in want.items())
+    # slabs per layer: lora q 11 (32 rows / 3), v 6, o 11, down 16 (2 rows); dora q 11, k 6, gate 16; two layers, two
+    # exports each
+    assert slabs.count("weight") == 2 * 2 * ((11 + 6 + 11 + 16) + (11 + 6 + 16))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

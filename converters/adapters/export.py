@@ -8,7 +8,8 @@ norms, every non-target weight, modules_to_save copies) take the copier's ordina
 (`copy_file_range` when uncast), while a LoRA Linear is merged in row slabs of 1/64 of `memory_limit` in two
 reused workspaces, one slab written by a writer thread while the next is computed (torch at one intra-op
 thread); torch itself is imported in the background meanwhile. 2.14 GB fp32 base + rank-64 LoRA on every
-Linear (benchmarks/merge_adapter.py): 286 MB peak RSS, 225 MB of it torch's import.
+Linear (benchmarks/merge_adapter.py, 2 loaded cores): 287 MB peak RSS (225 MB of it torch's import), 2.5x the
+plain export's time (was 3-6x): torch's import (~1 s) and writing 1.6 GB of new bytes are the floor here.
 The output appears only when complete.
 """
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MIN_SLAB = 1 << 20  # bytes: the smallest row slab a LoRA Linear is merged in (tests lower it)
+SLAB_SHARE = 64  # a row slab is at most 1/SLAB_SHARE of memory_limit (two workspaces of a few slabs each)
 
 
 @dataclass
@@ -81,8 +83,8 @@ def _open(source: str, reader: storage.RangeReader, source_format: str | None, a
 
 def _copier(reader: storage.RangeReader, memory_limit: int) -> Copier:
     """The copier of the tensors an export writes unchanged (uncast: in the kernel, no buffer), in two threads
-    with an eighth of the memory budget (casting slabs of 1/48: torch and the merge's slabs have the rest)."""
-    return Copier(reader, memory_limit // 8, threads=2)
+    with a sixteenth of the memory budget (casting slabs of 1/96: torch and the merge's slabs have the rest)."""
+    return Copier(reader, memory_limit // 16, threads=2)
 
 
 def _check_common(memory_limit: int, max_shard_size: int, target: str) -> None:
@@ -149,7 +151,7 @@ class _Merger:
     def __init__(self, reader: storage.RangeReader, lora: CheckpointIndex, adapter: Adapter, settings: LoraSettings,
                  cast_to: str | None, memory_limit: int) -> None:
         self.reader, self.lora, self.adapter, self.settings = reader, lora, adapter, settings
-        self.cast_to, self.budget = cast_to, max(memory_limit // 64, MIN_SLAB)
+        self.cast_to, self.budget = cast_to, max(memory_limit // SLAB_SHARE, MIN_SLAB)
         self.spaces: list[merge.Workspace] = []
         self.turn = 0
         self.threads: int | None = None  # torch's intra-op threads before the merge set them to one
