@@ -5,7 +5,7 @@ Any source the engine reads (PEFT's own folder, a DCP/FSDP, Accelerate or DeepSp
 opened through `load_index` under its wrapper-cleaned model names; the adapter is found by structure (`detect`).
 The merged export writes each output file at known offsets: the tensors it leaves as they are (embeddings,
 norms, every non-target weight, modules_to_save copies) take the copier's ordinary path in two threads
-(`copy_file_range` when uncast), while a LoRA Linear is merged in row slabs of 1/64 of `memory_limit` in two
+(`copy_file_range` when uncast), while a LoRA Linear is merged in row slabs of 1/128 of `memory_limit` in two
 reused workspaces, one slab written by a writer thread while the next is computed (torch at one intra-op
 thread); torch itself is imported in the background meanwhile. 2.14 GB fp32 base + rank-64 LoRA on every
 Linear (benchmarks/merge_adapter.py, 2 loaded cores): 287 MB peak RSS (225 MB of it torch's import), 2.5x the
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MIN_SLAB = 1 << 20  # bytes: the smallest row slab a LoRA Linear is merged in (tests lower it)
-SLAB_SHARE = 64  # a row slab is at most 1/SLAB_SHARE of memory_limit (two workspaces of a few slabs each)
+SLAB_SHARE = 128  # a row slab is at most 1/SLAB_SHARE of memory_limit (two workspaces of a few slabs each)
 
 
 @dataclass
