@@ -8,7 +8,7 @@ norms, every non-target weight, modules_to_save copies) take the copier's ordina
 (`copy_file_range` when uncast), while a LoRA Linear is merged in row slabs of 1/128 of `memory_limit` in two
 reused workspaces, one slab written by a writer thread while the next is computed (torch at one intra-op
 thread); torch itself is imported in the background meanwhile. 2.14 GB fp32 base + rank-64 LoRA on every
-Linear (benchmarks/merge_adapter.py, 2 loaded cores): 287 MB peak RSS (225 MB of it torch's import), 2.5x the
+Linear (benchmarks/merge_adapter.py, 2 loaded cores): 264 MB peak RSS (225 MB of it torch's import), 2.5x the
 plain export's time (was 3-6x): torch's import (~1 s) and writing 1.6 GB of new bytes are the floor here.
 The output appears only when complete.
 """
