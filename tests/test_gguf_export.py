@@ -160,6 +160,27 @@ def test_odd_shapes_f16_source_and_tied_embeddings(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_llama3_rope_scaling_writes_rope_freqs(tmp_path: Path) -> None:
+    """Llama 3.1-style rope scaling: llama.cpp's converter computes a rope_freqs tensor (and no scaling keys)."""
+    torch.manual_seed(2)
+    folder = tmp_path / "llama3"
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                      rope_parameters=rope)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    _tokenizer(folder, LLAMA3_SPLIT)
+    theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+    gguf_reference.convert(folder, theirs, "q8_0", "llama-bpe")
+    export_gguf(str(folder), str(ours), "q8_0")
+    _assert_same(ours, theirs)
+    qtype, shape, data = _tensors(ours)["rope_freqs.weight"]
+    assert (qtype, shape) == ("F32", [16])
+    assert set(torch.frombuffer(bytearray(data), dtype=torch.float32).tolist()) > {1.0, 8.0}  # and smoothed ones
+
+
+@pytest.mark.slow
 def test_fused_experts_as_llama_cpp_writes_them_unfused(models: dict[str, Path], tmp_path: Path) -> None:
     """Experts saved fused (mlp.experts.gate_up_proj [E, 2*ff, hidden], down_proj [E, hidden, ff], transformers'
     in-memory layout) give the same file as llama.cpp writes from the per-expert checkpoint."""

@@ -6,10 +6,12 @@ A family is picked by the config's `architectures[0]`; one llama.cpp does not kn
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import gguf
+import torch
 
 from ..errors import FormatError
 
@@ -122,9 +124,6 @@ def add_parameters(writer: gguf.GGUFWriter, config: dict[str, Any], fam: Family,
             raise FormatError(f"{uri} (config.json): rope type {rope_type!r} is not one the GGUF export writes "
                               "(default, linear, yarn); use llama.cpp's convert_hf_to_gguf.py", uri=uri,
                               key="rope_scaling")
-    elif rope_type == "llama3":
-        raise FormatError(f"{uri} (config.json): llama3 rope scaling needs a rope_freqs tensor the GGUF export does "
-                          "not write yet; use llama.cpp's convert_hf_to_gguf.py", uri=uri, key="rope_scaling")
     if (theta := rope.get("rope_theta")) is not None:
         writer.add_rope_freq_base(_number(theta, "rope_theta", uri, float))
     if (eps := _find(config, ("rms_norm_eps", "norm_eps"))) is not None:
@@ -146,6 +145,40 @@ def add_parameters(writer: gguf.GGUFWriter, config: dict[str, Any], fam: Family,
         writer.add_rope_dimension_count(_number(rope_dim, "head_dim", uri))
     if fam.arch == gguf.MODEL_ARCH.QWEN3MOE and (moe_ff := config.get("moe_intermediate_size")) is not None:
         writer.add_expert_feed_forward_length(_number(moe_ff, "moe_intermediate_size", uri))
+
+
+def rope_freqs(config: dict[str, Any], fam: Family, uri: str) -> torch.Tensor | None:
+    """Llama 3 rope scaling: the per-frequency factors llama.cpp's converter writes as rope_freqs.weight
+    (conversion/llama.py generate_extra_tensors; the same float32 torch steps)."""
+    rope = _rope(config)
+    if fam.arch != gguf.MODEL_ARCH.LLAMA or str(rope.get("rope_type", "")).lower() != "llama3":
+        return None
+    base = _number(rope.get("rope_theta", 10000.0), "rope_theta", uri, float)
+    dim = config.get("head_dim")
+    if dim is None:
+        dim = _number(_required(config, ("hidden_size",), uri), "hidden_size", uri) // \
+            max(_number(_required(config, ("num_attention_heads",), uri), "num_attention_heads", uri), 1)
+    dim = _number(dim, "head_dim", uri)
+    factor = _number(rope.get("factor", 8.0), "rope_scaling.factor", uri, float)
+    low = _number(rope.get("low_freq_factor", 1.0), "rope_scaling.low_freq_factor", uri, float)
+    high = _number(rope.get("high_freq_factor", 4.0), "rope_scaling.high_freq_factor", uri, float)
+    old = _number(rope.get("original_max_position_embeddings", 8192), "original_max_position_embeddings", uri)
+    if dim <= 0 or high == low or not low or not high:
+        raise FormatError(f"{uri} (config.json): llama3 rope scaling with head_dim {dim}, low_freq_factor {low} and "
+                          f"high_freq_factor {high} has no rope factors; fix config.json", uri=uri, key="rope_scaling")
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low_wavelen, high_wavelen = old / low, old / high
+    factors: list[Any] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
+import torch
 
 from ..errors import FormatError
 from ..index import TensorEntry
-from .metadata import Family
+from .metadata import Family, rope_freqs
 
 SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 #: Per-expert tensors, the order llama.cpp stacks their projections in, and the name it maps the stack by.
@@ -46,6 +47,7 @@ class Planned:
     shape: tuple[int, ...]  # torch order (GGUF's ne is this reversed)
     parts: list[Part] = field(default_factory=list)
     source_dtype: str = ""
+    data: torch.Tensor | None = None  # a tensor llama.cpp's converter computes (rope_freqs), instead of parts
 
 
 def _whole(entry: TensorEntry, heads: int = 0) -> Part:
@@ -71,6 +73,8 @@ def plan(tensors: dict[str, TensorEntry], config: dict[str, Any], fam: Family, b
     """The GGUF tensors for the source's `tensors` (HF names, in the order llama.cpp reads them)."""
     table = gguf.get_tensor_name_map(fam.arch, blocks)
     out: list[Planned] = []
+    if (freqs := rope_freqs(config, fam, uri)) is not None:  # llama.cpp writes its computed tensors first
+        out.append(Planned("rope_freqs.weight", "", tuple(freqs.shape), [], "float32", freqs))
     pending: dict[str, dict[str, TensorEntry]] = {}  # per-expert tensors of a layer, until all have come
     n_experts = config.get("num_local_experts", config.get("num_experts"))
 

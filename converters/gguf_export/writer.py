@@ -82,11 +82,15 @@ def write_data(fh: Any, planned: list[Planned], types: list[gguf.GGMLQuantizatio
     """The tensor data after the header: each tensor converted slab by slab, then padded to ALIGN."""
     for tensor, qtype in zip(planned, types, strict=True):
         written = 0
+        if tensor.data is not None:
+            data = converted(tensor.data, qtype)
+            fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+            written += data.nbytes
         for part in tensor.parts:
             for rows in source.slabs(part):
                 if not rows.numel():
                     continue
-                data: np.ndarray = converted(rows, qtype)
+                data = converted(rows, qtype)
                 fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
                 written += data.nbytes
         fh.write(bytes(-written % ALIGN))
