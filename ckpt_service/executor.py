@@ -21,11 +21,13 @@ from . import logs, roots
 from .helpers import remove_tree
 from .job_requests import (
     ConvertRequest,
+    DiffRequest,
     ExportRequest,
     InspectRequest,
     JobRequest,
     KeyedRequest,
     ReshardRequest,
+    ScanRequest,
     VerifyRequest,
 )
 
@@ -66,7 +68,41 @@ def inspect_call(request: InspectRequest, source: str, target: str | None) -> En
 
     from .summary import summarize
 
-    return lambda _progress: summarize(inspect(source, request.source_format), request.tensors)
+    def run_inspect(progress: Callable[[Any], None] | None) -> dict[str, Any]:
+        info = summarize(inspect(source, request.source_format), request.tensors)
+        if request.stats:  # numpy and the statistics load only here
+            from converters import scan
+
+            info["stats"] = scan(source, source_format=request.source_format, on_progress=progress).to_dict()
+        return info
+    return run_inspect
+
+
+def scan_call(request: ScanRequest, source: str, target: str | None) -> EngineCall:
+    from converters import scan
+
+    keys = key_options(request)
+    keys.nest = False
+    return lambda progress: scan(source, source_format=request.source_format, keys=keys,
+                                 memory_limit=int(request.memory_limit), on_progress=progress)
+
+
+def diff_call(request: DiffRequest, source: str, target: str | None) -> EngineCall:
+    """Compare; checkpoints that differ beyond the tolerances raise VerifyError carrying the result (exit 1, a
+    failed job that keeps it), as verify does."""
+    from converters import diff
+
+    keys = key_options(request)
+    keys.nest = False
+
+    def run_diff(progress: Callable[[Any], None] | None) -> Any:
+        result = diff(source, target or "", rtol=request.rtol, atol=request.atol, a_format=request.source_format,
+                      b_format=request.target_format, keys=keys, memory_limit=int(request.memory_limit),
+                      on_progress=progress)
+        if result.differs:
+            raise VerifyError(result.summary(), report=result)
+        return result
+    return run_diff
 
 
 def verify_call(request: VerifyRequest, source: str, target: str | None) -> EngineCall:
@@ -145,6 +181,14 @@ def merged_call(request: ExportRequest, source: str, target: str) -> EngineCall:
                                            config_from=request.config_from, source_format=request.source_format)
 
 
+def gguf_call(request: ExportRequest, source: str, target: str) -> EngineCall:
+    from converters import export_gguf
+
+    return lambda _progress: export_gguf(source, target, request.gguf or "f16", overwrite=request.overwrite,
+                                         memory_limit=int(request.memory_limit), config_from=request.config_from,
+                                         source_format=request.source_format)
+
+
 #: The exports other than the plain one, each chosen by one option: (the other options it takes, its engine call).
 #: An option it does not take, set to other than its default, is refused with one line naming it.
 _ALWAYS = frozenset({"source_format", "tag", "weights", "memory_limit", "overwrite"})
@@ -152,10 +196,11 @@ EXPORT_MODES: dict[str, tuple[frozenset[str], Callable[[ExportRequest, str, str]
     "quantize": (_ALWAYS | {"ignore", "max_shard_size", "config_from"}, fp8_call),
     "adapter_only": (_ALWAYS, adapter_call),
     "merge_adapter": (_ALWAYS | {"base", "dtype", "max_shard_size", "config_from"}, merged_call),
+    "gguf": (_ALWAYS | {"config_from"}, gguf_call),
 }
 #: each mode in words, and the options that belong to one mode only (refused without it)
 MODE_WORDS = {"quantize": "an FP8 export", "adapter_only": "an adapter-only export",
-              "merge_adapter": "a merged-adapter export"}
+              "merge_adapter": "a merged-adapter export", "gguf": "a GGUF export"}
 _MODE_ONLY = {"ignore": "quantize", "base": "merge_adapter"}
 
 

@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .executor import EngineCall, convert_call, inspect_call, reshard_call, verify_call
+from .executor import EngineCall, convert_call, diff_call, inspect_call, reshard_call, scan_call, verify_call
 from .job_requests import (
     ConvertRequest,
+    DiffRequest,
     ExportRequest,
     InspectRequest,
     JobRequest,
     ReshardRequest,
+    ScanRequest,
     VerifyRequest,
 )
 
@@ -120,3 +122,6 @@ declare(JobKind("reshard", ReshardRequest, reshard_call, written_result, writes=
 declare(JobKind("verify", VerifyRequest, verify_call, report_result,
                 arguments=(("a", "The first checkpoint."), ("b", "The second checkpoint."))))
 declare(JobKind("inspect", InspectRequest, inspect_call, as_is, arguments=(SOURCE,)))
+declare(JobKind("scan", ScanRequest, scan_call, report_result, arguments=(SOURCE,)))
+declare(JobKind("diff", DiffRequest, diff_call, report_result,
+                arguments=(("a", "The first checkpoint."), ("b", "The second checkpoint."))))

@@ -137,6 +137,14 @@ OutputLayout = Literal["auto", "flat"]
 QuantizeChoice = Literal["fp8-dynamic", "fp8-block", "fp8-tensor"]
 
 
+#: GGUF tensor types of `converters.export_gguf` (llama.cpp's --outtype names)
+GgufType = Literal["f32", "f16", "bf16", "q8_0"]
+
+
+def lower_case(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 def scheme_spelling(value: Any) -> Any:
     """llm-compressor's spelling of a scheme (FP8_BLOCK) as the flag's (fp8-block)."""
     return value.strip().lower().replace("_", "-") if isinstance(value, str) else value
@@ -211,6 +219,10 @@ class ExportRequest(OutputRequest):
     merge_adapter: Annotated[bool, Field(description="Merge the checkpoint's LoRA adapter into its base, as PEFT's "
                                                      "merge_and_unload() does, and write the merged model."),
                              flag("--merge-adapter")] = False
+    gguf: Annotated[Annotated[GgufType, one_of(GgufType, "GGUF type")] | None, BeforeValidator(lower_case),
+                    Field(description="Write one GGUF file for llama.cpp with this tensor type for the weights: f32, "
+                                      "f16, bf16 or q8_0 (llama.cpp's convert_hf_to_gguf.py --outtype)."),
+                    flag("--gguf", metavar="TYPE")] = None
     base: Annotated[Annotated[str, Field(min_length=1, max_length=4096)] | None,
                     Field(description="With merge_adapter: the base model's HF folder (default: the base weights "
                                       "stored with the adapter)."), flag("--base", metavar="DIR")] = None
@@ -263,12 +275,29 @@ class VerifyRequest(KeyedRequest):
 
 
 class InspectRequest(JobRequest):
-    """Describe a checkpoint from its metadata alone (no tensor data is read)."""
+    """Describe a checkpoint from its metadata alone (no tensor data is read, unless stats)."""
 
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None
     tensors: Annotated[bool, Field(description="Include the tensor table."), flag("--tensors")] = False
+    stats: Annotated[bool, Field(description="Also read every tensor for its statistics (as scan does)."),
+                     flag("--stats")] = False
+
+
+class ScanRequest(KeyedRequest):
+    """Read every tensor once for its statistics: NaN, +Inf, -Inf and zero counts, min, max, mean, std, L2 norm."""
+
+    clean_keys: CleanKeys = True
+    source_format: SourceFormat = None
+    tag: Tag = None
+    weights: Weights = None
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+
+
+class DiffRequest(VerifyRequest):
+    """Compare two checkpoints of any formats tensor by tensor: identical or not, max |a-b|, relative L2 change,
+    by layer (what moved most, what did not move)."""
 
 
 def __getattr__(name: str) -> Any:

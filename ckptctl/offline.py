@@ -73,6 +73,8 @@ def run_inspect(request: InspectRequest, source: str, as_json: bool = False) -> 
         print_adapter(info["adapter"])
     for note in info.get("notes", []):
         out.print(f"{'note':>14}: {note}", highlight=False)
+    if "stats" in info:
+        print_stats(info["stats"])
     if request.tensors:
         table = make_table("name", "dtype", "shape", "chunks")
         for row in info["tensor_table"]:
@@ -110,6 +112,55 @@ def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> No
         raise typer.Exit(DIFFERENT)
 
 
+def print_stats(stats: dict[str, Any]) -> None:
+    """Per-tensor statistics (converters.scan's result), one row each."""
+    table = make_table("name", "dtype", "shape", "nan", "+inf", "-inf", "zeros", "min", "max", "mean", "std", "l2")
+    for t in stats["tensors"]:
+        table.add_row(t["name"], t["dtype"], str(t["shape"]), str(t["nan"]), str(t["posinf"]), str(t["neginf"]),
+                      str(t["zeros"]), *(number(t[k]) for k in ("min", "max", "mean", "std", "l2")))
+    out.print(table)
+
+
+def number(value: Any) -> str:
+    return "-" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def run_scan(request: JobRequest, source: str, quiet: bool = False, as_json: bool = False) -> None:
+    """Statistics of every tensor; exit 1 when one holds NaN or Inf."""
+    with errors(), engine_config(), progress_bar(quiet or as_json) as update:
+        result = engine_call(request, source)(update)
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+    else:
+        print_stats(result.to_dict())
+        err.print(result.summary(), highlight=False)
+    if not result.finite:
+        raise typer.Exit(DIFFERENT)
+
+
+def run_diff(request: JobRequest, a: str, b: str, quiet: bool = False, as_json: bool = False) -> None:
+    """Compare; exit 1 when the checkpoints differ beyond the tolerances."""
+    with errors(), engine_config(), progress_bar(quiet or as_json) as update:
+        try:
+            result = engine_call(request, a, b)(update)
+        except VerifyError as exc:
+            if exc.report is None:
+                raise
+            result = exc.report
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+    else:
+        table = make_table("layer", "tensors", "changed", "max |a-b|", "relative L2")
+        for layer in result.layers:
+            row = layer.to_dict()
+            table.add_row(row["name"], str(row["tensors"]), str(row["changed"]), number(row["max_abs_diff"]),
+                          number(row["rel_l2"]))
+        out.print(table)
+        out.print(("DIFFERENT " if result.differs else "SAME ") + result.summary(), highlight=False)
+    if result.differs:
+        raise typer.Exit(DIFFERENT)
+
+
 PATH = "Checkpoint path or URI."
 Ray = Annotated[str | None, typer.Option("--ray", metavar="ADDRESS", help="Write the output files as Ray tasks on "
                                          "the cluster at ADDRESS (ray://host:10001, auto); default: "
@@ -137,6 +188,14 @@ for _kind in kinds().values():  # every kind that writes an output, as its decla
 job_command(app, REQUESTS["verify"], [("a", "The first checkpoint."), ("b", "The second checkpoint.")],
             [keyword("as_json", AsJson, False)], run_verify,
             help="Compare two checkpoints tensor by tensor (exact unless --atol/--rtol); exit 1 when they differ.")
+READ_EXTRAS = [keyword("quiet", Quiet, False), keyword("as_json", AsJson, False)]
+job_command(app, REQUESTS["scan"], [("source", PATH)], READ_EXTRAS,
+            run_scan, help="Read every tensor once for its statistics (NaN, +Inf, -Inf and zero counts, min, max, "
+                           "mean, std, L2 norm); exit 1 when a tensor holds NaN or Inf.")
+job_command(app, REQUESTS["diff"], [("a", "The first checkpoint."), ("b", "The second checkpoint.")],
+            READ_EXTRAS, run_diff,
+            help="Compare two checkpoints of any formats tensor by tensor: identical or not, max |a-b|, relative L2 "
+                 "change, by layer; exit 1 when they differ beyond --rtol/--atol.")
 
 
 @app.command()

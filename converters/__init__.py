@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .formats import READERS, detect, load_index, register_format
     from .formats.base import BaseReader
     from .formats.deepspeed import source_for as deepspeed_source
+    from .gguf_export import export_gguf
     from .hf_families.importer import ImportResult, import_hf
     from .index import CheckpointIndex
     from .layouts import parse_dim_rules
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .pathsafety import has_control, segments_below
     from .quantize import export_fp8
     from .resharding import ReshardOptions, ReshardResult, reshard
+    from .stats import DiffResult, ScanResult, diff, scan
     from .transforms import KeyOptions
     from .verification import VerifyReport
     from .writers import WRITERS
@@ -59,7 +61,8 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "ReshardOptions": "resharding", "ReshardResult": "resharding", "reshard": "resharding",
     "KeyOptions": "transforms", "VerifyReport": "verification", "WRITERS": "writers",
     "adapter_info": "adapters", "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
-    "import_hf": "hf_families.importer", "ImportResult": "hf_families.importer",
+    "import_hf": "hf_families.importer", "ImportResult": "hf_families.importer", "export_gguf": "gguf_export",
+    "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -74,6 +77,7 @@ __all__ = [
     "ContextThread",
     "ConvertOptions",
     "ConvertResult",
+    "DiffResult",
     "EngineConfig",
     "FormatError",
     "ImportResult",
@@ -83,6 +87,7 @@ __all__ = [
     "Progress",
     "ReshardOptions",
     "ReshardResult",
+    "ScanResult",
     "SourceError",
     "TargetError",
     "UnsafePickleError",
@@ -92,9 +97,11 @@ __all__ = [
     "convert",
     "deepspeed_source",
     "detect",
+    "diff",
     "dtypes",
     "export_adapter",
     "export_fp8",
+    "export_gguf",
     "export_merged",
     "has_control",
     "import_hf",
@@ -106,6 +113,7 @@ __all__ = [
     "register_format",
     "remove_tree",
     "reshard",
+    "scan",
     "segments_below",
     "storage",
     "tmp_prefix",

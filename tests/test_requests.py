@@ -37,6 +37,11 @@ for _kind in ("convert", "export", "reshard", "inspect"):  # added with the Deep
 WIRE["export"] |= {"config_from"}  # added with the side files an export carries (config, tokenizer)
 WIRE["export"] |= {"quantize", "ignore", "adapter_only", "merge_adapter", "base"}  # added with FP8 and adapter exports
 WIRE["reshard"] |= {"output_layout"}  # added with the framework layouts a reshard keeps (Accelerate, Lightning)
+WIRE["export"] |= {"gguf"}  # added with the GGUF export
+WIRE["inspect"] |= {"stats"}  # added with per-tensor statistics, with the scan and diff kinds
+WIRE["scan"] = {"source_format", "tag", "weights", "only", "clean_keys", "rename", "include", "exclude",
+                "memory_limit"}
+WIRE["diff"] = set(WIRE["verify"])
 EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token",
           "ray"}  # offline --ray ADDRESS: the Ray executor for this run
 

@@ -1,0 +1,124 @@
+"""`ckptctl scan`, `ckptctl diff` and `inspect --stats` (converters.scan / converters.diff as job kinds): the
+values they print equal torch's float64 computation on the same tensors, the exit codes say what a pipeline needs
+(scan: 1 when a tensor holds NaN or Inf; diff: 1 when the checkpoints differ beyond the tolerances), and the
+service runs both as jobs whose results are kept (a diff that finds differences fails, keeping its result, as
+verify does)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from ckptctl import app as cli
+
+ENV = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"}
+
+
+def ckptctl(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args), env=ENV)
+    return result.exit_code, result.output
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    """Two layers of a step: layer 0 moves between steps, layer 1 stays (frozen)."""
+    torch.manual_seed(0)
+    base = {"layers.0.weight": torch.randn(64, 32), "layers.1.weight": torch.randn(16, 8).to(torch.bfloat16),
+            "layers.1.bias": torch.zeros(16)}
+    base["layers.0.weight"] += 0.01 * step
+    return base
+
+
+@pytest.fixture()
+def steps(tmp_path: Path) -> tuple[Path, Path]:
+    one, two = tmp_path / "step1", tmp_path / "step2"
+    for folder, step in ((one, 1), (two, 2)):
+        folder.mkdir()
+        save_file(weights(step), str(folder / "model.safetensors"))
+    return one, two
+
+
+def test_scan_json_equals_torch_and_exits_1_on_nan(steps: tuple[Path, Path], tmp_path: Path) -> None:
+    one, _ = steps
+    code, output = ckptctl("scan", str(one), "--json", "-q")
+    assert code == 0, output
+    got = {t["name"]: t for t in json.loads(output)["tensors"]}
+    for name, tensor in weights(1).items():
+        wide = tensor.to(torch.float64)
+        row = got[name]
+        assert (row["count"], row["zeros"], row["nan"]) == (tensor.numel(), int((tensor == 0).sum()), 0)
+        assert row["min"] == wide.min().item() and row["max"] == wide.max().item()
+        assert math.isclose(row["mean"], wide.mean().item(), rel_tol=1e-12, abs_tol=1e-15)
+        assert math.isclose(row["std"], wide.std(correction=0).item(), rel_tol=1e-12, abs_tol=1e-15)
+        assert math.isclose(row["l2"], wide.norm().item(), rel_tol=1e-12)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    inf = float("inf")
+    save_file({"w": torch.tensor([1.0, float("nan"), inf, -inf, 0.0])}, str(bad / "model.safetensors"))
+    code, output = ckptctl("scan", str(bad), "--json", "-q")
+    row = json.loads(output)["tensors"][0]
+    assert code == 1
+    assert (row["nan"], row["posinf"], row["neginf"], row["zeros"], row["min"], row["max"]) == (1, 1, 1, 1, 0.0, 1.0)
+
+
+def test_inspect_stats_prints_the_table(steps: tuple[Path, Path]) -> None:
+    code, output = ckptctl("inspect", str(steps[0]), "--stats")
+    assert code == 0, output
+    row = next(line for line in output.splitlines() if line.startswith("layers.1.bias"))
+    assert row.split("\t")[:7] == ["layers.1.bias", "float32", "[16]", "0", "0", "0", "16"]
+    code, output = ckptctl("inspect", str(steps[0]), "--stats", "--json")
+    assert json.loads(output)["stats"]["finite"] is True
+
+
+def test_diff_reports_what_moved_and_exits_1(steps: tuple[Path, Path]) -> None:
+    one, two = steps
+    code, output = ckptctl("diff", str(one), str(two), "--json", "-q")
+    assert code == 1, output
+    doc = json.loads(output)
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    a, b = weights(1)["layers.0.weight"].double(), weights(2)["layers.0.weight"].double()
+    assert tensors["layers.0.weight"]["max_abs_diff"] == (a - b).abs().max().item()
+    assert math.isclose(tensors["layers.0.weight"]["rel_l2"], ((a - b).norm() / b.norm()).item(), rel_tol=1e-12)
+    assert tensors["layers.1.weight"]["identical"] is True
+    assert doc["differs"] is True and doc["unchanged_layers"] == ["layers.1"]
+    assert ckptctl("diff", str(one), str(two), "--atol", "0.02", "-q")[0] == 0  # within the tolerance
+    code, output = ckptctl("diff", str(one), str(one), "-q")
+    assert code == 0 and "SAME" in output
+
+
+def test_missing_source_is_one_line(tmp_path: Path) -> None:
+    code, output = ckptctl("scan", str(tmp_path / "nothing"))
+    assert code == 2 and len(output.strip().splitlines()) == 1 and "nothing" in output
+
+
+def test_the_service_runs_scan_and_diff_jobs(steps: tuple[Path, Path], tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from ckpt_service.executor import run_job
+    from ckpt_service.settings import Settings
+
+    one, two = steps
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
+    settings.prepare()
+    with TestClient(create_app(settings)) as client:
+        page = client.get("/").text
+        assert '<option value="scan"' in page or ">scan<" in page
+        store = client.app.state.service.store  # type: ignore[attr-defined]
+        done = {}
+        for kind, body in (("scan", {"source": str(one)}), ("diff", {"source": str(one), "target": str(two)})):
+            job = client.post("/v1/jobs", json={"kind": kind, **body})
+            assert job.status_code == 202, job.text
+            claimed = store.claim("test-worker", 60.0)
+            assert run_job(store, claimed.id, claimed.attempt) == 0
+            done[kind] = client.get(f"/v1/jobs/{job.json()['id']}").json()
+    scan, diff = done["scan"], done["diff"]
+    assert scan["state"] == "succeeded" and scan["result"]["finite"] is True
+    assert {t["name"] for t in scan["result"]["tensors"]} == set(weights(1))
+    assert diff["state"] == "failed" and diff["result"]["differs"] is True  # kept, as a verify's report is
+    assert diff["result"]["unchanged_layers"] == ["layers.1"]
