@@ -168,8 +168,9 @@ def test_views_split_qkv_per_query_group() -> None:
     ({"moe_shared_expert_intermediate_size": 4}, OptionError, "shared experts"),
     ({"qk_layernorm": True, "add_qkv_bias": True}, OptionError, "no family in the table has QK-norm"),
     ({"ffn_hidden_size": 10}, FormatError, "the config does not match the weights"),
-    ({"hidden_size": "64"}, FormatError, "args: hidden_size is '64', not a positive integer; the model config is "
-                                         "damaged"),
+    ({"hidden_size": "64x"}, FormatError, "args: hidden_size is '64x', not a positive integer; the model config "
+                                          "is damaged"),
+    ({"hidden_size": 8.5}, FormatError, "args: hidden_size is 8.5, not a positive integer"),
     ({"num_attention_heads": 0}, FormatError, "args: num_attention_heads is 0, not a positive integer"),
     ({"rotary_base": [1]}, FormatError, "args: rotary_base is [1], not a number"),
     ({"window_size": ["a", 0]}, OptionError, "is not a causal sliding window (left, 0)"),
@@ -187,6 +188,12 @@ def test_left_over_and_missing_tensors_are_refused() -> None:
         to_hf(_llama_view(), {**CFG, "add_qkv_bias": True}, "args", "qwen2")
     with pytest.raises(OptionError, match="to_hf gemma: choose one of auto, llama"):
         to_hf(_llama_view(), CFG, "args", "gemma")
+
+
+def test_numeric_text_is_a_number() -> None:
+    """PyYAML reads NeMo's `layernorm_epsilon: 1e-05` as text."""
+    config = to_hf(_llama_view(), {**CFG, "layernorm_epsilon": "1e-05", "hidden_size": "8"}, "model.yaml")[1]
+    assert (config["rms_norm_eps"], config["hidden_size"]) == (1e-05, 8)
 
 
 def test_auto_reads_the_family_from_the_config() -> None:

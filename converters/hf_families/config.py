@@ -63,17 +63,27 @@ HF_SIZES = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermed
 HF_NUMBERS = ("num_local_experts", "num_experts", "rms_norm_eps", "rope_theta", "initializer_range")
 
 
-def check_numbers(cfg: dict[str, Any], where: str, sizes: tuple[str, ...], numbers: tuple[str, ...]) -> None:
-    """One line naming the first setting that is not a number (or, for a size, not a positive integer)."""
+def check_numbers(cfg: dict[str, Any], where: str, sizes: tuple[str, ...], numbers: tuple[str, ...]) -> dict[str, Any]:
+    """`cfg` with its numeric settings as numbers (YAML 1.1 reads `1e-05` as text: numeric text is taken), or one
+    line naming the first that is not a number (or, for a size, not a positive integer)."""
+    out = dict(cfg)
     for name in sizes + numbers:
         value = cfg.get(name)
         if value is None:
             continue
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
         size = name in sizes
-        if isinstance(value, bool) or not isinstance(value, int | float) or (size and (
-                not float(value).is_integer() or value <= 0)):
+        if isinstance(number, bool) or not isinstance(number, int | float) or (size and (
+                not float(number).is_integer() or number <= 0)):
             raise FormatError(f"{where}: {name} is {short(value)}, not a "
                               + ("positive integer" if size else "number") + "; the model config is damaged")
+        out[name] = int(number) if size else number
+    return out
 
 
 def _unsupported(cfg: dict[str, Any]) -> list[str]:
@@ -112,7 +122,7 @@ def _unsupported(cfg: dict[str, Any]) -> list[str]:
 
 def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     """The model's shape and features from its Megatron config; one line naming what no family expresses."""
-    check_numbers(cfg, where, MEGATRON_SIZES, MEGATRON_NUMBERS)
+    cfg = check_numbers(cfg, where, MEGATRON_SIZES, MEGATRON_NUMBERS)
     problems = _unsupported(cfg)
     if problems:
         raise OptionError(f"{where}: no Hugging Face family in the table expresses " + "; ".join(problems)
@@ -191,9 +201,9 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
             raise FormatError(f"{where}: no {name}; cannot build the Megatron config")
         return hf[name]
 
-    check_numbers(hf, where, HF_SIZES, HF_NUMBERS)
-    rope = hf.get("rope_parameters")
-    check_numbers(rope if isinstance(rope, dict) else {}, where, (), ("rope_theta",))
+    hf = check_numbers(hf, where, HF_SIZES, HF_NUMBERS)
+    rope = check_numbers(hf["rope_parameters"] if isinstance(hf.get("rope_parameters"), dict) else {}, where, (),
+                         ("rope_theta",))
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
     experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
@@ -207,8 +217,7 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
         "qk_layernorm": hf.get("model_type") in ("qwen3", "qwen3_moe"),
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
         "position_embedding_type": "rope", "rotary_percent": 1.0,
-        "rotary_base": int(float((rope if isinstance(rope, dict) else {}).get("rope_theta")
-                                 or hf.get("rope_theta") or 10000)),
+        "rotary_base": int(rope.get("rope_theta") or hf.get("rope_theta") or 10000),
         "max_position_embeddings": int(hf.get("max_position_embeddings") or 4096),
         "padded_vocab_size": int(need("vocab_size")), "init_method_std": float(hf.get("initializer_range", 0.02)),
     }
