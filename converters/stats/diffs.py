@@ -10,6 +10,8 @@ Per tensor: whether the bytes are identical (same dtype), the largest |a-b|, and
 against +Inf) count as no difference; a non-finite value against anything else makes the largest difference
 inf and is counted, and the L2 norms cover the finite differences and the finite values of `b`. A tensor
 `differs` when some |a-b| > atol + rtol * |b| (`torch.isclose`'s rule) or a non-finite value is unmatched.
+Values are compared in float64 (exact for every floating dtype; integers beyond 2**53 round, though equal
+bytes are still found identical).
 
 Layers: tensors grouped by their key up to the first numeric component (`layers.3` of
 `layers.3.mlp.up.weight`, `optim.state.layers.3` of its optimizer state) or else by their module (the key
