@@ -389,6 +389,9 @@ def test_refuses_unknown_family_outtype_and_pre_tokenizer(tmp_path: Path) -> Non
     with pytest.raises(OptionError) as exc:
         export_gguf(str(source), str(tmp_path / "out.gguf"), "q4_k")
     assert _one_line(exc) == "outtype 'q4_k' is not one of f32, f16, bf16, q8_0"
+    with pytest.raises(OptionError) as exc:
+        export_gguf(str(source), str(tmp_path / "out"))
+    assert _one_line(exc) == f"{tmp_path / 'out'}: a GGUF export is one file; name it <name>.gguf"
     config = json.loads((source / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (source / "config.json").write_text(json.dumps(config))
