@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 
@@ -44,6 +44,14 @@ def show(checkpoint_id: CheckpointId, request: Request, _: Reader,
     """The stored summary; `?tensors=true` re-reads the metadata and adds the tensor table. A checkpoint whose
     data GC or a purge deleted is still shown, with `deleted_at` set."""
     return request.app.state.service.checkpoint(checkpoint_id, tensors)
+
+
+@router.get("/{checkpoint_id}/stats", responses=errors(401, 403, 404, 422, 503), summary="A checkpoint's statistics")
+def stats(checkpoint_id: CheckpointId, request: Request, _: Reader) -> dict[str, Any]:
+    """Per-tensor statistics (counts of NaN, +Inf, -Inf and zeros, min, max, mean, std, L2 norm) from the newest
+    succeeded `scan` job of the checkpoint's URI; 404 until one has run."""
+    result: dict[str, Any] = request.app.state.service.stats(checkpoint_id)
+    return result
 
 
 @router.get("/{checkpoint_id}/lineage", response_model=LineageView, responses=errors(401, 403, 404, 422, 503),

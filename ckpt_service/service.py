@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -21,7 +22,7 @@ from .catalog import Catalog, check_owner
 from .job_requests import problems
 from .jobs import APPLIES, WRITING_KINDS, JobOptions, JobRecord, JobSpec, JobView, request_of
 from .registry import CheckpointView, LineageView, RegisterRequest, Registry
-from .service_errors import Conflict, Forbidden, InvalidRequest
+from .service_errors import Conflict, Forbidden, InvalidRequest, NotFound
 from .settings import Settings
 from .store import JobStore
 
@@ -46,6 +47,10 @@ def is_option(name: str) -> bool:
     from .job_requests import REQUESTS
 
     return any(name in model.model_fields for model in REQUESTS.values())
+
+
+#: how many of the newest succeeded scans `CkptService.stats` looks through for a checkpoint's URI
+SCANS_LOOKED_AT = 1000
 
 
 class CkptService:
@@ -179,6 +184,20 @@ class CkptService:
     def checkpoints(self, name: str | None, tag: str | None, format: str | None, limit: int, cursor: str | None
                     ) -> tuple[list[CheckpointView], str | None, list[str]]:
         return self.registry.list(name, tag, format, limit, cursor)
+
+    def stats(self, checkpoint_id: str) -> dict[str, Any]:
+        """A checkpoint's per-tensor statistics: the result of the newest succeeded `scan` job of its URI (among
+        the last SCANS_LOOKED_AT scans), with that job's id and time."""
+        view = self.registry.get(self.catalog.checkpoint_id(checkpoint_id))
+        rows = self.store.query("SELECT * FROM jobs WHERE kind = ? AND state = ? ORDER BY seq DESC LIMIT ?",
+                                ("scan", "succeeded", SCANS_LOOKED_AT))
+        for row in rows:
+            job = JobRecord.from_row(row)
+            if job.spec.get("source") == view.uri and job.result is not None:
+                return {"checkpoint_id": view.id, "uri": view.uri, "job_id": job.id, "scanned_at": job.finished_at,
+                        **job.result}
+        raise NotFound(f"checkpoint {checkpoint_id} has no statistics yet; submit a scan job of {view.uri} "
+                       "(ckptctl submit scan)")
 
     def lineage(self, checkpoint_id: str) -> LineageView:
         return self.registry.lineage(self.catalog.checkpoint_id(checkpoint_id))

@@ -109,6 +109,10 @@ def test_the_service_runs_scan_and_diff_jobs(steps: tuple[Path, Path], tmp_path:
     with TestClient(create_app(settings)) as client:
         page = client.get("/").text
         assert '<option value="scan"' in page or ">scan<" in page
+        registered = client.post("/v1/checkpoints", json={"uri": str(one), "name": "step1"})
+        assert registered.status_code == 201, registered.text
+        missing = client.get("/v1/checkpoints/step1/stats")
+        assert missing.status_code == 404 and "submit a scan job" in missing.json()["error"]["message"]
         store = client.app.state.service.store  # type: ignore[attr-defined]
         done = {}
         for kind, body in (("scan", {"source": str(one)}), ("diff", {"source": str(one), "target": str(two)})):
@@ -117,7 +121,10 @@ def test_the_service_runs_scan_and_diff_jobs(steps: tuple[Path, Path], tmp_path:
             claimed = store.claim("test-worker", 60.0)
             assert run_job(store, claimed.id, claimed.attempt) == 0
             done[kind] = client.get(f"/v1/jobs/{job.json()['id']}").json()
+        stored = client.get("/v1/checkpoints/step1/stats")
+        assert stored.status_code == 200, stored.text
     scan, diff = done["scan"], done["diff"]
+    assert stored.json()["job_id"] == scan["id"] and stored.json()["tensors"] == scan["result"]["tensors"]
     assert scan["state"] == "succeeded" and scan["result"]["finite"] is True
     assert {t["name"] for t in scan["result"]["tensors"]} == set(weights(1))
     assert diff["state"] == "failed" and diff["result"]["differs"] is True  # kept, as a verify's report is
