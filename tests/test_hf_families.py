@@ -190,6 +190,24 @@ def test_left_over_and_missing_tensors_are_refused() -> None:
         to_hf(_llama_view(), CFG, "args", "gemma")
 
 
+def test_a_router_mixtral_cannot_express_is_refused() -> None:
+    moe = {"decoder.layers.0.mlp.router.weight": (2, 8), "decoder.layers.0.mlp.experts.experts.linear_fc1.weight":
+           (2, 24, 8), "decoder.layers.0.mlp.experts.experts.linear_fc2.weight": (2, 8, 12)}
+    view = _llama_view(**moe)
+    for name in ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight"):
+        del view.tensors[name]
+    cfg = {**CFG, "num_moe_experts": 2, "moe_router_topk": 1}
+    out, config, _ = to_hf(view, cfg, "args")  # softmax over the top k: Mixtral's own routing
+    assert config["num_local_experts"] == 2 and "model.layers.0.block_sparse_moe.experts.1.w3.weight" in out.tensors
+    with pytest.raises(OptionError) as caught:
+        to_hf(view, {**cfg, "moe_router_pre_softmax": True}, "args", "mixtral")
+    assert str(caught.value) == ("args: to_hf mixtral: the model has router weights not renormalized over the top k "
+                                 "(moe_router_pre_softmax), which MixtralForCausalLM does not; export without "
+                                 "`to_hf` to keep Megatron names")
+    with pytest.raises(OptionError, match="moe_router_score_function 'sigmoid'"):
+        to_hf(view, {**cfg, "moe_router_score_function": "sigmoid"}, "args")
+
+
 def test_numeric_text_is_a_number() -> None:
     """PyYAML reads NeMo's `layernorm_epsilon: 1e-05` as text."""
     config = to_hf(_llama_view(), {**CFG, "layernorm_epsilon": "1e-05", "hidden_size": "8"}, "model.yaml")[1]
