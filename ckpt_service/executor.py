@@ -23,6 +23,7 @@ from .job_requests import (
     ConvertRequest,
     DiffRequest,
     ExportRequest,
+    ImportRequest,
     InspectRequest,
     JobRequest,
     KeyedRequest,
@@ -76,6 +77,13 @@ def inspect_call(request: InspectRequest, source: str, target: str | None) -> En
             info["stats"] = scan(source, source_format=request.source_format, on_progress=progress).to_dict()
         return info
     return run_inspect
+
+
+def import_call(request: ImportRequest, source: str, target: str | None) -> EngineCall:
+    from converters import import_hf
+
+    return lambda _progress: import_hf(source, target or "", request.family, overwrite=request.overwrite,
+                                       memory_limit=int(request.memory_limit))
 
 
 def scan_call(request: ScanRequest, source: str, target: str | None) -> EngineCall:

@@ -19,11 +19,21 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .executor import EngineCall, convert_call, diff_call, inspect_call, reshard_call, scan_call, verify_call
+from .executor import (
+    EngineCall,
+    convert_call,
+    diff_call,
+    import_call,
+    inspect_call,
+    reshard_call,
+    scan_call,
+    verify_call,
+)
 from .job_requests import (
     ConvertRequest,
     DiffRequest,
     ExportRequest,
+    ImportRequest,
     InspectRequest,
     JobRequest,
     ReshardRequest,
@@ -119,6 +129,9 @@ declare(JobKind("export", ExportRequest, convert_call, written_result, writes=Tr
                 arguments=(SOURCE, ("target", "The output folder or file."))))
 declare(JobKind("reshard", ReshardRequest, reshard_call, written_result, writes=True,
                 arguments=(SOURCE, ("target", "The output DCP folder."))))
+declare(JobKind("import", ImportRequest, import_call, written_result, writes=True,
+                arguments=(("source", "The Hugging Face model folder (config.json and safetensors)."),
+                           ("target", "The Megatron save folder."))))
 declare(JobKind("verify", VerifyRequest, verify_call, report_result,
                 arguments=(("a", "The first checkpoint."), ("b", "The second checkpoint."))))
 declare(JobKind("inspect", InspectRequest, inspect_call, as_is, arguments=(SOURCE,)))

@@ -295,6 +295,17 @@ class ScanRequest(KeyedRequest):
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
 
 
+class ImportRequest(JobRequest):
+    """Write a Hugging Face model folder as a Megatron-LM torch_dist save (release/), which megatron-core's
+    dist_checkpointing.load reads at any TP/PP/EP, to start a Megatron run from it."""
+
+    family: Annotated[Annotated[HFArchitecture, one_of(HFArchitecture, "architecture")],
+                      Field(description="The model family of the mapping table (auto: the one config.json's "
+                                        "model_type names)."), flag("--family")] = "auto"
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+    overwrite: Overwrite = False
+
+
 class DiffRequest(VerifyRequest):
     """Compare two checkpoints of any formats tensor by tensor: identical or not, max |a-b|, relative L2 change,
     by layer (what moved most, what did not move)."""

@@ -42,6 +42,7 @@ WIRE["inspect"] |= {"stats"}  # added with per-tensor statistics, with the scan 
 WIRE["scan"] = {"source_format", "tag", "weights", "only", "clean_keys", "rename", "include", "exclude",
                 "memory_limit"}
 WIRE["diff"] = set(WIRE["verify"])
+WIRE["import"] = {"family", "memory_limit", "overwrite"}  # added with the HF -> Megatron import
 EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token",
           "ray"}  # offline --ray ADDRESS: the Ray executor for this run
 
