@@ -413,3 +413,36 @@ def test_refuses_unknown_family_outtype_and_pre_tokenizer(tmp_path: Path) -> Non
     export_gguf(str(source), str(tmp_path / "out.gguf"), "f32", tokenizer_pre="qwen2")
     assert _fields(tmp_path / "out.gguf")["tokenizer.ggml.pre"][1] == "qwen2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out.gguf"]
+
+
+def test_export_gguf_option_offline_and_as_a_job(tmp_path: Path) -> None:
+    """`ckptctl export SRC OUT.gguf --gguf q8_0` and an export job with `options.gguf` write the engine's file."""
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from api.app import create_app
+    from ckpt_service.executor import run_job
+    from ckpt_service.settings import Settings
+    from ckptctl import app as cli
+
+    source = _small(tmp_path / "llama")
+    export_gguf(str(source), str(tmp_path / "direct.gguf"), "q8_0")
+    run = CliRunner().invoke(cli, ["export", str(source), str(tmp_path / "cli.gguf"), "--gguf", "Q8_0", "-q"])
+    assert run.exit_code == 0, run.output
+    assert (tmp_path / "cli.gguf").read_bytes() == (tmp_path / "direct.gguf").read_bytes()
+    refused = CliRunner().invoke(cli, ["export", str(source), str(tmp_path / "x.gguf"), "--gguf", "q4_k"])
+    assert (refused.exit_code, refused.output.strip()) == (2, "error: --gguf: unknown GGUF type 'q4_k'; choose one of "
+                                                               "f32, f16, bf16, q8_0")
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
+    settings.prepare()
+    with TestClient(create_app(settings)) as client:
+        job = client.post("/v1/jobs", json={"kind": "export", "source": str(source),
+                                            "target": str(tmp_path / "job.gguf"), "options": {"gguf": "q8_0"}})
+        assert job.status_code == 202, job.text
+        store = client.app.state.service.store  # type: ignore[attr-defined]
+        claimed = store.claim("test-worker", 60.0)
+        assert run_job(store, claimed.id, claimed.attempt) == 0
+        done = client.get(f"/v1/jobs/{job.json()['id']}").json()
+    assert done["state"] == "succeeded", done
+    assert done["result"]["total_bytes"] == (tmp_path / "job.gguf").stat().st_size
+    assert (tmp_path / "job.gguf").read_bytes() == (tmp_path / "direct.gguf").read_bytes()

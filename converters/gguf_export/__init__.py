@@ -49,8 +49,14 @@ class GgufResult:
     types: dict[str, int] = field(default_factory=dict)  # GGUF tensor type -> how many tensors
     report: list[str] = field(default_factory=list)
 
+    @property
+    def outputs(self) -> list[tuple[str, int]]:
+        """The one file written and its size, as every writer's result lists its outputs."""
+        return [(storage.basename(self.target), self.bytes)]
+
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "architecture": self.architecture, "outtype": self.outtype,
+                "outputs": [{"name": n, "bytes": b} for n, b in self.outputs],
                 "tensors": self.tensors, "bytes": self.bytes, "types": dict(self.types), "report": self.report}
 
 
