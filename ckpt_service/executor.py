@@ -150,9 +150,11 @@ def convert_call(request: ConvertRequest | ExportRequest, source: str, target: s
 
     export = request if isinstance(request, ExportRequest) else None
     if export is not None:
-        mode = export_mode(export)
-        if mode is not None:
-            return EXPORT_MODES[mode][1](export, source, target or "")
+        modes = export_modes(export)
+        if len(modes) == 2:
+            return chained_call(export, source, target or "", *modes)
+        if modes:
+            return EXPORT_MODES[modes[0]][1](export, source, target or "")
     options = ConvertOptions(to=request.to if isinstance(request, ConvertRequest) else "safetensors",
                              source_format=request.source_format, keys=key_options(request), dtype=request.dtype,
                              max_shard_size=int(request.max_shard_size), memory_limit=int(request.memory_limit),
@@ -212,25 +214,49 @@ MODE_WORDS = {"quantize": "an FP8 export", "adapter_only": "an adapter-only expo
 _MODE_ONLY = {"ignore": "quantize", "base": "merge_adapter"}
 
 
-def export_mode(request: ExportRequest) -> str | None:
-    """Which export `request` asks for (None: the plain one); refuses two at once, and options the chosen one
-    does not take, in one line naming the option to change."""
-    chosen = [name for name in EXPORT_MODES if getattr(request, name)]
+#: modes that run one after the other in one export: the first's output (staged beside the target) is the
+#: second's source
+CHAINS = {("merge_adapter", "gguf"), ("merge_adapter", "quantize")}
+
+
+def export_modes(request: ExportRequest) -> tuple[str, ...]:
+    """Which export `request` asks for: () for the plain one, one mode, or a chain (`CHAINS`); refuses other
+    pairs, and options the chosen modes do not take, in one line naming the option to change."""
+    chosen = tuple(name for name in EXPORT_MODES if getattr(request, name))
     if len(chosen) > 1:
-        first, second = chosen[:2]
-        raise OptionError(f"{second}: {MODE_WORDS[first]} (`{first}`) cannot also be {MODE_WORDS[second]}; "
-                          "choose one", option=second)
-    mode = chosen[0] if chosen else None
+        chain = next((c for c in CHAINS if set(c) == set(chosen)), None)
+        if chain is None:
+            first, second = next((a, b) for i, a in enumerate(chosen) for b in chosen[i + 1:]
+                                 if (a, b) not in CHAINS and (b, a) not in CHAINS)
+            raise OptionError(f"{second}: {MODE_WORDS[first]} (`{first}`) cannot also be {MODE_WORDS[second]}; "
+                              "choose one", option=second)
+        chosen = chain
+    # in a chain, the first output is only staged: its shard size shapes nothing the user gets
+    takes = frozenset().union(*(EXPORT_MODES[m][0] - ({"max_shard_size"} if i < len(chosen) - 1 else set())
+                                for i, m in enumerate(chosen)))
+    words = " of ".join(MODE_WORDS[m] for m in reversed(chosen))
     defaults = ExportRequest()
     changed = [n for n in ExportRequest.model_fields
                if n not in EXPORT_MODES and getattr(request, n) != getattr(defaults, n)]
     for name in changed:
-        if mode is None and name in _MODE_ONLY:
+        if not chosen and name in _MODE_ONLY:
             raise OptionError(f"{name} applies only to {MODE_WORDS[_MODE_ONLY[name]]}; set `{_MODE_ONLY[name]}` or "
                               "leave it out", option=name)
-        if mode is not None and name not in EXPORT_MODES[mode][0]:
-            raise OptionError(f"{name} does not apply to {MODE_WORDS[mode]}; leave it out", option=name)
-    return mode
+        if chosen and name not in takes:
+            raise OptionError(f"{name} does not apply to {words}; leave it out", option=name)
+    return chosen
+
+
+def chained_call(request: ExportRequest, source: str, target: str, first: str, second: str) -> EngineCall:
+    """The adapter merged into a staging folder beside the target, then exported from there (`CHAINS`)."""
+    from converters import through_merged
+
+    merge = request.model_copy(update={"overwrite": False})
+    then = request.model_copy(update={"source_format": None, "tag": None, "weights": None, "config_from": None,
+                                      "dtype": None})
+    return lambda _progress: through_merged(lambda staging: EXPORT_MODES[first][1](merge, source, staging)(None),
+                                            lambda staging: EXPORT_MODES[second][1](then, staging, target)(None),
+                                            target)
 
 
 class ProgressWriter:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .pathsafety import has_control, segments_below
     from .quantize import export_fp8
     from .resharding import ReshardOptions, ReshardResult, reshard
+    from .staged import through_merged
     from .stats import DiffResult, ScanResult, diff, scan
     from .transforms import KeyOptions
     from .verification import VerifyReport
@@ -62,7 +63,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "KeyOptions": "transforms", "VerifyReport": "verification", "WRITERS": "writers",
     "adapter_info": "adapters", "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
     "import_hf": "hf_families.importer", "ImportResult": "hf_families.importer", "export_gguf": "gguf_export",
-    "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats",
+    "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats", "through_merged": "staged",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -116,6 +117,7 @@ __all__ = [
     "scan",
     "segments_below",
     "storage",
+    "through_merged",
     "tmp_prefix",
     "use_config",
     "verify",

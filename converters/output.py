@@ -125,6 +125,14 @@ def remove_tree(path: str | os.PathLike[str], ignore_errors: bool = True) -> Non
             raise
 
 
+def remove_output(uri: str) -> None:
+    """Remove a folder or file at `uri`, local or on object storage (a missing one is fine)."""
+    if storage.is_local(uri):
+        remove_tree(storage.local_path(uri))
+    else:
+        _remove_remote(uri)
+
+
 def _remove_remote(uri: str, settle: float = 0.0) -> None:
     """Remove what was uploaded under `uri`. After an interrupt, an upload already handed to fsspec's I/O
     thread may still land: with `settle`, look again for that long and remove late arrivals too."""
