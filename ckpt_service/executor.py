@@ -61,7 +61,25 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
 
         source, fmt = source_for(source, getattr(request, "source_format", None), tag, weights)
         request = request.model_copy(update={"source_format": fmt, "tag": None, "weights": None})
-    return kind_of(request.kind).engine(request, source, target)
+    call = kind_of(request.kind).engine(request, source, target)
+    return finite_first(request, source, call) if getattr(request, "require_finite", False) else call
+
+
+def finite_first(request: JobRequest, source: str, call: EngineCall) -> EngineCall:
+    """`call`, run only once a scan of `source` found no NaN or Inf (the `require_finite` guard of a writing
+    kind: a rule that sets it never exports a diverged step); otherwise one SourceError naming the tensors."""
+
+    def run(progress: Callable[[Any], None] | None) -> Any:
+        from converters import scan
+
+        found = scan(source, source_format=getattr(request, "source_format", None))
+        if not found.finite:
+            names = found.nonfinite
+            raise SourceError(f"{source}: NaN or Inf in {len(names)} tensor(s) ({', '.join(names[:5])}"
+                              f"{', ...' if len(names) > 5 else ''}); nothing was written (require_finite)",
+                              uri=source)
+        return call(progress)
+    return run
 
 
 def inspect_call(request: InspectRequest, source: str, target: str | None) -> EngineCall:
@@ -201,7 +219,7 @@ def gguf_call(request: ExportRequest, source: str, target: str) -> EngineCall:
 
 #: The exports other than the plain one, each chosen by one option: (the other options it takes, its engine call).
 #: An option it does not take, set to other than its default, is refused with one line naming it.
-_ALWAYS = frozenset({"source_format", "tag", "weights", "memory_limit", "overwrite"})
+_ALWAYS = frozenset({"source_format", "tag", "weights", "memory_limit", "overwrite", "require_finite"})
 EXPORT_MODES: dict[str, tuple[frozenset[str], Callable[[ExportRequest, str, str], EngineCall]]] = {
     "quantize": (_ALWAYS | {"ignore", "max_shard_size", "config_from"}, fp8_call),
     "adapter_only": (_ALWAYS, adapter_call),

@@ -122,6 +122,9 @@ DropTied = Annotated[Texts, Field(description="Leave out NAME, a tensor equal to
                                   "the tie is recorded."), flag("--drop-tied", metavar="NAME")]
 VerifyOutput = Annotated[bool, Field(description="Compare the output with the source before finishing."),
                          flag("--verify")]
+RequireFinite = Annotated[bool, Field(description="Scan the source first and write nothing when a tensor holds NaN "
+                                                  "or Inf (a guard for rules: a diverged step is never exported)."),
+                          flag("--require-finite")]
 Tag = Annotated[str | None, Field(max_length=200, description="DeepSpeed: the tag folder to read (default: the one "
                                   "`latest` names)."), flag("--tag", metavar="TAG")]
 WeightsChoice = Literal["fp32", "module"]
@@ -182,6 +185,7 @@ class OutputRequest(KeyedRequest):
     overwrite: Overwrite = False
     drop_tied: DropTied = Field(default_factory=list)
     verify: VerifyOutput = False
+    require_finite: RequireFinite = False
 
 
 class ConvertRequest(OutputRequest):
@@ -249,6 +253,7 @@ class ReshardRequest(KeyedRequest):
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
     overwrite: Overwrite = False
     verify: VerifyOutput = False
+    require_finite: RequireFinite = False
     output_layout: Annotated[OutputLayout, one_of(OutputLayout, "output layout"),
                              Field(description="auto: the source framework's own folder layout (Accelerate, "
                                                "Lightning, Megatron), so its resume call works; flat: one DCP "

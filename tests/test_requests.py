@@ -43,6 +43,8 @@ WIRE["scan"] = {"source_format", "tag", "weights", "only", "clean_keys", "rename
                 "memory_limit"}
 WIRE["diff"] = set(WIRE["verify"])
 WIRE["import"] = {"family", "memory_limit", "overwrite"}  # added with the HF -> Megatron import
+for _kind in ("convert", "export", "reshard"):  # added with the scan guard
+    WIRE[_kind] |= {"require_finite"}
 EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token",
           "ray"}  # offline --ray ADDRESS: the Ray executor for this run
 

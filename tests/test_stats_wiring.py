@@ -129,3 +129,51 @@ def test_the_service_runs_scan_and_diff_jobs(steps: tuple[Path, Path], tmp_path:
     assert {t["name"] for t in scan["result"]["tensors"]} == set(weights(1))
     assert diff["state"] == "failed" and diff["result"]["differs"] is True  # kept, as a verify's report is
     assert diff["result"]["unchanged_layers"] == ["layers.1"]
+
+
+def nan_step(folder: Path) -> Path:
+    """A step whose training diverged: one NaN in one tensor."""
+    folder.mkdir(parents=True)
+    tensors = weights(1)
+    tensors["layers.0.weight"][3, 4] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_require_finite_writes_nothing_from_a_diverged_step(steps: tuple[Path, Path], tmp_path: Path) -> None:
+    bad = nan_step(tmp_path / "runs" / "r" / "step_9")
+    code, output = ckptctl("export", str(bad), str(tmp_path / "out"), "--require-finite", "-q")
+    assert code == 2 and output.strip().splitlines() == [
+        f"error: {bad}: NaN or Inf in 1 tensor(s) (layers.0.weight); nothing was written (require_finite)"]
+    assert not (tmp_path / "out").exists()
+    assert ckptctl("export", str(steps[0]), str(tmp_path / "fine"), "--require-finite", "-q")[0] == 0
+
+
+def test_a_rule_that_requires_finite_steps_does_not_export_a_diverged_one(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from ckpt_service.executor import run_job
+    from ckpt_service.settings import Settings
+
+    runs, exports = tmp_path / "runs", tmp_path / "exports"
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(runs)], write_roots=[str(exports)])
+    settings.prepare()
+    with TestClient(create_app(settings)) as client:
+        rule = {"name": "serve", "pattern": f"{runs}/*/step_*",
+                "job": {"kind": "export", "target": f"{exports}/{{run}}-{{step}}", "options": {"require_finite": True}}}
+        assert client.post("/v1/rules", json=rule).status_code == 201, client.post("/v1/rules", json=rule).text
+        store = client.app.state.service.store  # type: ignore[attr-defined]
+        states = {}
+        for step, make in ((1, lambda f: f.mkdir(parents=True) or save_file(weights(1), str(f / "model.safetensors"))),
+                           (2, nan_step)):
+            folder = runs / "r" / f"step_{step}"
+            make(folder)
+            fired = client.post("/v1/notify", json={"uri": str(folder)}).json()
+            assert [t["state"] for t in fired["triggers"]] == ["submitted"], fired
+            claimed = store.claim("test-worker", 60.0)
+            assert run_job(store, claimed.id, claimed.attempt) == 0
+            states[step] = client.get(f"/v1/jobs/{claimed.id}").json()
+    assert states[1]["state"] == "succeeded" and (exports / "r-1" / "model.safetensors").exists()
+    assert states[2]["state"] == "failed" and "require_finite" in states[2]["error"]["message"]
+    assert not (exports / "r-2").exists()
