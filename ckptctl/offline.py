@@ -91,15 +91,20 @@ def run_write(request: JobRequest, source: str, target: str, quiet: bool = False
     print_result(result, as_json)
 
 
+def compared(request: JobRequest, a: str, b: str, update: Any = None) -> Any:
+    """A comparison's report (verify's or diff's), also when the checkpoints differ (its VerifyError carries it)."""
+    try:
+        return engine_call(request, a, b)(update)
+    except VerifyError as exc:
+        if exc.report is None:
+            raise
+        return exc.report
+
+
 def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> None:
     """Compare; exit 1 when the checkpoints differ."""
     with errors(), engine_config():
-        try:
-            report = engine_call(request, a, b)(None)
-        except VerifyError as exc:
-            if exc.report is None:
-                raise
-            report = exc.report
+        report = compared(request, a, b)
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
     else:
@@ -141,12 +146,7 @@ def run_scan(request: JobRequest, source: str, quiet: bool = False, as_json: boo
 def run_diff(request: JobRequest, a: str, b: str, quiet: bool = False, as_json: bool = False) -> None:
     """Compare; exit 1 when the checkpoints differ beyond the tolerances."""
     with errors(), engine_config(), progress_bar(quiet or as_json) as update:
-        try:
-            result = engine_call(request, a, b)(update)
-        except VerifyError as exc:
-            if exc.report is None:
-                raise
-            result = exc.report
+        result = compared(request, a, b, update)
     if as_json:
         out.print_json(json.dumps(result.to_dict()))
     else:

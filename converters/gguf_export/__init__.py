@@ -24,10 +24,9 @@ import numpy as np
 from .. import storage
 from ..copier import DEFAULT_MEMORY_LIMIT
 from ..errors import FormatError, OptionError
-from ..formats import load_index
+from ..modelview import model_view
 from ..output import open_output
 from ..sidefiles import CONFIG, collect
-from ..transforms import KeyOptions, apply
 from . import metadata, names, quant, tokenizer
 from .writer import HeaderWriter, Reader, write_data
 
@@ -109,10 +108,7 @@ def export_gguf(source: str, target: str, outtype: str = "f16", *, overwrite: bo
     storage.check_target(target, overwrite)
     reader = storage.RangeReader()
     try:
-        index = load_index(source, source_format, reader=reader)
-        view = apply(index, KeyOptions(only="model"), reader).index
-        if not view.tensors:
-            raise FormatError(f"{source}: holds no model tensors to export", uri=source)
+        view = model_view(source, source_format, reader, "to export")
         side = collect(source, config_from, None)
         if CONFIG not in side.data:
             raise OptionError(f"{source}: no config.json beside the checkpoint; GGUF metadata comes from it: pass "

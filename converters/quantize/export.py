@@ -21,13 +21,12 @@ import torch
 from .. import dtypes, heap, storage
 from ..copier import DEFAULT_MEMORY_LIMIT
 from ..errors import FormatError, OptionError
-from ..formats import load_index
 from ..index import TensorEntry
 from ..jsonsafe import loads
+from ..modelview import model_view
 from ..output import Output, open_output
 from ..sidefiles import CONFIG, collect
 from ..tensorio import read_box, slabs
-from ..transforms import KeyOptions, apply
 from ..writers.safetensors import Planned, header_bytes, write_shards
 from . import fp8
 from .config import BLOCK, Scheme, quantization_config, scheme
@@ -218,10 +217,7 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
     storage.check_target(target, overwrite)
     reader = storage.RangeReader()
     try:
-        index = load_index(source, source_format, reader=reader)
-        view = apply(index, KeyOptions(only="model"), reader).index
-        if not view.tensors:
-            raise FormatError(f"{source}: holds no model tensors to quantize", uri=source)
+        view = model_view(source, source_format, reader, "to quantize")
         side = collect(source, config_from, None)
         raw = loads(side.data[CONFIG], CONFIG) if CONFIG in side.data else {}
         tied = "lm_head.weight" not in view.tensors and bool(raw.get("tie_word_embeddings", True)) \
