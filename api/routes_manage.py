@@ -38,6 +38,8 @@ class AliasTarget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint_id: str = Field(min_length=1, max_length=64)
+    require_finite: bool = Field(False, description="Move only when the checkpoint's newest scan found no NaN or "
+                                                    "Inf (409 saying why otherwise).")
 
 
 class GcRequest(BaseModel):
@@ -101,12 +103,14 @@ def get_alias(namespace: Id, name: Id, request: Request, _: Reader) -> ManagedVi
 
 
 @router.put("/aliases/{namespace}/{name}", response_model=ManagedView,
-            responses=errors(400, 413, 401, 403, 404, 422, 503), summary="Point an alias at a checkpoint")
+            responses=errors(400, 413, 401, 403, 404, 409, 422, 503), summary="Point an alias at a checkpoint")
 def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, principal: Writer) -> ManagedView:
     """Moves the alias atomically (its history keeps every move). An existing alias is moved by the token that
-    made it or an admin (403)."""
-    return request.app.state.service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name,
-                                                       principal)
+    made it or an admin (403). With `require_finite`, only a checkpoint whose newest scan is clean moves it (409)."""
+    service = request.app.state.service
+    if body.require_finite:
+        service.check_finite(body.checkpoint_id, f"alias {name}@{namespace} not moved")
+    return service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name, principal)
 
 
 @router.delete("/aliases/{namespace}/{name}", status_code=204, responses=errors(401, 403, 404, 422, 503),

@@ -199,6 +199,18 @@ class CkptService:
         raise NotFound(f"checkpoint {checkpoint_id} has no statistics yet; submit a scan job of {view.uri} "
                        "(ckptctl submit scan)")
 
+    def check_finite(self, checkpoint_id: str, blocked: str) -> None:
+        """A promotion's guard: Conflict, saying why (`blocked`: what did not happen), unless the checkpoint's
+        newest scan found no NaN or Inf."""
+        try:
+            found = self.stats(checkpoint_id)
+        except NotFound as exc:
+            raise Conflict(f"{blocked}: {exc}") from None
+        if not found.get("finite", False):
+            names = list(found.get("nonfinite") or [])
+            raise Conflict(f"{blocked}: scan {found['job_id']} found NaN or Inf in {len(names)} tensor(s) "
+                           f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+
     def lineage(self, checkpoint_id: str) -> LineageView:
         return self.registry.lineage(self.catalog.checkpoint_id(checkpoint_id))
 

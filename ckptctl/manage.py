@@ -85,12 +85,16 @@ def checkpoints_alias(ref: Ref,
                       name: Annotated[str, typer.Argument(help="The alias, e.g. prod.")],
                       namespace: Annotated[str | None, typer.Option("--run", help="Namespace (default: the "
                                                                     "checkpoint's run).")] = None,
+                      require_finite: Annotated[bool, typer.Option("--require-finite", help="Move only when the "
+                                                                   "checkpoint's newest scan found no NaN or "
+                                                                   "Inf.")] = False,
                       as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Point an alias at a checkpoint (moves it atomically; its history keeps every move)."""
     with connect(server, token) as client:
         checkpoint_id = resolve_ref(client, ref)
         ns = namespace or get(client, f"/v1/checkpoints/{checkpoint_id}/managed")["run"] or "default"
-        result = send(client, "PUT", f"/v1/aliases/{ns}/{name}", {"checkpoint_id": checkpoint_id})
+        result = send(client, "PUT", f"/v1/aliases/{ns}/{name}",
+                      {"checkpoint_id": checkpoint_id, **({"require_finite": True} if require_finite else {})})
     if not _emit(result, as_json):
         out.print(f"{name}@{ns} -> {checkpoint_id} ({result['checkpoint']['uri']})", highlight=False)
 

@@ -177,3 +177,32 @@ def test_a_rule_that_requires_finite_steps_does_not_export_a_diverged_one(tmp_pa
     assert states[1]["state"] == "succeeded" and (exports / "r-1" / "model.safetensors").exists()
     assert states[2]["state"] == "failed" and "require_finite" in states[2]["error"]["message"]
     assert not (exports / "r-2").exists()
+
+
+def test_a_guarded_alias_moves_only_to_a_clean_scan(steps: tuple[Path, Path], tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from ckpt_service.executor import run_job
+    from ckpt_service.settings import Settings
+
+    bad = nan_step(tmp_path / "bad")
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
+    settings.prepare()
+    with TestClient(create_app(settings)) as client:
+        ids = {name: client.post("/v1/checkpoints", json={"uri": str(path), "name": name}).json()["id"]
+               for name, path in (("good", steps[0]), ("bad", bad))}
+        unscanned = client.put("/v1/aliases/default/prod", json={"checkpoint_id": ids["good"], "require_finite": True})
+        assert unscanned.status_code == 409 and "no statistics yet" in unscanned.json()["error"]["message"]
+        store = client.app.state.service.store  # type: ignore[attr-defined]
+        for path in (steps[0], bad):
+            assert client.post("/v1/jobs", json={"kind": "scan", "source": str(path)}).status_code == 202
+            claimed = store.claim("test-worker", 60.0)
+            assert run_job(store, claimed.id, claimed.attempt) == 0
+        moved = client.put("/v1/aliases/default/prod", json={"checkpoint_id": ids["good"], "require_finite": True})
+        assert moved.status_code == 200, moved.text
+        blocked = client.put("/v1/aliases/default/prod", json={"checkpoint_id": ids["bad"], "require_finite": True})
+        assert blocked.status_code == 409
+        assert blocked.json()["error"]["message"].startswith("alias prod@default not moved: scan ")
+        assert blocked.json()["error"]["message"].endswith("found NaN or Inf in 1 tensor(s) (layers.0.weight)")
+        assert client.get("/v1/aliases/default/prod").json()["checkpoint"]["id"] == ids["good"]
