@@ -119,10 +119,80 @@ def _inverse(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]
     return out
 
 
+# families whose layers megatron-core's local spec cannot build (Gemma's post-norms live in Megatron-Bridge's own
+# modules): saved as the tensors megatron-core's layer-stacked torch_dist layout holds (TE names, as
+# Megatron-Bridge's gemma2_bridge.py lists them), with no Megatron forward
+RAW = ("gemma2", "gemma3")
+
+
+def _gemma_args(hf: dict) -> dict:
+    """Megatron-Bridge's Gemma provider settings in Megatron-LM argument names (apply_layernorm_1p = zero-centered
+    gamma; window_attn_skip_freq as a list, 1 = sliding window)."""
+    rope = hf["rope_parameters"]
+    full = rope.get("full_attention", rope)
+    args = _args({**hf, "model_type": "llama", "rope_parameters": full})
+    args.update(apply_layernorm_1p=True, activation_func="fast_gelu", qk_layernorm=hf["model_type"] == "gemma3_text",
+                query_pre_attn_scalar=hf["query_pre_attn_scalar"], rotary_base=int(full["rope_theta"]),
+                window_size=(hf["sliding_window"], 0),
+                window_attn_skip_freq=[int(t == "sliding_attention") for t in hf["layer_types"]])
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(name) is not None:
+            args[name] = hf[name]
+    if "sliding_attention" in rope:
+        args["rope_local_base_freq"] = int(rope["sliding_attention"]["rope_theta"])
+    return args
+
+
+def _gemma_tensors(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]:
+    """HF Gemma tensors -> megatron-core names (TE spec) and layouts, one entry per layer."""
+    out = _inverse(hf, {**args, "num_experts": 0})
+    for i in range(args["num_layers"]):
+        a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[f"{m}self_attention.linear_qkv.layer_norm_weight"] = out.pop(f"{m}input_layernorm.weight")
+        out[f"{m}self_attention.linear_proj.post_layernorm.weight"] = out.pop(f"{m}pre_mlp_layernorm.weight")
+        out[f"{m}mlp.linear_fc1.layer_norm_weight"] = hf[f"{a}pre_feedforward_layernorm.weight"]
+        out[f"{m}mlp.linear_fc2.post_layernorm.weight"] = hf[f"{a}post_feedforward_layernorm.weight"]
+    return out
+
+
+def make_raw(root: str, family: str) -> None:
+    """`dist_checkpointing.save` of ShardedTensors as megatron-core's TransformerBlock shards its layers: key
+    `decoder.layers.<name>` with the layer on a prepended axis (offset i of num_layers)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from safetensors.torch import load_file
+
+    with open(os.path.join(root, "hf", family, "config.json")) as fh:
+        hf_config = json.load(fh)
+    args = _gemma_args(hf_config)
+    tensors = _gemma_tensors(load_file(os.path.join(root, "hf", family, "model.safetensors")), args)
+    layers = args["num_layers"]
+    state = {}
+    for name, tensor in tensors.items():
+        if name.startswith("decoder.layers."):
+            i, rest = name[len("decoder.layers."):].split(".", 1)
+            key = f"decoder.layers.{rest}"
+            state[name] = ShardedTensor.from_rank_offsets(key, tensor.contiguous(), (0, int(i), layers),
+                                                          replica_id=0, prepend_axis_num=1)
+        else:
+            state[name] = ShardedTensor.from_rank_offsets(name, tensor.contiguous(), replica_id=0)
+    ckpt = os.path.join(root, "megatron", family, "iter_0000001")
+    os.makedirs(ckpt)
+    dist_checkpointing.save({"model": state, "args": argparse.Namespace(**args), "iteration": 1,
+                             "checkpoint_version": 3.0}, ckpt)
+    with open(os.path.join(root, "megatron", family, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("1")
+    with open(os.path.join(root, "logits", f"{family}.json"), "w") as fh:
+        json.dump({k: list(v) if isinstance(v, tuple) else v for k, v in args.items() if k != "params_dtype"}, fh)
+
+
 def make(root: str, family: str) -> None:
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
+    if family in RAW:
+        make_raw(root, family)
+        return
     with open(os.path.join(root, "hf", family, "config.json")) as fh:
         hf_config = json.load(fh)
     args = _args(hf_config)

@@ -14,10 +14,16 @@ from typing import Any
 from ..errors import FormatError, OptionError, short
 from .transforms import Shape
 
-FEATURES = ("qkv_bias", "qk_norm", "moe", "window", "pre_softmax")
+FEATURES = ("qkv_bias", "qk_norm", "moe", "window", "pre_softmax", "zero_gamma", "gelu", "softcap", "window_pattern")
 FEATURE_WORDS = {"qkv_bias": "QKV bias (add_qkv_bias)", "qk_norm": "QK-norm (qk_layernorm)",
                  "moe": "mixture of experts (num_moe_experts)", "window": "sliding-window attention (window_size)",
-                 "pre_softmax": "router weights not renormalized over the top k (moe_router_pre_softmax)"}
+                 "pre_softmax": "router weights not renormalized over the top k (moe_router_pre_softmax)",
+                 "zero_gamma": "zero-centered norm weights (layernorm_zero_centered_gamma / apply_layernorm_1p)",
+                 "gelu": "a GeGLU feed-forward (activation_func fast_gelu / openai_gelu)",
+                 "softcap": "logit soft-capping (attn_logit_softcapping / final_logit_softcapping)",
+                 "window_pattern": "full-attention layers between sliding-window ones (window_attn_skip_freq)"}
+# activation_func names (a Megatron-LM arg, or a NeMo `_target_`) that are HF's gelu_pytorch_tanh (tanh approximation)
+TANH_GELU = ("fast_gelu", "openai_gelu", "gelu_tanh")
 
 
 @dataclass
@@ -56,11 +62,13 @@ MEGATRON_SIZES = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn
                   "old_context_len")
 MEGATRON_NUMBERS = ("num_moe_experts", "num_experts", "rotary_percent", "rope_scaling_factor", "scale_factor",
                     "low_freq_factor", "high_freq_factor", "norm_epsilon", "layernorm_epsilon", "rotary_base",
-                    "init_method_std")
+                    "init_method_std", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                    "softmax_scale", "rope_local_base_freq")
 HF_SIZES = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
             "head_dim", "max_position_embeddings", "vocab_size", "num_experts_per_tok", "moe_intermediate_size",
             "sliding_window")
-HF_NUMBERS = ("num_local_experts", "num_experts", "rms_norm_eps", "rope_theta", "initializer_range")
+HF_NUMBERS = ("num_local_experts", "num_experts", "rms_norm_eps", "rope_theta", "initializer_range",
+              "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "rope_local_base_freq")
 
 
 def check_numbers(cfg: dict[str, Any], where: str, sizes: tuple[str, ...], numbers: tuple[str, ...]) -> dict[str, Any]:
@@ -94,6 +102,9 @@ def _unsupported(cfg: dict[str, Any]) -> list[str]:
         problems.append(f"normalization {norm!r} (the table's families use RMSNorm)")
     if not (get(cfg, "swiglu") or get(cfg, "gated_linear_unit")):
         problems.append("no SwiGLU (swiglu / gated_linear_unit is off)")
+    activation = activation_name(cfg)
+    if activation not in ("silu", *TANH_GELU):
+        problems.append(f"activation_func {activation!r} (silu or a tanh GeLU expected)")
     if get(cfg, "add_bias_linear", default=True):
         problems.append("linear biases (add_bias_linear)")
     position = get(cfg, "position_embedding_type", default="learned_absolute")
@@ -120,9 +131,26 @@ def _unsupported(cfg: dict[str, Any]) -> list[str]:
     return problems
 
 
+def activation_name(cfg: dict[str, Any]) -> str:
+    """The MLP activation's plain name: a Megatron-LM arg, a NeMo `_target_` (dotted path) or silu by default."""
+    value = get(cfg, "activation_func", default="silu")
+    if isinstance(value, dict):
+        value = value.get("_target_", "")
+    return str(value).rsplit(".", 1)[-1]
+
+
+def _rope_bases(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-Bridge's Gemma 3 keeps rotary_base as (local, global): split it into rope_local_base_freq and
+    rotary_base so each is checked as a number."""
+    base = cfg.get("rotary_base")
+    if isinstance(base, list | tuple) and len(base) == 2:
+        return {**cfg, "rope_local_base_freq": base[0], "rotary_base": base[1]}
+    return cfg
+
+
 def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     """The model's shape and features from its Megatron config; one line naming what no family expresses."""
-    cfg = check_numbers(cfg, where, MEGATRON_SIZES, MEGATRON_NUMBERS)
+    cfg = check_numbers(_rope_bases(cfg), where, MEGATRON_SIZES, MEGATRON_NUMBERS)
     problems = _unsupported(cfg)
     if problems:
         raise OptionError(f"{where}: no Hugging Face family in the table expresses " + "; ".join(problems)
@@ -140,7 +168,12 @@ def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     features = {name for name, on in (("qkv_bias", get(cfg, "add_qkv_bias", default=False)),
                                       ("qk_norm", get(cfg, "qk_layernorm", default=False)),
                                       ("moe", experts > 0), ("window", window is not None),
-                                      ("pre_softmax", experts > 0 and get(cfg, "moe_router_pre_softmax"))) if on}
+                                      ("pre_softmax", experts > 0 and get(cfg, "moe_router_pre_softmax")),
+                                      ("zero_gamma", get(cfg, "layernorm_zero_centered_gamma", "apply_layernorm_1p")),
+                                      ("gelu", activation_name(cfg) in TANH_GELU),
+                                      ("softcap", get(cfg, "attn_logit_softcapping", "final_logit_softcapping")),
+                                      ("window_pattern", window is not None and get(cfg, "window_attn_skip_freq")))
+                if on}
     shape = Shape(layers=int(_require(cfg, where, "num_layers")), hidden=hidden, ffn=ffn, heads=heads,
                   groups=groups, head_dim=int(get(cfg, "kv_channels", default=hidden // heads)), experts=experts,
                   moe_ffn=int(get(cfg, "moe_ffn_hidden_size", default=ffn)) if experts else 0)
@@ -156,13 +189,36 @@ def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     if window is not None:
         window = _window(window, where)
     target = str(cfg.get("_target_") or "")
+    extra = {name: cfg[name] for name in ("attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq")
+             if cfg.get(name) is not None}
+    scale = get(cfg, "query_pre_attn_scalar")
+    if scale is None and get(cfg, "softmax_scale"):  # Megatron-Bridge's Gemma: softmax_scale = scalar ** -0.5
+        scale = round(float(cfg["softmax_scale"]) ** -2)
+    extra["query_pre_attn_scalar"] = int(scale) if scale is not None else shape.head_dim
+    if window is not None:
+        extra["layer_types"] = _layer_types(cfg.get("window_attn_skip_freq"), shape.layers, where)
     return ModelConfig(shape=shape, tied=tied, features=frozenset(features),
                        eps=float(get(cfg, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
                        rope_theta=float(get(cfg, "rotary_base", default=10000)),
                        max_positions=int(get(cfg, "max_position_embeddings", "seq_length", default=4096)),
                        init_std=float(get(cfg, "init_method_std", default=0.02)),
                        top_k=int(get(cfg, "moe_router_topk", default=2)) if experts else 0, window=window,
-                       rope_scaling=scaling, nemo_class=target.rsplit(".", 1)[-1])
+                       rope_scaling=scaling, nemo_class=target.rsplit(".", 1)[-1], extra=extra)
+
+
+def _layer_types(freq: Any, layers: int, where: str) -> list[str]:
+    """HF's layer_types from megatron-core's window_attn_skip_freq (utils.is_layer_window_attention): an int N makes
+    every Nth layer (1-based) full attention; a list marks sliding-window layers with 1."""
+    if freq is None:
+        sliding = [True] * layers
+    elif type(freq) is int and freq > 0:
+        sliding = [(i + 1) % freq != 0 for i in range(layers)]
+    elif isinstance(freq, list) and len(freq) == layers and all(f in (0, 1) for f in freq):
+        sliding = [bool(f) for f in freq]
+    else:
+        raise FormatError(f"{where}: window_attn_skip_freq {short(freq)} is neither a positive integer nor a list of "
+                          f"{layers} 0/1 flags; the model config is damaged")
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _window(value: Any, where: str) -> int:
@@ -229,4 +285,39 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
     window = hf.get("sliding_window")
     if window and (hf.get("model_type") != "qwen2" or hf.get("use_sliding_window")):
         args["window_size"] = (int(window), 0)
+    if hf.get("model_type") in GEMMA:
+        args.update(_gemma_args(hf, where, args))
     return args
+
+
+GEMMA = ("gemma2", "gemma3_text")
+
+
+def _gemma_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3 (text) beyond the common decoder: zero-centered norms (HF's RMSNorm scales by 1 + w, as
+    megatron-core's with apply_layernorm_1p: the weights copy as they are), tanh GeGLU, soft-capping, the
+    attention scale, the sliding-window pattern and (Gemma 3) the local rope base and QK-norm."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    out: dict[str, Any] = {"apply_layernorm_1p": True,
+                           "activation_func": "fast_gelu" if act == "gelu_pytorch_tanh" else act,
+                           "qk_layernorm": hf["model_type"] == "gemma3_text",
+                           "query_pre_attn_scalar": int(hf.get("query_pre_attn_scalar") or args["kv_channels"])}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(name) is not None:
+            out[name] = float(hf[name])
+    types = hf.get("layer_types")
+    if "window_size" in args and isinstance(types, list) and "full_attention" in types:
+        out["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in types]
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        for kind, params in rope.items():
+            if not isinstance(params, dict) or params.get("rope_type", "default") != "default":
+                raise OptionError(f"{where}: rope_parameters.{kind} is {short(params)}; only default rope (no "
+                                  "scaling) maps to Megatron here", option="family")
+        full: dict[str, Any] = rope["full_attention"]
+        local: dict[str, Any] = rope.get("sliding_attention") or full
+        checked = check_numbers({"full": full.get("rope_theta"), "local": local.get("rope_theta")}, where, (),
+                                ("full", "local"))
+        out["rotary_base"] = int(checked["full"] or 10000)
+        out["rope_local_base_freq"] = int(checked["local"] or 10000)
+    return out

@@ -23,7 +23,8 @@ def detect(mc: ModelConfig, where: str) -> Family:
     for family in FAMILIES.values():
         if mc.nemo_class and mc.nemo_class in family.nemo_classes:
             return family
-    for name in ("qwen3_moe", "mixtral", "qwen3", "qwen2", "llama", "mistral"):  # the plainest fit first
+    # the plainest fit first
+    for name in ("gemma3", "gemma2", "qwen3_moe", "mixtral", "qwen3", "qwen2", "llama", "mistral"):
         family = FAMILIES[name]
         if family.features <= mc.features <= family.features | family.optional:
             return family

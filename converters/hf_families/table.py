@@ -90,6 +90,35 @@ def moe_mlp(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
     )
 
 
+# Gemma 2 / 3 (Megatron-Bridge gemma2_bridge.py): four norms a layer, the attention and MLP outputs normed too;
+# megatron-core keeps the weights zero-centered (apply_layernorm_1p) as HF's Gemma RMSNorm does (1 + w): identity
+GEMMA_NORMS = (
+    rule("self_attention.linear_proj.post_layernorm.weight", "post_attention_layernorm.weight"),
+    rule(("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "pre_feedforward_layernorm.weight"),
+    rule("mlp.linear_fc2.post_layernorm.weight", "post_feedforward_layernorm.weight"),
+    rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), gate_up),
+    rule("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+)
+
+
+def _gemma(mc: ModelConfig) -> dict[str, Any]:
+    """Gemma 2's fields: the embedding scale (sqrt hidden) is in the HF class, as in Megatron-Bridge's embedding."""
+    layers = mc.shape.layers
+    return {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+            "query_pre_attn_scalar": mc.extra["query_pre_attn_scalar"],
+            "attn_logit_softcapping": mc.extra.get("attn_logit_softcapping"),
+            "final_logit_softcapping": mc.extra.get("final_logit_softcapping"),
+            "sliding_window": mc.window,
+            "layer_types": mc.extra.get("layer_types", ["full_attention"] * layers)}
+
+
+def _gemma3(mc: ModelConfig) -> dict[str, Any]:
+    local = float(mc.extra.get("rope_local_base_freq", 10000.0))
+    return {**_gemma(mc), "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": mc.rope_theta},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+            "use_bidirectional_attention": False}
+
+
 def _llama(mc: ModelConfig) -> dict[str, Any]:
     return {"attention_bias": False, "mlp_bias": False}
 
@@ -136,4 +165,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", frozenset({"qk_norm", "moe"}),
            ATTENTION + moe_mlp("mlp", "gate_proj", "up_proj", "down_proj"), optional=frozenset({"pre_softmax"}),
            nemo_classes=("Qwen3MoEConfig", "Qwen3MoeConfig"), extra=_qwen3_moe),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", frozenset({"zero_gamma", "gelu"}), ATTENTION + GEMMA_NORMS,
+           optional=frozenset({"window", "window_pattern", "softcap"}),
+           nemo_classes=("Gemma2Config", "Gemma2Config2B", "Gemma2Config9B", "Gemma2Config27B"), extra=_gemma),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", frozenset({"zero_gamma", "gelu", "qk_norm"}),
+           ATTENTION + GEMMA_NORMS, optional=frozenset({"window", "window_pattern"}),
+           nemo_classes=("Gemma3Config1B", "Gemma3Config"), extra=_gemma3),
 )}
