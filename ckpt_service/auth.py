@@ -12,9 +12,12 @@ import hmac
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from .service_errors import Forbidden, Unauthorized
+
+if TYPE_CHECKING:
+    from .oidc import OidcVerifier
 
 Scope = Literal["read", "write", "admin"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "admin")
@@ -34,10 +37,14 @@ class TokenEntry:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: a token's name and scope (`anonymous` with admin scope when auth is off)."""
+    """Who is calling: a token's name and scope (`anonymous` with admin scope when auth is off). An OpenID
+    Connect principal (`oidc:SUB`) also carries its groups and the (root URI prefix, role) pairs they map to;
+    `roots` None: every root (static tokens)."""
 
     name: str
     scope: Scope
+    groups: tuple[str, ...] = ()
+    roots: tuple[tuple[str, Scope], ...] | None = None
 
     def allows(self, needed: Scope) -> bool:
         return SCOPES.index(self.scope) >= SCOPES.index(needed)
@@ -72,9 +79,10 @@ def create(scope: Scope, name: str | None = None) -> tuple[str, TokenEntry]:
 class TokenChecker:
     """Turns an `Authorization` header into a Principal, or raises Unauthorized/Forbidden."""
 
-    def __init__(self, entries: list[TokenEntry], anonymous: bool) -> None:
+    def __init__(self, entries: list[TokenEntry], anonymous: bool, oidc: OidcVerifier | None = None) -> None:
         self.entries = entries
         self.anonymous = anonymous
+        self.oidc = oidc
 
     def principal(self, authorization: str | None) -> Principal:
         if self.anonymous and not authorization:
@@ -84,7 +92,10 @@ class TokenChecker:
         kind, _, token = authorization.partition(" ")
         if kind.lower() != "bearer" or not token.strip():
             raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
-        found = digest(token.strip())
+        token = token.strip()
+        if self.oidc is not None and not token.startswith(TOKEN_PREFIX) and token.count(".") == 2:
+            return self.oidc.principal(token)
+        found = digest(token)
         match = None
         for entry in self.entries:  # compare with every entry, in constant time each
             if hmac.compare_digest(entry.digest, found):

@@ -96,6 +96,22 @@ class Settings(BaseSettings):
                                           "(0: none); keeps shared filesystems usable while jobs run.")
     job_nice: int = Field(10, ge=0, le=19, description="Niceness of job processes, so the API stays responsive.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # OpenID Connect sign-in (oidc.py); static tokens keep working beside it
+    oidc_issuer: str | None = Field(None, description="Accept JWT access tokens from this OpenID Connect issuer "
+                                    "(https://…, exactly as its discovery document's `issuer`).")
+    oidc_audience: str | None = Field(None, description="The `aud` those tokens must carry (this service's "
+                                      "resource or client id at the issuer).")
+    oidc_groups_claim: str = Field("groups", min_length=1, max_length=128, description="The claim holding the "
+                                   "caller's groups (or roles).")
+    oidc_group_roles: dict[str, dict[str, auth.Scope]] = Field(
+        default_factory=dict, description='{GROUP: {ROOT_URI_PREFIX: read|write|admin}} as JSON; "*" as the '
+        "prefix: every root. A token none of whose groups is listed is refused (403).")
+    oidc_algorithms: StrList = Field(default_factory=lambda: ["RS256", "ES256", "PS256"], description="JWS "
+                                     "algorithms accepted (asymmetric only; none and HS* are always refused).")
+    oidc_leeway_seconds: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on exp, nbf and iat.")
+    oidc_jwks_seconds: float = Field(300.0, ge=1, le=86400, description="How long the issuer's keys are cached.")
+    oidc_refetch_seconds: float = Field(10.0, ge=0, le=3600, description="Least time between key downloads when "
+                                        "a token names an unknown key id (key rotation).")
     # checkpoint management (catalog.py, retention.py, rules.py)
     run_pattern: str = Field("{run}/step_{step}", min_length=1, max_length=512, description="Where a checkpoint's "
                              "path names its run and step: the last path segments, {run} and {step} in them.")
@@ -119,7 +135,42 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls),
                 JsonConfigSettingsSource(settings_cls))
 
-    @field_validator("read_roots", "write_roots", "tokens", "callback_allow", mode="before")
+    @field_validator("oidc_group_roles", mode="before")
+    @classmethod
+    def _roles_json(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value
+
+    @field_validator("oidc_algorithms", mode="after")
+    @classmethod
+    def _algorithms(cls, value: list[str]) -> list[str]:
+        from .oidc import KEY_TYPES
+
+        for alg in value:
+            if alg not in KEY_TYPES:
+                raise ValueError(f"algorithm {alg[:20]!r} refused: choose among {', '.join(KEY_TYPES)} "
+                                 "(none and HMAC algorithms are never accepted)")
+        if not value:
+            raise ValueError("give at least one algorithm")
+        return value
+
+    @field_validator("oidc_issuer", mode="after")
+    @classmethod
+    def _issuer(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        import httpx
+
+        try:
+            url = httpx.URL(value)
+        except httpx.InvalidURL:
+            raise ValueError("give the issuer's https:// URL") from None
+        if url.scheme != "https" and not (url.scheme == "http" and is_loopback(url.host)):
+            raise ValueError("the issuer must be an https:// URL (plain http only on loopback, for tests)")
+        if url.query or url.fragment:
+            raise ValueError("the issuer URL has no query or fragment")
+        return value
+
+    @field_validator("read_roots", "write_roots", "tokens", "callback_allow", "oidc_algorithms", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split(value)
@@ -176,7 +227,9 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.heartbeat_seconds * 2 > self.lease_seconds:
             raise ValueError("heartbeat_seconds must be at most half of lease_seconds")
-        if not self.tokens and not self.anonymous:
+        if self.oidc_issuer and not self.oidc_audience:
+            raise ValueError("oidc_issuer is set but oidc_audience is not: give the aud this service's tokens carry")
+        if not self.tokens and not self.oidc_issuer and not self.anonymous:
             raise ValueError(f"no tokens configured and the server listens on {self.host}: add one (ckptctl token "
                              "create) to CKPT_TOKENS, or set CKPT_ALLOW_ANONYMOUS=true")
         return self
@@ -185,7 +238,7 @@ class Settings(BaseSettings):
     def anonymous(self) -> bool:
         if self.allow_anonymous is not None:
             return self.allow_anonymous
-        return not self.tokens and is_loopback(self.host)
+        return not self.tokens and not self.oidc_issuer and is_loopback(self.host)
 
     @property
     def db_path(self) -> Path:
@@ -212,7 +265,15 @@ class Settings(BaseSettings):
         return CallbackPolicy.parse(self.callback_allow)
 
     def token_checker(self) -> auth.TokenChecker:
-        return auth.TokenChecker([auth.parse_entry(t) for t in self.tokens], self.anonymous)
+        verifier = None
+        if self.oidc_issuer and self.oidc_audience:
+            from .oidc import OidcConfig, OidcVerifier
+
+            verifier = OidcVerifier(OidcConfig(
+                self.oidc_issuer, self.oidc_audience, self.oidc_groups_claim, tuple(self.oidc_algorithms),
+                self.oidc_leeway_seconds, self.oidc_jwks_seconds, self.oidc_refetch_seconds,
+                OidcConfig.roles_tuple(self.oidc_group_roles)))
+        return auth.TokenChecker([auth.parse_entry(t) for t in self.tokens], self.anonymous, verifier)
 
     def prepare(self) -> None:
         """Create the data dir (and nothing else): called by the commands that serve or work."""
