@@ -136,6 +136,14 @@ def run_steps(run: Id, request: Request, _: Reader) -> list[ManagedView]:
     return request.app.state.service.catalog.steps(run)
 
 
+@router.get("/runs/{run}/stats", responses=errors(401, 403, 404, 422, 503), summary="A run's statistics by step")
+def run_stats(run: Id, request: Request, _: Reader) -> list[dict[str, Any]]:
+    """Per scanned step: each layer's weight norm, its relative change from the step before, and the NaN/Inf
+    count (from the newest scan job of each step's checkpoint)."""
+    points: list[dict[str, Any]] = request.app.state.service.run_stats(run)
+    return points
+
+
 @router.get("/runs/{run}/latest", response_model=ManagedView, responses=errors(401, 403, 404, 422, 503),
             summary="The latest step of a run")
 def run_latest(run: Id, request: Request, _: Reader) -> ManagedView:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Any
 
@@ -185,19 +186,55 @@ class CkptService:
                     ) -> tuple[list[CheckpointView], str | None, list[str]]:
         return self.registry.list(name, tag, format, limit, cursor)
 
-    def stats(self, checkpoint_id: str) -> dict[str, Any]:
-        """A checkpoint's per-tensor statistics: the result of the newest succeeded `scan` job of its URI (among
-        the last SCANS_LOOKED_AT scans), with that job's id and time."""
-        view = self.registry.get(self.catalog.checkpoint_id(checkpoint_id))
+    def _scans(self) -> dict[str, JobRecord]:
+        """The newest succeeded `scan` job of each URI, among the last SCANS_LOOKED_AT scans."""
         rows = self.store.query("SELECT * FROM jobs WHERE kind = ? AND state = ? ORDER BY seq DESC LIMIT ?",
                                 ("scan", "succeeded", SCANS_LOOKED_AT))
+        newest: dict[str, JobRecord] = {}
         for row in rows:
             job = JobRecord.from_row(row)
-            if job.spec.get("source") == view.uri and job.result is not None:
-                return {"checkpoint_id": view.id, "uri": view.uri, "job_id": job.id, "scanned_at": job.finished_at,
-                        **job.result}
-        raise NotFound(f"checkpoint {checkpoint_id} has no statistics yet; submit a scan job of {view.uri} "
-                       "(ckptctl submit scan)")
+            if job.result is not None:
+                newest.setdefault(str(job.spec.get("source")), job)
+        return newest
+
+    def stats(self, checkpoint_id: str) -> dict[str, Any]:
+        """A checkpoint's per-tensor statistics: the result of the newest succeeded `scan` job of its URI, with
+        that job's id and time."""
+        view = self.registry.get(self.catalog.checkpoint_id(checkpoint_id))
+        job = self._scans().get(view.uri)
+        if job is None or job.result is None:
+            raise NotFound(f"checkpoint {checkpoint_id} has no statistics yet; submit a scan job of {view.uri} "
+                           "(ckptctl submit scan)")
+        return {"checkpoint_id": view.id, "uri": view.uri, "job_id": job.id, "scanned_at": job.finished_at,
+                **job.result}
+
+    def run_stats(self, run: str) -> list[dict[str, Any]]:
+        """A run's scanned steps in order, each with its layers' weight norms (the L2 norm of each layer's
+        tensors together), the relative change of each norm from the step before, and its NaN/Inf count: what
+        the run page plots. Steps without a scan are left out."""
+        from converters import layer_of
+
+        scans = self._scans()
+        points: list[dict[str, Any]] = []
+        for managed in self.catalog.steps(run):
+            job = scans.get(managed.checkpoint.uri)
+            if job is None or job.result is None or managed.step is None:
+                continue
+            squares: dict[str, float] = {}
+            nonfinite = 0
+            for tensor in job.result.get("tensors", []):
+                l2 = tensor.get("l2")
+                if isinstance(l2, int | float):
+                    layer = layer_of(str(tensor["name"]))
+                    squares[layer] = squares.get(layer, 0.0) + float(l2) ** 2
+                nonfinite += int(tensor.get("nan", 0)) + int(tensor.get("posinf", 0)) + int(tensor.get("neginf", 0))
+            norms = {layer: math.sqrt(total) for layer, total in squares.items()}
+            before = points[-1]["norms"] if points else {}
+            change = {layer: abs(norm - before[layer]) / before[layer] for layer, norm in norms.items()
+                      if before.get(layer)}
+            points.append({"step": managed.step, "checkpoint_id": managed.checkpoint.id, "job_id": job.id,
+                           "nonfinite": nonfinite, "norms": norms, "norm_change": change})
+        return points
 
     def check_finite(self, checkpoint_id: str, blocked: str) -> None:
         """A promotion's guard: Conflict, saying why (`blocked`: what did not happen), unless the checkpoint's

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .quantize import export_fp8
     from .resharding import ReshardOptions, ReshardResult, reshard
     from .staged import through_merged
-    from .stats import DiffResult, ScanResult, diff, scan
+    from .stats import DiffResult, ScanResult, diff, layer_of, scan
     from .transforms import KeyOptions
     from .verification import VerifyReport
     from .writers import WRITERS
@@ -64,6 +64,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "adapter_info": "adapters", "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
     "import_hf": "hf_families.importer", "ImportResult": "hf_families.importer", "export_gguf": "gguf_export",
     "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats", "through_merged": "staged",
+    "layer_of": "stats",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -109,6 +110,7 @@ __all__ = [
     "index_kinds",
     "inspect",
     "install_config",
+    "layer_of",
     "load_index",
     "parse_dim_rules",
     "register_format",

@@ -612,6 +612,40 @@ def test_runs_rules_and_retention(tab: Tab, site: Site) -> None:
     assert tab.errors == []
 
 
+def test_run_page_plots_its_scanned_steps(tab: Tab, site: Site) -> None:
+    """Three steps of a run, scanned: the run page draws each layer's norm (three points), its change from step
+    to step (two), and the NaN/Inf count (three, the last one 1)."""
+    run = site.data / "plotted" / "r9"
+    steps = {}
+    for step in (10, 20, 30):
+        weight = torch.full((8, 8), float(step))
+        if step == 30:
+            weight[0, 0] = float("nan")
+        steps[step] = _save(run / f"step_{step}.pt", {"layers.0.weight": weight, "layers.1.weight": torch.ones(4, 4)})
+    with site.server.client(site.tokens.write) as client:
+        for step, path in steps.items():
+            client.register(str(path), metadata={"run": "r9", "step": step})
+        jobs = [client.submit(job_spec("scan", path))["id"] for path in steps.values()]
+    for job in jobs:
+        site.server.wait_job(job, ("succeeded",), token=site.tokens.read)
+    with site.server.http(site.tokens.read) as http:
+        points = http.get("/v1/runs/r9/stats").json()
+    assert [p["step"] for p in points] == [10, 20, 30] and [p["nonfinite"] for p in points] == [0, 0, 1]
+    assert points[0]["norms"]["layers.0"] == pytest.approx(80.0) and points[1]["norm_change"]["layers.0"] == 1.0
+    page = tab.page
+    sign_in(tab, site.tokens.read, "read")
+    page.goto(f"{site.server.url}/#/runs/r9")
+    page.wait_for_selector("#plot-norms")
+    count = "(sel) => document.querySelectorAll(sel).length"
+    assert page.evaluate(count, "#plot-norms g[data-series='layers.1'] circle") == 3
+    assert page.evaluate(count, "#plot-change g[data-series='layers.1'] circle") == 2
+    steps_drawn = page.eval_on_selector_all("#plot-nonfinite circle", "cs => cs.map(c => c.dataset.step)")
+    assert steps_drawn == ["10", "20", "30"]
+    assert "NaN/Inf at step 30: 1" in page.text_content("#plot-nonfinite")
+    tab.shot("run-plots")
+    assert tab.errors == []
+
+
 @pytest.mark.slow
 def test_job_pages_show_reason_log_fields_and_files(tab: Tab, site: Site) -> None:
     source = _save(site.data / "jobpage" / "step_5.pt", {f"w{i}": torch.ones(32, 32) for i in range(2)})

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow  # real FSDP samples, servers or containers: the f
 
 MANAGE = {"/v1/checkpoints/{checkpoint_id}/tags", "/v1/checkpoints/{checkpoint_id}/managed", "/v1/aliases",
           "/v1/aliases/{namespace}/{name}", "/v1/aliases/{namespace}/{name}/history", "/v1/runs", "/v1/runs/{run}",
-          "/v1/runs/{run}/latest", "/v1/policies", "/v1/policies/{policy_id}", "/v1/gc", "/v1/deletions",
+          "/v1/runs/{run}/latest", "/v1/runs/{run}/stats", "/v1/policies", "/v1/policies/{policy_id}", "/v1/gc",
+          "/v1/deletions",
           "/v1/rules", "/v1/rules/{rule_id}", "/v1/rules/{rule_id}/pause", "/v1/rules/{rule_id}/resume",
           "/v1/rules/{rule_id}/triggers", "/v1/notify"}
 

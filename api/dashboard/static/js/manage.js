@@ -3,6 +3,7 @@
 
 import { api } from "./api.js";
 import { actionButton, bytes, checkpointLink, clear, el, facts, jobLink, table, when } from "./dom.js";
+import { runPlots } from "./plots.js";
 import { session } from "./session.js";
 
 // Pausing a rule is for the token that added it and for admins (the API enforces the same).
@@ -43,6 +44,16 @@ export async function showRun(run, signal) {
       bytes(m.checkpoint.total_bytes), m.aliases.join(", ") || "–", m.checkpoint.tags.join(", ") || "–",
       m.checkpoint.made_by_job ? jobLink(m.checkpoint.made_by_job) : m.rule_id ? `rule ${m.rule_id}` : "training"],
   })), { id: "steps" }));
+  const points = await api(`/v1/runs/${enc(run)}/stats`, { signal });
+  const box = el("section", { id: "run-plots", "aria-label": "Statistics across steps" });
+  document.getElementById("run-body").append(box);
+  if (!points.length) {
+    box.append(empty("No statistics yet: scan the steps (ckptctl submit scan URI, or a scan job from the form) "
+      + "to plot each layer's weight norm, its change from step to step, and NaN/Inf counts."));
+    return;
+  }
+  box.append(el("h2", {}, "Across steps"),
+    ...runPlots(points).map((plot) => el("figure", {}, plot, el("figcaption", {}, plot.querySelector("desc").textContent))));
 }
 
 function triggerCounts(rule) {
