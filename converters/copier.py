@@ -19,6 +19,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 from . import dtypes
 from .checksum import crc32, crc32_zeros
@@ -29,6 +30,9 @@ from .rangeread import RangeReader
 from .readahead import Budget, Buffer, ReadAhead
 from .tensorio import Box, cast, direct_ranges, read_box, slabs
 from .uris import is_local, local_path
+
+if TYPE_CHECKING:
+    from .certificate import Ledger
 
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
@@ -131,6 +135,7 @@ class Copier:
         self._locks_lock = threading.Lock()
         self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
         self.ahead = Budget(self.slab_bytes)  # remote reads ahead of uploads, all files together
+        self.ledger: Ledger | None = None  # a conversion's certificate: what each tensor read and wrote
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
@@ -144,12 +149,18 @@ class Copier:
         out_dtype = self.out_dtype(entry, cast_to)
         item = dtypes.itemsize(entry.dtype)
         base, shape = box if box is not None else ((0,) * len(entry.shape), entry.shape)
+        tally = self.ledger.open(entry, out_dtype, box) if self.ledger is not None else None
         for offsets, sizes in slabs(shape, item, self.slab_bytes):
             absolute = (tuple(b + o for b, o in zip(base, offsets)), sizes)
             view = (buffer or self._buffer)(dtypes.numel(sizes) * item)
             read_box(self.reader, entry, absolute, view)
             self.progress.add(len(view))
-            yield cast(view, entry.dtype, out_dtype) if out_dtype != entry.dtype else view
+            written = cast(view, entry.dtype, out_dtype) if out_dtype != entry.dtype else view
+            if tally is not None:
+                tally.add(view, written)
+            yield written
+        if tally is not None:
+            tally.close()
         self.progress.piece_done(entry.name)
 
     @contextmanager
@@ -173,12 +184,22 @@ class Copier:
                in_kernel: bool = False) -> Iterator[memoryview | SourceRange]:
         """Like `stream`, but when `in_kernel` allows and nothing needs reshaping or casting, yield
         `SourceRange`s for the writer to copy with `copy_file_range` instead of bytes."""
-        if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
+        ledger = self.ledger
+        if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype and \
+                not (ledger is not None and ledger.stats):  # statistics need the bytes in memory
             ranges = direct_ranges(entry, box)
             if ranges is not None and all(is_local(uri) for uri, _, _ in ranges):
+                tally = ledger.open(entry, entry.dtype, box) if ledger is not None else None
+                crc = 0
                 for uri, offset, length in ranges:
-                    yield SourceRange(local_path(uri), offset, length)
+                    piece = SourceRange(local_path(uri), offset, length)
+                    if tally is not None:  # through the page cache, as the copy itself reads it
+                        crc = self._mapped_crc(piece.path, offset, length, crc)
+                    yield piece
                     self.progress.add(length)
+                if tally is not None:
+                    tally.add_crc(crc)
+                    tally.close()
                 self.progress.piece_done(entry.name)
                 return
         yield from self.stream(entry, cast_to, box)

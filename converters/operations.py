@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import dtypes, storage
+from .certificate import Ledger, certify
 from .config import EngineConfig, use
 from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
@@ -45,6 +46,7 @@ class ConvertOptions:
     to_hf: str | None = None  # a family (hf_families) or "auto": Megatron GPT -> HF names, layouts, config.json
     config_from: str | None = None  # an export's side files (config, tokenizer) from this folder (`sidefiles`)
     execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (default: the config's)
+    stats: bool = False  # the certificate holds the statistics of source and output side by side
 
     def __post_init__(self) -> None:
         if self.export and self.keys.only != "model":
@@ -142,6 +144,7 @@ def _convert(source: str, target: str, options: ConvertOptions | None,
         progress = Progress(total_bytes=sum(t.nbytes for t in view.tensors.values()),
                             total_tensors=len(view.tensors), callback=on_progress)
         copier = Copier(reader, options.memory_limit, progress)
+        copier.ledger = Ledger(index.uri, index.format, options.stats)
         metadata: dict[str, str] = {}
         ties: dict[str, str] = {}
         if options.drop_tied:
@@ -165,6 +168,7 @@ def _convert(source: str, target: str, options: ConvertOptions | None,
             for name, data in (side.data if side else {}).items():
                 with out.open(name) as fh:
                     fh.write(data)
+            certify(out, copier, view)
             result = ConvertResult(target, [(n, f["bytes"]) for n, f in out.files.items()], report, skipped,
                                    parts=plan.results, side_files=side)
             if options.verify:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import dtypes, storage
+from .certificate import Ledger, certify
 from .classify import optimizer_owners
 from .config import EngineConfig, use
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
@@ -41,6 +42,7 @@ class ReshardOptions:
     verify: bool = False
     execution: Execution = field(default_factory=Execution)  # local threads, or Ray tasks (default: the config's)
     output_layout: str = "auto"  # the source framework's folder layout (framework_layouts), or "flat": one DCP
+    stats: bool = False  # the certificate holds the statistics of source and output side by side
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -97,6 +99,7 @@ def _reshard(source: str, target: str, options: ReshardOptions, on_progress: Cal
         copier = Copier(reader, options.memory_limit, Progress(total_bytes=view.total_bytes,
                                                                total_tensors=len(view.tensors),
                                                                callback=on_progress))
+        copier.ledger = Ledger(index.uri, index.format, options.stats)
         plan: list[list[Piece]] = [[] for _ in range(options.world_size)]
         uneven = 0
         for name, entry in view.tensors.items():
@@ -118,6 +121,7 @@ def _reshard(source: str, target: str, options: ReshardOptions, on_progress: Cal
         with open_output(target, options.overwrite, "dcp") as out:
             results, verified = write_layout(kept, view, plan, copier, cast_for, out, options, index.uri, target)
             report.extend(kept.report() if kept.framework != "dcp" else [])
+            certify(out, copier, view)
             result = ReshardResult(target, options.world_size, [(n, f["bytes"]) for n, f in out.files.items()],
                                    report, parts=results, verify=verified)
         report.extend(reader.fetch_note())

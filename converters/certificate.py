@@ -1,0 +1,196 @@
+"""Conversion certificates: what an output was made from and what it holds, recorded in its manifest.
+
+While a conversion copies, the copier hands every tensor (or box of one, in a reshard) to a `Ledger`: the
+CRC-32 of the source bytes it read (row-major, before any cast) and of the bytes it wrote, and with `stats`
+the statistics of both (`converters.stats.moments`), all computed on the slabs already in memory (bytes the
+kernel copies file to file are checksummed through the page cache). At the end `certificate()` gives the
+manifest's `certificate`:
+
+- `source`: its URI and format, and per tensor (per box): the source byte ranges it was read from (file
+  relative to the source, offset, length; a DCP record's range) and the CRC-32 of the values read;
+- `output`: per tensor (per box) the output dtype and the CRC-32 of its bytes in the output (the manifest's
+  `files` carry every output file's size and CRC-32 too);
+- with `stats`: the statistics of source and output side by side, and the check: `equal` for an exact copy,
+  `within rounding` for a cast (counts equal, values within the output dtype's rounding), else `differs`.
+
+`converters.verification.check_certificate` re-checks an output against it later.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from . import storage
+from .checksum import crc32
+from .index import CheckpointIndex, TensorEntry
+from .stats.moments import SUPPORTED, Moments, TensorStats, numpy_dtype
+from .tensorio import Box
+
+#: the unit roundoff of each floating dtype a cast can land in (2**-p, p the significand's bits)
+ROUNDING = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
+            "float8_e4m3fn": 2.0**-4, "float8_e5m2": 2.0**-3}
+#: the smallest normal value of each: below it a cast rounds in absolute steps (subnormals, flush to zero)
+TINY = {"float64": 2.2250738585072014e-308, "float32": 1.1754943508222875e-38, "float16": 6.103515625e-05,
+        "bfloat16": 1.1754943508222875e-38, "float8_e4m3fn": 2.0**-6, "float8_e5m2": 2.0**-14}
+
+
+BLOCK = 16 << 20  # the manifest records a CRC-32 per block of each output file
+STEP = 4 << 20  # bytes read at a time
+
+
+def box_key(box: Box | None) -> list[list[int]] | None:
+    return None if box is None else [list(box[0]), list(box[1])]
+
+
+class Tally:
+    """One stream of one tensor (or box): CRC-32s of the bytes read and written, their moments with stats."""
+
+    def __init__(self, ledger: Ledger, entry: TensorEntry, out_dtype: str, box: Box | None) -> None:
+        self.ledger, self.entry, self.out_dtype, self.box = ledger, entry, out_dtype, box
+        self.src_crc = self.out_crc = 0
+        self.src: Moments | None = None
+        self.out: Moments | None = None
+        if ledger.stats and entry.dtype in SUPPORTED and out_dtype in SUPPORTED:
+            self.src = Moments(entry.name, entry.dtype, entry.shape)
+            self.out = Moments(entry.name, out_dtype, entry.shape)
+
+    def add(self, read: memoryview, written: memoryview) -> None:
+        """Take a slab as read from the source and as written to the output (the same view when not cast)."""
+        self.src_crc = crc32(read, self.src_crc)
+        self.out_crc = self.src_crc if written is read else crc32(written, self.out_crc)
+        if self.src is not None and self.out is not None:
+            self.src.add(np.frombuffer(read, dtype=numpy_dtype(self.entry.dtype)))
+            self.out.add(np.frombuffer(written, dtype=numpy_dtype(self.out_dtype)))
+
+    def add_crc(self, crc: int) -> None:
+        """A piece the kernel copied unchanged: `crc` is both CRC-32s extended over it."""
+        self.src_crc = self.out_crc = crc
+
+    def close(self) -> None:
+        self.ledger.record(self)
+
+
+class Ledger:
+    """Everything the copier read and wrote in one conversion, gathered from its writer threads."""
+
+    def __init__(self, source: str, source_format: str, stats: bool = False) -> None:
+        self.source, self.source_format, self.stats = source.rstrip("/"), source_format, stats
+        self.pieces: dict[str, list[dict[str, Any]]] = {}
+        self.moments: dict[str, tuple[Moments, Moments]] = {}
+        self._lock = threading.Lock()
+
+    def open(self, entry: TensorEntry, out_dtype: str, box: Box | None) -> Tally:
+        return Tally(self, entry, out_dtype, box)
+
+    def record(self, tally: Tally) -> None:
+        entry = tally.entry
+        piece = {"box": box_key(tally.box), "dtype": entry.dtype, "shape": list(entry.shape),
+                 "out_dtype": tally.out_dtype,
+                 "ranges": [[self._relative(c.data.uri), c.data.offset, c.data.length, list(c.offsets), list(c.sizes),
+                             None if c.data.stride is None else list(c.data.stride)] for c in entry.chunks],
+                 "source_crc32": tally.src_crc, "crc32": tally.out_crc}
+        with self._lock:
+            self.pieces.setdefault(entry.name, []).append(piece)
+            if tally.src is not None and tally.out is not None:
+                have = self.moments.get(entry.name)
+                if have is None:
+                    self.moments[entry.name] = (tally.src, tally.out)
+                else:
+                    have[0].merge(tally.src)
+                    have[1].merge(tally.out)
+
+    def _relative(self, uri: str) -> str:
+        prefix = self.source + "/"
+        return uri[len(prefix):] if uri.startswith(prefix) else uri
+
+    def certificate(self, view: CheckpointIndex) -> dict[str, Any]:
+        """The manifest's certificate for an output holding the tensors of `view`."""
+        tensors = {name: sorted(self.pieces.get(name, []), key=lambda p: str(p["box"])) for name in view.tensors}
+        doc: dict[str, Any] = {"source": {"uri": self.source, "format": self.source_format},
+                               "tensors": tensors}
+        if self.stats:
+            doc["stats"] = {name: side_by_side(*(m.result() for m in pair))
+                            for name, pair in sorted(self.moments.items()) if name in view.tensors}
+        return doc
+
+
+def side_by_side(src: TensorStats, out: TensorStats) -> dict[str, Any]:
+    a, b = src.to_dict(), out.to_dict()
+    return {"source": a, "output": b, "check": compare(src, out)}
+
+
+def compare(src: TensorStats, out: TensorStats) -> str:
+    """`equal` when the statistics are the same, `within rounding` when a cast explains the difference,
+    else `differs`."""
+    keys = ("count", "nan", "posinf", "neginf", "zeros", "min", "max", "mean", "std", "l2")
+    if all(getattr(src, k) == getattr(out, k) for k in keys):
+        return "equal"
+    if src.dtype == out.dtype or out.dtype not in ROUNDING:
+        return "differs"
+    if (src.count, src.nan) != (out.count, out.nan) or out.zeros < src.zeros:
+        return "differs"
+    u, tiny = ROUNDING[out.dtype] * 1.01, TINY[out.dtype]
+    if src.posinf + src.neginf != out.posinf + out.neginf:
+        return "differs"  # a cast that overflowed to infinity lost values
+    scale = src.l2 / math.sqrt(max(src.count, 1))  # root mean square: the size of a typical value
+
+    def near(x: float | int | None, y: float | int | None, size: float) -> bool:
+        if x is None or y is None:
+            return x is None and y is None
+        return abs(float(x) - float(y)) <= u * size + tiny
+
+    return "within rounding" if (near(src.min, out.min, abs(float(src.min or 0)))
+                                 and near(src.max, out.max, abs(float(src.max or 0)))
+                                 and near(src.mean, out.mean, scale) and near(src.std, out.std, 2 * scale)
+                                 and near(src.l2, out.l2, src.l2)) else "differs"
+
+
+def certify(out: Any, copier: Any, view: CheckpointIndex) -> None:
+    """Put the certificate of what `copier` read and wrote into `out`'s manifest (a folder output; a single-file
+    target has no manifest), with every output file's CRC-32."""
+    ledger = copier.ledger
+    if ledger is None or out.single_file:
+        return
+    file_crcs(out)
+    out.about["certificate"] = ledger.certificate(view)
+
+
+def file_crcs(out: Any) -> None:
+    """Give every output file its CRC-32 in the manifest, and locally the CRC-32 of each `BLOCK` of it (so a
+    damaged range can be named): a remote upload computed the file's; locally the file is read back (from the
+    page cache)."""
+    for name, info in out.files.items():
+        if out.local:
+            with open(out.path(name), "rb", buffering=0) as fh:
+                info["crc32"], info["blocks"] = block_crcs(fh.readinto)
+
+
+def block_crcs(readinto: Any, block: int = BLOCK) -> tuple[int, list[int]]:
+    """(CRC-32 of a whole stream, the CRC-32 of each `block` bytes of it) from `readinto(view) -> n`."""
+    whole, blocks = 0, []
+    buf = memoryview(bytearray(min(block, STEP)))
+    crc, filled = 0, 0
+    while True:
+        n = readinto(buf[:min(len(buf), block - filled)])
+        if not n:
+            break
+        whole, crc, filled = crc32(buf[:n], whole), crc32(buf[:n], crc), filled + n
+        if filled == block:
+            blocks.append(crc)
+            crc, filled = 0, 0
+    if filled:
+        blocks.append(crc)
+    return whole, blocks
+
+
+def source_files(ledger: Ledger) -> list[str]:
+    """The source files the certificate names."""
+    return sorted({r[0] for pieces in ledger.pieces.values() for p in pieces for r in p["ranges"]})
+
+
+def source_uri(source: str, name: str) -> str:
+    return name if "://" in name or name.startswith("/") else storage.join(source, name)
