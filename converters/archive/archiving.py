@@ -52,16 +52,29 @@ class ArchiveResult:
         return {**self.__dict__, "dedup_saved": self.dedup_saved, "compression_saved": self.compression_saved}
 
 
-def _index(source: str, files: list[SourceFile]) -> dict[str, list[tuple[int, int, int]]]:
-    """The tensor ranges of each file the engine's index describes; none when the source is no checkpoint the
-    engine reads (then every file is cut by content)."""
+SINGLE_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def _inspected(uri: str, files: list[SourceFile]) -> dict[str, list[tuple[int, int, int]]]:
     from ..operations import inspect
 
     try:
-        index: CheckpointIndex = inspect(source)
+        index: CheckpointIndex = inspect(uri)
     except CkptError:
         return {}
     return tensor_ranges(index, {f.uri: f.name for f in files})
+
+
+def _index(source: str, files: list[SourceFile]) -> dict[str, list[tuple[int, int, int]]]:
+    """The tensor ranges of each file the engine's index describes: the source's own index, then each file
+    it leaves out that reads as a checkpoint of its own (a torch.save file beside a safetensors model). A file
+    that none describes is cut by content."""
+    ranges = _inspected(source, files)
+    if len(files) > 1:
+        for f in files:
+            if f.name not in ranges and f.name.endswith(SINGLE_FILE_SUFFIXES):
+                ranges.update(_inspected(f.uri, [f]))
+    return ranges
 
 
 def _pieces(f: SourceFile, ranges: list[tuple[int, int, int]]) -> Iterator[tuple[bytes, int]]:

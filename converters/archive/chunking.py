@@ -1,8 +1,9 @@
 """Where a checkpoint's files are cut into chunks.
 
 Files the engine's index describes are cut at the byte ranges of their tensors (a DCP record, a safetensors
-tensor, a torch.save storage), small neighbours grouped up to `GROUP` bytes, ranges longer than `PIECE` cut
-into fixed pieces from the range's start (an unchanged tensor gives the same chunks at any offset in the file).
+tensor, a torch.save storage): ranges under `SMALL` bytes grouped with their neighbours up to `GROUP` bytes,
+ranges longer than `PIECE` cut into fixed pieces from the range's start (an unchanged tensor gives the same
+chunks at any offset in the file).
 Bytes between ranges, and files the index does not describe, are cut by content (`cdc_cuts`): a window-sum
 gear hash over `WINDOW` bytes, vectorised with numpy, cuts where its low bits are zero, between `MIN_CDC` and
 `PIECE` bytes apart, so an insertion moves only the chunks around it."""
@@ -18,7 +19,8 @@ from .. import dtypes
 from ..index import CheckpointIndex
 
 PIECE = 4 << 20  # largest chunk
-GROUP = 256 << 10  # neighbouring tensor ranges are grouped up to this size
+SMALL = 16 << 10  # tensor ranges under this size are grouped with their neighbours ...
+GROUP = 64 << 10  # ... up to this size (a group changes when any of its tensors does)
 MIN_CDC = 256 << 10
 MASK = (1 << 19) - 1  # content-defined cuts: about every MIN_CDC + 512 KiB
 WINDOW = 48
@@ -85,7 +87,7 @@ def segments(size: int, ranges: list[tuple[int, int, int]]) -> Iterator[Segment]
         if offset > at:
             yield from flush()
             yield Segment(at, offset - at, 1, True)
-        if length >= GROUP:
+        if length >= SMALL:
             yield from flush()
             for start in range(offset, offset + length, PIECE):
                 yield Segment(start, min(PIECE, offset + length - start), itemsize)

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .manifest import hashes, ids, read
+from .manifest import hashes, ids, manifest_key, parse
 from .store import CHUNKS, GC, PENDING, Store
 
 STALE_S = 6 * 3600.0
@@ -73,7 +73,9 @@ def gc(store_uri: str, grace_s: float = GRACE_S, stale_s: float = STALE_S) -> Gc
         result.stale_markers = stale
         used: set[str] = set()
         for archive_id in ids(store):
-            used |= hashes(read(store, archive_id))
+            raw = store.get(manifest_key(archive_id))
+            if raw is not None:  # None: removed since it was listed, so it references nothing
+                used |= hashes(parse(raw, store.where(manifest_key(archive_id))))
         now = time.time()
         for key, mtime in store.listing(CHUNKS).items():
             digest = key.rsplit("/", 1)[-1]
