@@ -17,17 +17,20 @@ import anyio
 from fastapi import FastAPI
 
 from ckpt_service import logs
+from ckpt_service.audit import AuditLog
 from ckpt_service.service import CkptService
 from ckpt_service.settings import Settings
 from ckpt_service.store import JobStore
 from ckpt_service.store_check import StoreHealth
 
 from . import http_errors
+from .audit_trail import AuditTrail
 from .dashboard import mount as mount_dashboard
 from .docs import mount as mount_docs
 from .events import StreamSlots
 from .limits import BodyLimit
 from .metrics import Metrics, RequestMetrics
+from .routes_audit import router as audit_router
 from .routes_checkpoints import router as checkpoints_router
 from .routes_dashboard_support import router as session_router
 from .routes_health import router as health_router
@@ -73,6 +76,7 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     app.state.service = service
     app.state.pool = pool
     app.state.checker = settings.token_checker()
+    app.state.audit = AuditLog(service.store)
     app.state.metrics = Metrics(service.store, pool)
     app.state.store_health = StoreHealth(service.store.path, settings.store_check_seconds)
     app.state.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_principal)
@@ -80,10 +84,12 @@ def create_app(settings: Settings, pool: Any = None, store: JobStore | None = No
     app.include_router(jobs_router)
     app.include_router(checkpoints_router)
     scheduler = install_manage(app)
+    app.include_router(audit_router)
     app.include_router(health_router)
     app.include_router(session_router)
     mount_dashboard(app)
     mount_docs(app)
+    app.add_middleware(AuditTrail, api=app)  # inside BodyLimit: an oversized body never gets this far
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

@@ -180,7 +180,28 @@ V5_ORIGIN = [
     "ALTER TABLE checkpoints ADD COLUMN registered_via TEXT",
 ]
 
-MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS, V5_ORIGIN]
+#: the audit log (audit.py): one row per change or refused attempt, appended and never updated or deleted by the
+#: service. `before`/`after`: the object's JSON around the change (NULL where there was none); `outcome`: done or
+#: refused; `detail`: the refusal's one line, or what else the change needs said.
+V6_AUDIT = [
+    """CREATE TABLE audit (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        principal TEXT NOT NULL,
+        action TEXT NOT NULL,
+        object TEXT NOT NULL,
+        outcome TEXT NOT NULL,
+        before TEXT,
+        after TEXT,
+        detail TEXT
+    )""",
+    "CREATE INDEX audit_by_principal ON audit (principal, seq)",
+    "CREATE INDEX audit_by_action ON audit (action, seq)",
+    "CREATE INDEX audit_by_object ON audit (object, seq)",
+    "CREATE INDEX audit_by_time ON audit (at)",
+]
+
+MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS, V5_ORIGIN, V6_AUDIT]
 LATEST = len(MIGRATIONS)
 
 
