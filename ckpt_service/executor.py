@@ -29,6 +29,7 @@ from .job_requests import (
     KeyedRequest,
     ReshardRequest,
     ScanRequest,
+    ScrubRequest,
     VerifyRequest,
 )
 
@@ -104,6 +105,10 @@ def import_call(request: ImportRequest, source: str, target: str | None) -> Engi
                                        memory_limit=int(request.memory_limit))
 
 
+#: the registry tag a scrub that found a mismatch puts on a checkpoint
+DAMAGED = "damaged"
+
+
 def scan_call(request: ScanRequest, source: str, target: str | None) -> EngineCall:
     from converters import scan
 
@@ -111,6 +116,19 @@ def scan_call(request: ScanRequest, source: str, target: str | None) -> EngineCa
     keys.nest = False
     return lambda progress: scan(source, source_format=request.source_format, keys=keys,
                                  memory_limit=int(request.memory_limit), on_progress=progress)
+
+
+def scrub_call(request: ScrubRequest, source: str, target: str | None) -> EngineCall:
+    """Re-check against the recorded checksums; a mismatch raises VerifyError carrying the report (a failed job
+    that keeps it, and marks the registered checkpoint `damaged`)."""
+    from converters import scrub
+
+    def run_scrub(_progress: Callable[[Any], None] | None) -> Any:
+        report = scrub(source, memory_limit=int(request.memory_limit))
+        if not report.ok:
+            raise VerifyError(report.summary() + ": " + "; ".join(report.damaged[:5]), report=report)
+        return report
+    return run_scrub
 
 
 def diff_call(request: DiffRequest, source: str, target: str | None) -> EngineCall:
@@ -141,6 +159,13 @@ def verify_call(request: VerifyRequest, source: str, target: str | None) -> Engi
     chosen = None if all(getattr(request, n) == getattr(defaults, n) for n in KEY_FIELDS) else keys
 
     def run_verify(_progress: Callable[[Any], None] | None) -> Any:
+        if request.certificate:
+            from converters import check_certificate
+
+            checked = check_certificate(source, memory_limit=int(request.memory_limit))
+            if not checked.ok:
+                raise VerifyError(checked.summary() + ": " + "; ".join(checked.damaged[:5]), report=checked)
+            return checked
         report = verify(source, target or "", keys=chosen, atol=request.atol, rtol=request.rtol,
                         a_format=request.source_format, b_format=request.target_format,
                         memory_limit=int(request.memory_limit))
@@ -157,7 +182,8 @@ def reshard_call(request: ReshardRequest, source: str, target: str | None) -> En
                              dim_rules=parse_dim_rules(request.shard_dim_rule), keys=key_options(request),
                              source_format=request.source_format, dtype=request.dtype,
                              dtype_optim=request.dtype_optim, memory_limit=int(request.memory_limit),
-                             overwrite=request.overwrite, verify=request.verify, output_layout=request.output_layout)
+                             overwrite=request.overwrite, verify=request.verify, output_layout=request.output_layout,
+                             stats=request.stats)
     return lambda progress: reshard(source, target or "", options, progress)
 
 
@@ -178,7 +204,7 @@ def convert_call(request: ConvertRequest | ExportRequest, source: str, target: s
                              max_shard_size=int(request.max_shard_size), memory_limit=int(request.memory_limit),
                              overwrite=request.overwrite, drop_tied=list(request.drop_tied), verify=request.verify,
                              export=export is not None, to_hf=export.to_hf if export else None,
-                             config_from=export.config_from if export else None)
+                             config_from=export.config_from if export else None, stats=request.stats)
     return lambda progress: convert(source, target or "", options, progress)
 
 
@@ -389,6 +415,19 @@ def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: A
     return True
 
 
+def mark_damaged(store: JobStore, uri: str) -> None:
+    """Tag the registered checkpoint at `uri` (if any) `damaged`: a scrub found it differs from its checksums."""
+    from .registry import Registry
+
+    view = Registry(store).find_uri(uri)
+    if view is None or DAMAGED in view.tags:
+        return
+    with store.transaction() as conn:
+        conn.execute("UPDATE checkpoints SET tags = ?, updated_at = ? WHERE id = ?",
+                     (json.dumps([*view.tags, DAMAGED]), time.time(), view.id))
+    logs.event("registry.damaged", uri=uri, checkpoint_id=view.id)
+
+
 def recheck_roots(spec: JobSpec, read: list[roots.Location], write: list[roots.Location]) -> None:
     """Check the roots again where the job runs: a symlink swapped in since the job was queued is caught."""
     from .job_kinds import kind_of
@@ -435,6 +474,9 @@ def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float 
         report = exc.report
         result = report_result(report) if report is not None else None
         message = f"checkpoints differ: {exc}" if report is not None else str(exc)
+        if spec.kind == "scrub" and report is not None:
+            message = str(exc)
+            mark_damaged(store, spec.source)
         store.finish_now(job_id, attempt, "failed", result=result, error=("VerifyError", message))
         logs.event("job.failed", job_id=job_id, attempt=attempt, error_type="VerifyError")
     except CkptError as exc:

@@ -27,6 +27,7 @@ from .executor import (
     inspect_call,
     reshard_call,
     scan_call,
+    scrub_call,
     verify_call,
 )
 from .job_requests import (
@@ -38,6 +39,7 @@ from .job_requests import (
     JobRequest,
     ReshardRequest,
     ScanRequest,
+    ScrubRequest,
     VerifyRequest,
 )
 
@@ -136,5 +138,6 @@ declare(JobKind("verify", VerifyRequest, verify_call, report_result,
                 arguments=(("a", "The first checkpoint."), ("b", "The second checkpoint."))))
 declare(JobKind("inspect", InspectRequest, inspect_call, as_is, arguments=(SOURCE,)))
 declare(JobKind("scan", ScanRequest, scan_call, report_result, arguments=(SOURCE,)))
+declare(JobKind("scrub", ScrubRequest, scrub_call, report_result, arguments=(SOURCE,)))
 declare(JobKind("diff", DiffRequest, diff_call, report_result,
                 arguments=(("a", "The first checkpoint."), ("b", "The second checkpoint."))))

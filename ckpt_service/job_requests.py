@@ -122,6 +122,9 @@ DropTied = Annotated[Texts, Field(description="Leave out NAME, a tensor equal to
                                   "the tie is recorded."), flag("--drop-tied", metavar="NAME")]
 VerifyOutput = Annotated[bool, Field(description="Compare the output with the source before finishing."),
                          flag("--verify")]
+CertifyStats = Annotated[bool, Field(description="Put the statistics of source and output side by side in the "
+                                               "output's certificate (checked: equal, or within a cast's rounding)."),
+                         flag("--stats")]
 RequireFinite = Annotated[bool, Field(description="Scan the source first and write nothing when a tensor holds NaN "
                                                   "or Inf (a guard for rules: a diverged step is never exported)."),
                           flag("--require-finite")]
@@ -186,6 +189,7 @@ class OutputRequest(KeyedRequest):
     drop_tied: DropTied = Field(default_factory=list)
     verify: VerifyOutput = False
     require_finite: RequireFinite = False
+    stats: CertifyStats = False
 
 
 class ConvertRequest(OutputRequest):
@@ -254,6 +258,7 @@ class ReshardRequest(KeyedRequest):
     overwrite: Overwrite = False
     verify: VerifyOutput = False
     require_finite: RequireFinite = False
+    stats: CertifyStats = False
     output_layout: Annotated[OutputLayout, one_of(OutputLayout, "output layout"),
                              Field(description="auto: the source framework's own folder layout (Accelerate, "
                                                "Lightning, Megatron), so its resume call works; flat: one DCP "
@@ -277,6 +282,9 @@ class VerifyRequest(KeyedRequest):
                              Field(description="Force the format of the second checkpoint (B): the same choices."),
                              flag("--from-b", metavar="FORMAT")] = None
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+    certificate: Annotated[bool, Field(description="Re-check output A against the certificate in its manifest (its "
+                                       "files, tensors and, when still there, the source ranges it names); B is "
+                                       "not used."), flag("--certificate")] = False
 
 
 class InspectRequest(JobRequest):
@@ -297,6 +305,13 @@ class ScanRequest(KeyedRequest):
     source_format: SourceFormat = None
     tag: Tag = None
     weights: Weights = None
+    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+
+
+class ScrubRequest(JobRequest):
+    """Re-read a stored output and compare it with its recorded checksums (its manifest's file CRC-32s and its
+    certificate's tensor CRC-32s); a mismatch names the file and byte range and marks the checkpoint `damaged`."""
+
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
 
 

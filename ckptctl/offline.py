@@ -18,7 +18,7 @@ from ckpt_service.job_kinds import kinds
 from ckpt_service.job_requests import REQUESTS, InspectRequest, JobRequest, dtype_name
 from ckpt_service.service_errors import DIFFERENT
 from ckpt_service.units import human
-from converters import VerifyError
+from converters import OptionError, VerifyError
 
 from .common import (
     AsJson,
@@ -101,8 +101,14 @@ def compared(request: JobRequest, a: str, b: str, update: Any = None) -> Any:
         return exc.report
 
 
-def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> None:
-    """Compare; exit 1 when the checkpoints differ."""
+def run_verify(request: JobRequest, a: str, b: str | None = None, as_json: bool = False) -> None:
+    """Compare; exit 1 when the checkpoints differ. With --certificate, re-check output A against its certificate
+    (exit 1 naming each damaged file and byte range)."""
+    if getattr(request, "certificate", False):
+        return run_certificate(request, a, as_json)
+    if b is None:
+        with errors():
+            raise OptionError("verify needs two checkpoints A and B (or --certificate OUT)", option="b")
     with errors(), engine_config():
         report = compared(request, a, b)
     if as_json:
@@ -113,6 +119,23 @@ def run_verify(request: JobRequest, a: str, b: str, as_json: bool = False) -> No
         out.print(("OK " if report.ok else "DIFFERENT ") + report.summary(), highlight=False)
         for name, diff in list(report.max_abs_diff.items())[:20]:
             out.print(f"  {name}: max |a-b| = {diff:g}", highlight=False)
+    if not report.ok:
+        raise typer.Exit(DIFFERENT)
+
+
+def run_certificate(request: JobRequest, uri: str, as_json: bool = False) -> None:
+    """verify --certificate and scrub: re-check an output against what its manifest recorded; exit 1 naming each
+    damaged file and byte range."""
+    with errors(), engine_config():
+        report = compared(request, uri, "")
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        for note in report.notes:
+            err.print(f"[dim]{note}[/]", highlight=False)
+        out.print(("OK " if report.ok else "DAMAGED ") + report.summary(), highlight=False)
+        for line in report.damaged:
+            out.print(f"  {line}", highlight=False)
     if not report.ok:
         raise typer.Exit(DIFFERENT)
 
@@ -185,10 +208,16 @@ job_command(app, REQUESTS["inspect"], [("source", PATH)], [keyword("as_json", As
 for _kind in kinds().values():  # every kind that writes an output, as its declaration says (`job_kinds`)
     if _kind.writes:
         job_command(app, _kind.request, list(_kind.arguments), WRITE_EXTRAS, run_write)
-job_command(app, REQUESTS["verify"], [("a", "The first checkpoint."), ("b", "The second checkpoint.")],
-            [keyword("as_json", AsJson, False)], run_verify,
-            help="Compare two checkpoints tensor by tensor (exact unless --atol/--rtol); exit 1 when they differ.")
+job_command(app, REQUESTS["verify"], [("a", "The first checkpoint.")],
+            [keyword("b", Annotated[str | None, typer.Argument(help="The second checkpoint (not with --certificate).",
+                                                                show_default=False)], None),
+             keyword("as_json", AsJson, False)], run_verify,
+            help="Compare two checkpoints tensor by tensor (exact unless --atol/--rtol); exit 1 when they differ. "
+                 "--certificate OUT re-checks an output against its certificate.")
 READ_EXTRAS = [keyword("quiet", Quiet, False), keyword("as_json", AsJson, False)]
+job_command(app, REQUESTS["scrub"], [("source", PATH)], [keyword("as_json", AsJson, False)], run_certificate,
+            help="Re-read a stored output and compare it with the CRC-32s its manifest and certificate recorded; "
+                 "exit 1 naming each damaged file and byte range.")
 job_command(app, REQUESTS["scan"], [("source", PATH)], READ_EXTRAS,
             run_scan, help="Read every tensor once for its statistics (NaN, +Inf, -Inf and zero counts, min, max, "
                            "mean, std, L2 norm); exit 1 when a tensor holds NaN or Inf.")

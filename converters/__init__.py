@@ -22,6 +22,7 @@ from .errors import (
 if TYPE_CHECKING:
     from . import dtypes, storage
     from .adapters import adapter_info, export_adapter, export_merged
+    from .certificate_check import CertificateReport, scrub
     from .classify import index_kinds
     from .config import ContextThread, EngineConfig, PickleLimits
     from .config import install as install_config
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from .staged import through_merged
     from .stats import DiffResult, ScanResult, diff, layer_of, scan
     from .transforms import KeyOptions
-    from .verification import VerifyReport
+    from .verification import VerifyReport, check_certificate
     from .writers import WRITERS
 
 #: public name -> the module (relative to this package) that defines it, or (module, name there) when the public
@@ -64,7 +65,8 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "adapter_info": "adapters", "export_adapter": "adapters", "export_merged": "adapters", "export_fp8": "quantize",
     "import_hf": "hf_families.importer", "ImportResult": "hf_families.importer", "export_gguf": "gguf_export",
     "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats", "through_merged": "staged",
-    "layer_of": "stats",
+    "layer_of": "stats", "check_certificate": "verification", "scrub": "certificate_check",
+    "CertificateReport": "certificate_check",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -74,6 +76,7 @@ __all__ = [
     "READERS",
     "WRITERS",
     "BaseReader",
+    "CertificateReport",
     "CheckpointIndex",
     "CkptError",
     "ContextThread",
@@ -96,6 +99,7 @@ __all__ = [
     "VerifyError",
     "VerifyReport",
     "adapter_info",
+    "check_certificate",
     "convert",
     "deepspeed_source",
     "detect",
@@ -117,6 +121,7 @@ __all__ = [
     "remove_tree",
     "reshard",
     "scan",
+    "scrub",
     "segments_below",
     "storage",
     "through_merged",

@@ -111,6 +111,18 @@ def _check_files(uri: str, files: dict[str, Any], reader: storage.RangeReader, r
             report.damaged.append(f"{where}: bytes {i * BLOCK}-{end} differ from the manifest's CRC-32")
 
 
+def scrub(uri: str, memory_limit: int = DEFAULT_MEMORY_LIMIT) -> CertificateReport:
+    """Re-read a stored output and compare it with its recorded checksums: the manifest's file CRC-32s, and
+    every tensor's in its certificate where there is one (the source is not read). A checkpoint without a
+    manifest has nothing recorded to compare with (DCP and safetensors files carry no checksums): refused."""
+    uri = uri.rstrip("/")
+    doc = manifest_of(uri)
+    report = check_certificate(uri, with_source=False, memory_limit=memory_limit,
+                               files_only=not isinstance(doc.get("certificate"), dict))
+    report.notes = [n for n in report.notes if not n.startswith("source ")]
+    return report
+
+
 class _File:
     """`readinto` over the first `size` bytes of `uri`, front to back."""
 

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import dtypes
 from .consumer import ConsumerResult, check
@@ -14,6 +14,17 @@ from .index import CheckpointIndex, TensorEntry
 from .rangeread import RangeReader
 from .tensorio import cast, compare_slab, read_box, same_bytes, slabs
 from .writers.objects import load_object
+
+if TYPE_CHECKING:
+    from .certificate_check import CertificateReport
+
+
+def check_certificate(uri: str, with_source: bool = True,
+                      memory_limit: int = DEFAULT_MEMORY_LIMIT) -> CertificateReport:
+    """Re-check the output at `uri` against the certificate in its manifest (`converters.certificate_check`)."""
+    from .certificate_check import check_certificate as check
+
+    return check(uri, with_source=with_source, memory_limit=memory_limit)
 
 
 @dataclass
