@@ -21,11 +21,12 @@ CheckpointId = Annotated[str, Path(min_length=1, max_length=130, pattern=r"^[A-Z
 def register(body: RegisterRequest, request: Request, principal: Writer) -> CheckpointView:
     """Inspect the URI (metadata only) and record it with a name, tags and metadata, owned by the caller."""
     service = request.app.state.service
+    principal.check(body.uri, "write", "uri")
     return service.register(body, principal.name)
 
 
 @router.get("", response_model=CheckpointPage, responses=errors(401, 403, 422, 503), summary="List checkpoints")
-def list_checkpoints(request: Request, _: Reader,
+def list_checkpoints(request: Request, principal: Reader,
                      name: Annotated[str | None, Query(max_length=200)] = None,
                      tag: Annotated[str | None, Query(max_length=64)] = None,
                      format: Annotated[str | None, Query(max_length=32)] = None,
@@ -34,30 +35,35 @@ def list_checkpoints(request: Request, _: Reader,
                      ) -> CheckpointPage:
     """Live checkpoints (not those GC or a purge deleted); `unreadable` names damaged entries left out."""
     items, next_cursor, unreadable = request.app.state.service.checkpoints(name, tag, format, limit, cursor)
+    items = [view for view in items if principal.may(view.uri, "read")]  # only what the caller may read
     return CheckpointPage(items=items, next_cursor=next_cursor, unreadable=unreadable)
 
 
 @router.get("/{checkpoint_id}", response_model=CheckpointView, responses=errors(401, 403, 404, 422, 503),
             summary="Show a checkpoint")
-def show(checkpoint_id: CheckpointId, request: Request, _: Reader,
+def show(checkpoint_id: CheckpointId, request: Request, principal: Reader,
          tensors: bool = False) -> CheckpointView:
     """The stored summary; `?tensors=true` re-reads the metadata and adds the tensor table. A checkpoint whose
     data GC or a purge deleted is still shown, with `deleted_at` set."""
-    return request.app.state.service.checkpoint(checkpoint_id, tensors)
+    view: CheckpointView = request.app.state.service.checkpoint(checkpoint_id)
+    principal.check(view.uri, "read", f"checkpoint {checkpoint_id}")
+    return request.app.state.service.checkpoint(checkpoint_id, tensors) if tensors else view
 
 
 @router.get("/{checkpoint_id}/stats", responses=errors(401, 403, 404, 422, 503), summary="A checkpoint's statistics")
-def stats(checkpoint_id: CheckpointId, request: Request, _: Reader) -> dict[str, Any]:
+def stats(checkpoint_id: CheckpointId, request: Request, principal: Reader) -> dict[str, Any]:
     """Per-tensor statistics (counts of NaN, +Inf, -Inf and zeros, min, max, mean, std, L2 norm) from the newest
     succeeded `scan` job of the checkpoint's URI; 404 until one has run."""
+    principal.check(request.app.state.service.checkpoint(checkpoint_id).uri, "read", f"checkpoint {checkpoint_id}")
     result: dict[str, Any] = request.app.state.service.stats(checkpoint_id)
     return result
 
 
 @router.get("/{checkpoint_id}/lineage", response_model=LineageView, responses=errors(401, 403, 404, 422, 503),
             summary="Walk a checkpoint's lineage")
-def lineage(checkpoint_id: CheckpointId, request: Request, _: Reader) -> LineageView:
+def lineage(checkpoint_id: CheckpointId, request: Request, principal: Reader) -> LineageView:
     """Ancestors (what it was derived from, recursively) and descendants, each with the job that made it."""
+    principal.check(request.app.state.service.checkpoint(checkpoint_id).uri, "read", f"checkpoint {checkpoint_id}")
     return request.app.state.service.lineage(checkpoint_id)
 
 
@@ -71,4 +77,5 @@ def delete(checkpoint_id: CheckpointId, request: Request, principal: Writer,
     symlink or another folder: nothing is deleted)."""
     if purge:
         principal = request.app.state.checker.require(request.headers.get("authorization"), "admin")
+    principal.check(request.app.state.service.checkpoint(checkpoint_id).uri, "write", f"checkpoint {checkpoint_id}")
     return request.app.state.service.delete(checkpoint_id, purge, principal)

@@ -8,13 +8,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, FastAPI, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ckpt_service.auth import Principal
+from ckpt_service.auth import Principal, Scope
 from ckpt_service.catalog import AliasChange, ManagedView, RunView
 from ckpt_service.retention import DeletionView, GcReport, PolicySpec, PolicyView, Retention
 from ckpt_service.rules import NotifyResult, Rules, RuleSpec, RuleView, Scheduler, TriggerView
 
 from .schemas import errors
-from .security import Reader, Writer
+from .security import Reader, Writer, check_rule, may_rule
 
 router = APIRouter(prefix="/v1", tags=["manage"])
 Id = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
@@ -58,6 +58,12 @@ def _admin(request: Request) -> Principal:
     return request.app.state.checker.require(request.headers.get("authorization"), "admin")
 
 
+def _checkpoint(request: Request, principal: Principal, checkpoint_id: str, needed: Scope) -> None:
+    """403 (one line) unless the caller holds `needed` over the checkpoint's URI."""
+    uri = request.app.state.service.checkpoint(checkpoint_id).uri
+    principal.check(uri, needed, f"checkpoint {checkpoint_id}")
+
+
 def _rules(request: Request) -> Rules:
     return request.app.state.rules
 
@@ -70,7 +76,8 @@ def _retention(request: Request) -> Retention:
 
 @router.get("/checkpoints/{checkpoint_id}/tags", response_model=Tags, responses=errors(401, 403, 404, 422, 503),
             summary="A checkpoint's tags")
-def get_tags(checkpoint_id: Id, request: Request, _: Reader) -> Tags:
+def get_tags(checkpoint_id: Id, request: Request, principal: Reader) -> Tags:
+    _checkpoint(request, principal, checkpoint_id, "read")
     return Tags(checkpoint_id=checkpoint_id, tags=request.app.state.service.registry.get(checkpoint_id).tags)
 
 
@@ -79,27 +86,36 @@ def get_tags(checkpoint_id: Id, request: Request, _: Reader) -> Tags:
 def set_tags(checkpoint_id: Id, body: TagUpdate, request: Request, principal: Writer) -> Tags:
     """`key=value` tags replace the tag with the same key; `pin` protects a checkpoint from GC. A tag key
     belongs to the token that set it: changing or removing it is for that token or an admin (403)."""
+    _checkpoint(request, principal, checkpoint_id, "write")
     return Tags(checkpoint_id=checkpoint_id,
                 tags=request.app.state.service.catalog.set_tags(checkpoint_id, body.set, body.remove, principal))
 
 
 @router.get("/checkpoints/{checkpoint_id}/managed", response_model=ManagedView,
             responses=errors(401, 403, 404, 422, 503), summary="A checkpoint with its run, step, aliases and rule")
-def managed(checkpoint_id: Id, request: Request, _: Reader) -> ManagedView:
+def managed(checkpoint_id: Id, request: Request, principal: Reader) -> ManagedView:
+    _checkpoint(request, principal, checkpoint_id, "read")
     return request.app.state.service.catalog.managed(checkpoint_id)
 
 
 @router.get("/aliases", responses=errors(401, 403, 422, 503), summary="List aliases")
-def list_aliases(request: Request, _: Reader,
+def list_aliases(request: Request, principal: Reader,
                  namespace: Annotated[str | None, Query(max_length=64)] = None) -> list[dict[str, Any]]:
-    return request.app.state.service.catalog.aliases(namespace)
+    """Only aliases naming a checkpoint the caller may read."""
+    service = request.app.state.service
+    found: list[dict[str, Any]] = service.catalog.aliases(namespace)
+    if principal.roots is None:
+        return found
+    return [a for a in found if principal.may(service.registry.get(a["checkpoint_id"]).uri, "read")]
 
 
 @router.get("/aliases/{namespace}/{name}", response_model=ManagedView, responses=errors(401, 403, 404, 422, 503),
             summary="The checkpoint an alias names")
-def get_alias(namespace: Id, name: Id, request: Request, _: Reader) -> ManagedView:
+def get_alias(namespace: Id, name: Id, request: Request, principal: Reader) -> ManagedView:
     catalog = request.app.state.service.catalog
-    return catalog.managed(catalog.resolve(namespace, name))
+    view: ManagedView = catalog.managed(catalog.resolve(namespace, name))
+    principal.check(view.checkpoint.uri, "read", f"alias {name}@{namespace}")
+    return view
 
 
 @router.put("/aliases/{namespace}/{name}", response_model=ManagedView,
@@ -108,6 +124,7 @@ def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, prin
     """Moves the alias atomically (its history keeps every move). An existing alias is moved by the token that
     made it or an admin (403). With `require_finite`, only a checkpoint whose newest scan is clean moves it (409)."""
     service = request.app.state.service
+    _checkpoint(request, principal, body.checkpoint_id, "write")
     if body.require_finite:
         service.check_finite(body.checkpoint_id, f"alias {name}@{namespace} not moved")
     return service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name, principal)
@@ -116,6 +133,7 @@ def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, prin
 @router.delete("/aliases/{namespace}/{name}", status_code=204, responses=errors(401, 403, 404, 422, 503),
                summary="Remove an alias")
 def delete_alias(namespace: Id, name: Id, request: Request, principal: Writer) -> None:
+    _checkpoint(request, principal, request.app.state.service.catalog.resolve(namespace, name), "write")
     request.app.state.service.catalog.remove_alias(namespace, name, principal.name, principal)
 
 
@@ -189,26 +207,31 @@ def deletions(request: Request, _: Reader,
 # -- rules -----------------------------------------------------------------------------------------
 
 @router.get("/rules", response_model=list[RuleView], responses=errors(401, 403, 503), summary="List rules")
-def list_rules(request: Request, _: Reader) -> list[RuleView]:
-    return _rules(request).all()
+def list_rules(request: Request, principal: Reader) -> list[RuleView]:
+    """Only rules whose pattern the caller may read."""
+    return [rule for rule in _rules(request).all() if may_rule(principal, rule.spec)]
 
 
 @router.post("/rules", status_code=201, response_model=RuleView, responses=errors(400, 413, 401, 403, 409, 422, 503),
              summary="Add a rule")
 def add_rule(body: RuleSpec, request: Request, principal: Writer) -> RuleView:
+    check_rule(principal, body, "write")
     return _rules(request).add(body, principal.name)
 
 
 @router.get("/rules/{rule_id}", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
             summary="Show a rule")
-def get_rule(rule_id: Id, request: Request, _: Reader) -> RuleView:
-    return _rules(request).get(rule_id)
+def get_rule(rule_id: Id, request: Request, principal: Reader) -> RuleView:
+    rule = _rules(request).get(rule_id)
+    check_rule(principal, rule.spec, "read")
+    return rule
 
 
 @router.delete("/rules/{rule_id}", response_model=RuleView, responses=errors(401, 403, 404, 422, 503),
                summary="Remove a rule")
 def remove_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
     """Its creator or an admin (403 otherwise)."""
+    check_rule(principal, _rules(request).get(rule_id).spec, "write")
     return _rules(request).remove(rule_id, principal)
 
 
@@ -216,6 +239,7 @@ def remove_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
              summary="Pause a rule")
 def pause_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
     """Its creator or an admin (403 otherwise)."""
+    check_rule(principal, _rules(request).get(rule_id).spec, "write")
     return _rules(request).pause(rule_id, True, principal)
 
 
@@ -223,12 +247,14 @@ def pause_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
              summary="Resume a rule")
 def resume_rule(rule_id: Id, request: Request, principal: Writer) -> RuleView:
     """Its creator or an admin (403 otherwise)."""
+    check_rule(principal, _rules(request).get(rule_id).spec, "write")
     return _rules(request).pause(rule_id, False, principal)
 
 
 @router.get("/rules/{rule_id}/triggers", response_model=list[TriggerView], responses=errors(401, 403, 404, 422, 503),
             summary="What a rule fired on")
-def rule_triggers(rule_id: Id, request: Request, _: Reader) -> list[TriggerView]:
+def rule_triggers(rule_id: Id, request: Request, principal: Reader) -> list[TriggerView]:
+    check_rule(principal, _rules(request).get(rule_id).spec, "read")
     return _rules(request).triggers(rule_id)
 
 
@@ -236,6 +262,7 @@ def rule_triggers(rule_id: Id, request: Request, _: Reader) -> list[TriggerView]
              summary="A checkpoint finished writing")
 def notify(body: NotifyRequest, request: Request, principal: Writer) -> NotifyResult:
     """Registers the checkpoint (409 while it is incomplete) and fires the rules whose pattern matches it."""
+    principal.check(body.uri, "write", "uri")
     return _rules(request).notify(body.uri, principal.name)
 
 

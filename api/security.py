@@ -9,6 +9,8 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ckpt_service.auth import Principal, Scope
+from ckpt_service.jobs import JobView
+from ckpt_service.rules import RuleSpec, _fixed_part, render
 
 bearer = HTTPBearer(auto_error=False, description="A token from `ckptctl token create`.")
 
@@ -25,3 +27,38 @@ def require(scope: Scope) -> Callable[..., Principal]:
 
 Reader = Annotated[Principal, Depends(require("read"))]
 Writer = Annotated[Principal, Depends(require("write"))]
+
+
+# -- per-root permissions (CKPT_OIDC_GROUP_ROLES; static tokens hold their scope over every root) ------------
+
+def job_uris(job: JobView, needed: Scope) -> list[str]:
+    """What a job is judged by: to read it, its source and its target; to change it, its target (else its
+    source)."""
+    if needed == "read":
+        return [job.spec.source, *([job.spec.target] if job.spec.target else [])]
+    return [job.spec.target or job.spec.source]
+
+
+def may_job(principal: Principal, job: JobView) -> bool:
+    return all(principal.may(uri, "read") for uri in job_uris(job, "read"))
+
+
+def check_job(principal: Principal, job: JobView, needed: Scope) -> None:
+    for uri in job_uris(job, needed):
+        principal.check(uri, needed, f"job {job.id}")
+
+
+def rule_uris(spec: RuleSpec) -> tuple[str, str]:
+    """A rule's pattern folder (read) and a target it would write."""
+    return _fixed_part(spec.pattern), render(spec.job.target, "run", 1, "name")
+
+
+def check_rule(principal: Principal, spec: RuleSpec, needed: Scope) -> None:
+    pattern, target = rule_uris(spec)
+    principal.check(pattern, "read", f"rule {spec.name} pattern")
+    if needed != "read":
+        principal.check(target, needed, f"rule {spec.name} job.target")
+
+
+def may_rule(principal: Principal, spec: RuleSpec) -> bool:
+    return principal.may(rule_uris(spec)[0], "read")

@@ -49,6 +49,37 @@ class Principal:
     def allows(self, needed: Scope) -> bool:
         return SCOPES.index(self.scope) >= SCOPES.index(needed)
 
+    def role_at(self, uri: str) -> Scope | None:
+        """The strongest role this principal holds over `uri` (a normalised URI or path); None: none."""
+        if self.roots is None:
+            return self.scope
+        from . import roots
+
+        try:
+            where = roots.parse(uri, resolve=False)
+        except Exception:  # a stored URI that no longer parses grants nothing
+            return None
+        found = [role for prefix, role in self.roots
+                 if prefix == "*" or roots.parse(prefix, resolve=False).contains(where)]
+        return max(found, key=SCOPES.index) if found else None
+
+    def may(self, uri: str | None, needed: Scope) -> bool:
+        role = self.role_at(uri) if uri else (self.scope if self.roots is None else None)
+        return role is not None and SCOPES.index(role) >= SCOPES.index(needed)
+
+    def check(self, uri: str, needed: Scope, what: str) -> None:
+        """Raise Forbidden (one line) unless this principal holds `needed` over `uri`."""
+        if not self.may(uri, needed):
+            held = self.role_at(uri)
+            raise Forbidden(f"{what}: {self.name} may not {needed} {uri} (its groups give "
+                            f"{held or 'no role'} there; CKPT_OIDC_GROUP_ROLES maps groups to roots)")
+
+    def everywhere(self, needed: Scope) -> bool:
+        """Holds `needed` over every root (static tokens by scope; OpenID principals through a "*" entry)."""
+        if self.roots is None:
+            return self.allows(needed)
+        return any(prefix == "*" and SCOPES.index(role) >= SCOPES.index(needed) for prefix, role in self.roots)
+
 
 ANONYMOUS = Principal("anonymous", "admin")
 
@@ -110,4 +141,7 @@ class TokenChecker:
         who = self.principal(authorization)
         if not who.allows(scope):
             raise Forbidden(f"token {who.name!r} has scope {who.scope}; this needs {scope}")
+        if scope == "admin" and not who.everywhere("admin"):
+            raise Forbidden(f"{who.name} is admin of some roots only; this needs admin of every root (\"*\" in "
+                            "CKPT_OIDC_GROUP_ROLES)")
         return who

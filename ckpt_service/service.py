@@ -117,12 +117,16 @@ class CkptService:
             if earlier is not None:
                 return earlier, False
         normal = self.normalise(spec)
+        principal.check(normal.source, "read", "source")  # the caller's roots (CKPT_OIDC_GROUP_ROLES)
+        if normal.target is not None:
+            principal.check(normal.target, "write" if normal.kind in WRITING_KINDS else "read", "target")
         if not _exists(normal.source, "source"):  # found now, not when the job runs (rules check their own)
             raise InvalidRequest(f"source: {normal.source} does not exist; check the path or URI", "source")
         for option in ("config_from", "base"):  # an export's side files, a merge's base: read roots
             value = getattr(normal.options, option, None)
             if value is not None:
                 roots.check(value, self.settings.read_locations, field=f"options.{option}", purpose="read")
+                principal.check(value, "read", f"options.{option}")
         writing = normal.kind in WRITING_KINDS
         record, created = self.store.create_job(
             kind=normal.kind, spec=normal.model_dump(mode="json"), target=normal.target if writing else None,

@@ -140,6 +140,15 @@ class Settings(BaseSettings):
     def _roles_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value
 
+    @field_validator("oidc_group_roles", mode="after")
+    @classmethod
+    def _group_roles(cls, value: dict[str, dict[str, auth.Scope]]) -> dict[str, dict[str, auth.Scope]]:
+        try:
+            return {group: {prefix if prefix == "*" else roots.parse_root(prefix).uri(): role
+                            for prefix, role in entries.items()} for group, entries in value.items()}
+        except ServiceError as exc:
+            raise ValueError(str(exc)) from None
+
     @field_validator("oidc_algorithms", mode="after")
     @classmethod
     def _algorithms(cls, value: list[str]) -> list[str]:

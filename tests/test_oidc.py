@@ -29,6 +29,9 @@ pytestmark = pytest.mark.slow  # a node process and a server: the full suite (CI
 AUDIENCE = "urn:ckpt"
 PIPELINE = Client("pipeline", "pipeline-secret", ["ml-writers"])
 STRANGER = Client("stranger", "stranger-secret", ["marketing"])
+TEAM_A = Client("team-a-ci", "a-secret", ["team-a"])
+TEAM_B = Client("team-b-ci", "b-secret", ["team-b", "marketing"])
+ADMIN = Client("platform", "admin-secret", ["platform-admins"])
 
 
 @dataclass
@@ -53,7 +56,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     root = tmp_path_factory.mktemp("oidc")
     keys = [private_jwk("ES256", "ec-1"), private_jwk("RS256", "rs-1")]
     # provider 1 signs with the same keys under another issuer URL: its tokens differ only in `iss`
-    provider = Provider(root, AUDIENCE, [PIPELINE, STRANGER]).start([keys, keys])
+    provider = Provider(root, AUDIENCE, [PIPELINE, STRANGER, TEAM_A, TEAM_B, ADMIN]).start([keys, keys])
     source = root / "in" / "model.safetensors"
     source.parent.mkdir()
     save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(source))
@@ -69,6 +72,34 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     finally:
         server.stop()
         provider.stop()
+
+
+@dataclass
+class Teams:
+    server: Server
+    shared: Path
+    a: Path
+    b: Path
+
+
+@pytest.fixture(scope="module")
+def teams(site: Site, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Teams]:
+    """Team A writes root a and reads the shared root, team B likewise with root b; platform admins do all."""
+    root = tmp_path_factory.mktemp("teams")
+    shared, a, b = root / "shared", root / "a", root / "b"
+    for folder in (shared, a, b):
+        folder.mkdir()
+        save_file({"w": torch.ones(2, 2)}, str(folder / "model.safetensors"))
+    roles = {"team-a": {str(a): "write", str(shared): "read"}, "team-b": {str(b): "write", str(shared): "read"},
+             "platform-admins": {"*": "admin"}}
+    server = make_server(root / "data", read_roots=[shared], write_roots=[a, b], workers=1,
+                         extra_env={"CKPT_OIDC_ISSUER": site.provider.issuer(0), "CKPT_OIDC_AUDIENCE": AUDIENCE,
+                                    "CKPT_OIDC_GROUP_ROLES": json.dumps(roles)})
+    try:
+        server.start()
+        yield Teams(server, shared, a, b)
+    finally:
+        server.stop()
 
 
 def refusal(site: Site, token: str, status: int = 401) -> str:
@@ -164,3 +195,82 @@ def test_a_rotated_signing_key_is_picked_up(site: Site) -> None:
         me = http.get("/v1/whoami")
     assert me.status_code == 200, me.text
     assert me.json()["name"] == "oidc:pipeline"
+
+
+def test_two_teams_see_and_change_only_their_roots_and_an_admin_sees_all(site: Site, teams: Teams) -> None:
+    http = {c.client_id: teams.server.http(site.provider.token(c)) for c in (TEAM_A, TEAM_B, ADMIN)}
+    a, b, admin = http["team-a-ci"], http["team-b-ci"], http["platform"]
+    try:
+        def refused(reply: Any) -> str:
+            assert reply.status_code == 403, reply.text
+            message = reply.json()["error"]["message"]
+            assert "\n" not in message
+            return str(message)
+
+        # jobs: read the shared root and one's own, write only one's own
+        job_a = a.post("/v1/jobs", json=job_spec("convert", teams.shared / "model.safetensors",
+                                                 teams.a / "out.safetensors"))
+        assert job_a.status_code == 202, job_a.text
+        assert refused(a.post("/v1/jobs", json=job_spec("convert", teams.shared / "model.safetensors",
+                                                        teams.b / "out.safetensors"))) == (
+            f"target: oidc:team-a-ci may not write {teams.b}/out.safetensors (its groups give no role there; "
+            "CKPT_OIDC_GROUP_ROLES maps groups to roots)")
+        assert refused(b.post("/v1/jobs", json=job_spec("inspect", teams.a / "model.safetensors"))) == (
+            f"source: oidc:team-b-ci may not read {teams.a}/model.safetensors (its groups give no role there; "
+            "CKPT_OIDC_GROUP_ROLES maps groups to roots)")
+        job_b = b.post("/v1/jobs", json=job_spec("inspect", teams.b / "model.safetensors")).json()
+        job_id = job_a.json()["id"]
+        assert teams.server.wait_job(job_id, ("succeeded",), token=site.provider.token(ADMIN))["state"] == "succeeded"
+        assert [j["id"] for j in a.get("/v1/jobs").json()["items"]] == [job_id]
+        assert [j["id"] for j in b.get("/v1/jobs").json()["items"]] == [job_b["id"]]
+        assert {j["id"] for j in admin.get("/v1/jobs").json()["items"]} == {job_id, job_b["id"]}
+        assert refused(b.get(f"/v1/jobs/{job_id}")).startswith(f"job {job_id}: oidc:team-b-ci may not read ")
+        assert refused(b.post(f"/v1/jobs/{job_id}/cancel")).startswith(f"job {job_id}: oidc:team-b-ci may not write ")
+        # checkpoints: registered into one's own root; listings show what one may read
+        ca = a.post("/v1/checkpoints", json={"uri": str(teams.a / "model.safetensors"), "name": "ma"})
+        cb = b.post("/v1/checkpoints", json={"uri": str(teams.b / "model.safetensors"), "name": "mb"})
+        assert (ca.status_code, cb.status_code) == (201, 201), (ca.text, cb.text)
+        ida = ca.json()["id"]
+        assert refused(b.post("/v1/checkpoints", json={"uri": str(teams.a / "model.safetensors")})).startswith(
+            "uri: oidc:team-b-ci may not write ")
+        assert refused(a.post("/v1/checkpoints", json={"uri": str(teams.shared / "model.safetensors")})) == (
+            f"uri: oidc:team-a-ci may not write {teams.shared}/model.safetensors (its groups give read there; "
+            "CKPT_OIDC_GROUP_ROLES maps groups to roots)")
+        # the convert job registered its source (shared) and its output (in a) as a lineage pair
+        shared, out = str(teams.shared / "model.safetensors"), str(teams.a / "out.safetensors")
+        listed = {name: {c["uri"] for c in client.get("/v1/checkpoints").json()["items"]}
+                  for name, client in http.items()}
+        assert listed["team-a-ci"] == {shared, out, ca.json()["uri"]}
+        assert listed["team-b-ci"] == {shared, cb.json()["uri"]}
+        assert listed["platform"] == {shared, out, ca.json()["uri"], cb.json()["uri"]}
+        assert refused(b.get(f"/v1/checkpoints/{ida}")).startswith(f"checkpoint {ida}: oidc:team-b-ci may not read")
+        assert a.get(f"/v1/checkpoints/{cb.json()['id']}").status_code == 403
+        assert refused(b.delete(f"/v1/checkpoints/{ida}")).startswith(f"checkpoint {ida}: oidc:team-b-ci may not")
+        # tags and aliases follow the checkpoint's root
+        assert refused(b.post(f"/v1/checkpoints/{ida}/tags", json={"set": {"stage": "x"}})).startswith(
+            f"checkpoint {ida}: oidc:team-b-ci may not write")
+        assert a.put("/v1/aliases/team-a/prod", json={"checkpoint_id": ida}).status_code == 200
+        assert refused(b.put("/v1/aliases/team-b/prod", json={"checkpoint_id": ida})).startswith(
+            f"checkpoint {ida}: oidc:team-b-ci may not write")
+        assert refused(b.delete("/v1/aliases/team-a/prod")).startswith(f"checkpoint {ida}: oidc:team-b-ci may not")
+        assert [x["name"] for x in a.get("/v1/aliases").json()] == ["prod"]
+        assert b.get("/v1/aliases").json() == []
+        assert refused(b.get("/v1/aliases/team-a/prod")).startswith("alias prod@team-a: oidc:team-b-ci may not read")
+        # rules: a pattern one may read, a target one may write
+        rule = {"name": "a-exports", "pattern": f"{teams.a}/runs/*/step_*",
+                "job": {"kind": "convert", "target": f"{teams.a}/exports/{{run}}/{{step}}"}}
+        added = a.post("/v1/rules", json=rule)
+        assert added.status_code == 201, added.text
+        assert refused(b.post("/v1/rules", json={**rule, "name": "b-steals"})).startswith(
+            "rule b-steals pattern: oidc:team-b-ci may not read ")
+        assert [r["spec"]["name"] for r in a.get("/v1/rules").json()] == ["a-exports"]
+        assert b.get("/v1/rules").json() == []
+        assert [r["spec"]["name"] for r in admin.get("/v1/rules").json()] == ["a-exports"]
+        assert refused(b.post("/v1/rules/a-exports/pause")).startswith("rule a-exports pattern: oidc:team-b-ci")
+        # service-wide admin routes need admin of every root
+        assert refused(a.post("/v1/gc", json={"dry_run": False})) == (
+            "token 'oidc:team-a-ci' has scope write; this needs admin")
+        assert admin.get("/v1/policies").status_code == 200
+    finally:
+        for client in http.values():
+            client.close()
