@@ -136,7 +136,8 @@ Weights = Annotated[Annotated[WeightsChoice, one_of(WeightsChoice, "weights")] |
                                       "module weights)."), flag("--weights")]
 OutputFormat = Literal["safetensors", "torch"]
 #: `converters.hf_families` CHOICES: auto (the checkpoint's own config picks) or a family of the table
-HFArchitecture = Literal["auto", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3"]
+HFArchitecture = Literal["auto", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3",
+                         "deepseek_v3"]
 ShardLayout = Literal["fsdp2"]
 OutputLayout = Literal["auto", "flat"]
 #: FP8 schemes of `converters.export_fp8` (llm-compressor's FP8_DYNAMIC, FP8_BLOCK, FP8_TENSOR), as flag values

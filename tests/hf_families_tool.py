@@ -122,7 +122,7 @@ def _inverse(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]
 # families whose layers megatron-core's local spec cannot build (Gemma's post-norms live in Megatron-Bridge's own
 # modules): saved as the tensors megatron-core's layer-stacked torch_dist layout holds (TE names, as
 # Megatron-Bridge's gemma2_bridge.py lists them), with no Megatron forward
-RAW = ("gemma2", "gemma3")
+RAW = ("gemma2", "gemma3", "deepseek_v3")
 
 
 def _gemma_args(hf: dict) -> dict:
@@ -155,21 +155,81 @@ def _gemma_tensors(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.T
     return out
 
 
+def _deepseek_args(hf: dict) -> dict:
+    """Megatron-Bridge's DeepSeek-V3 provider settings (deepseek/common.py) in Megatron-LM argument names."""
+    args = _args({**hf, "model_type": "llama", "num_local_experts": hf["n_routed_experts"]})
+    layers, first = hf["num_hidden_layers"], hf["first_k_dense_replace"]
+    args.update(multi_latent_attention=True, q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"],
+                qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+                v_head_dim=hf["v_head_dim"], rope_type="rope",
+                moe_shared_expert_intermediate_size=hf["n_shared_experts"] * hf["moe_intermediate_size"],
+                moe_layer_freq=[0] * first + [1] * (layers - first), moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_num_groups=hf["n_group"],
+                moe_router_group_topk=hf["topk_group"], moe_router_topk_scaling_factor=hf["routed_scaling_factor"],
+                moe_router_pre_softmax=False)
+    return args
+
+
+def _deepseek_tensors(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]:
+    """HF DeepSeek-V3 tensors -> megatron-core's MLA / MoE names (TE spec; Megatron-Bridge deepseek/common.py),
+    experts on a leading axis as torch_dist saves them."""
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
+    attention = {"input_layernorm.weight": "input_layernorm.weight",
+                 "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+                 "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+                 "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+                 "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                 "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+                 "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+                 "self_attention.linear_proj.weight": "self_attn.o_proj.weight"}
+    for i, moe in enumerate(args["moe_layer_freq"]):
+        a, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out.update({m + k: hf[a + v] for k, v in attention.items()})
+        if not moe:
+            out[f"{m}mlp.linear_fc1.layer_norm_weight"] = hf[f"{a}post_attention_layernorm.weight"]
+            out[f"{m}mlp.linear_fc1.weight"] = torch.cat([hf[f"{a}mlp.gate_proj.weight"], hf[f"{a}mlp.up_proj.weight"]])
+            out[f"{m}mlp.linear_fc2.weight"] = hf[f"{a}mlp.down_proj.weight"]
+            continue
+        out[f"{m}pre_mlp_layernorm.weight"] = hf[f"{a}post_attention_layernorm.weight"]
+        out[f"{m}mlp.router.weight"] = hf[f"{a}mlp.gate.weight"]
+        out[f"{m}mlp.router.expert_bias"] = hf[f"{a}mlp.gate.e_score_correction_bias"]
+        experts = range(args["num_experts"])
+        out[f"{m}mlp.experts.experts.linear_fc1.weight"] = torch.stack([torch.cat(
+            [hf[f"{a}mlp.experts.{e}.gate_proj.weight"], hf[f"{a}mlp.experts.{e}.up_proj.weight"]]) for e in experts])
+        out[f"{m}mlp.experts.experts.linear_fc2.weight"] = torch.stack(
+            [hf[f"{a}mlp.experts.{e}.down_proj.weight"] for e in experts])
+        out[f"{m}mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [hf[f"{a}mlp.shared_experts.gate_proj.weight"], hf[f"{a}mlp.shared_experts.up_proj.weight"]])
+        out[f"{m}mlp.shared_experts.linear_fc2.weight"] = hf[f"{a}mlp.shared_experts.down_proj.weight"]
+    return out
+
+
 def make_raw(root: str, family: str) -> None:
     """`dist_checkpointing.save` of ShardedTensors as megatron-core's TransformerBlock shards its layers: key
-    `decoder.layers.<name>` with the layer on a prepended axis (offset i of num_layers)."""
+    `decoder.layers.<name>` with the layer on a prepended axis (offset i of num_layers); or, for layers that
+    differ (DeepSeek's first-k dense: non_homogeneous_layers), `decoder.layers.<i>.<name>` per layer."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
     from safetensors.torch import load_file
 
     with open(os.path.join(root, "hf", family, "config.json")) as fh:
         hf_config = json.load(fh)
-    args = _gemma_args(hf_config)
-    tensors = _gemma_tensors(load_file(os.path.join(root, "hf", family, "model.safetensors")), args)
+    weights = load_file(os.path.join(root, "hf", family, "model.safetensors"))
+    if family == "deepseek_v3":
+        args = _deepseek_args(hf_config)
+        tensors = _deepseek_tensors(weights, args)
+        # one multi-token prediction layer's norms (megatron-core's MTP names), which HF's class has no place for
+        args["mtp_num_layers"] = 1
+        for name in ("enorm", "hnorm"):
+            tensors[f"mtp.layers.0.{name}.weight"] = torch.full((hf_config["hidden_size"],), 0.5)
+    else:
+        args = _gemma_args(hf_config)
+        tensors = _gemma_tensors(weights, args)
     layers = args["num_layers"]
     state = {}
     for name, tensor in tensors.items():
-        if name.startswith("decoder.layers."):
+        if name.startswith("decoder.layers.") and family != "deepseek_v3":
             i, rest = name[len("decoder.layers."):].split(".", 1)
             key = f"decoder.layers.{rest}"
             state[name] = ShardedTensor.from_rank_offsets(key, tensor.contiguous(), (0, int(i), layers),

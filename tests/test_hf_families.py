@@ -47,11 +47,19 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 20,
                                     "layer_types": ["sliding_attention", "full_attention"],
                                     "tie_word_embeddings": True}),
+    # MLA with a low-rank q, first-k dense, shared experts, sigmoid group top-k routing with the expert bias
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                                         "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
+                                         "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12,
+                                         "v_head_dim": 10, "routed_scaling_factor": 2.5}),
 }
-RAW = ("gemma2", "gemma3")  # saved by the tool as megatron-core's tensors (no GPTModel spec builds them on CPU)
+# saved by the tool as megatron-core's tensors (no local GPTModel spec builds Gemma's post-norms; MLA: see the tool)
+RAW = ("gemma2", "gemma3", "deepseek_v3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def test_the_request_schema_offers_the_table() -> None:
@@ -91,6 +99,8 @@ def test_export_gives_back_the_hf_model(models: Path, tmp_path: Path, family: st
     choice = "mistral" if family == "mistral" else "auto"
     proc = ckptctl("export", models / "megatron" / family, out, "--to-hf", choice, "-q", "--verify")
     assert f"mapped to {ARCHITECTURES[family]}: 2 layers" in proc.stderr
+    if family == "deepseek_v3":
+        assert "left out the 1 multi-token prediction layer(s) (2 tensors under mtp.)" in proc.stderr
     original = models / "hf" / family
     got, want = load_file(out / "model.safetensors"), load_file(original / "model.safetensors")
     assert sorted(got) == sorted(want)
@@ -101,9 +111,11 @@ def test_export_gives_back_the_hf_model(models: Path, tmp_path: Path, family: st
                 "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
                 "num_local_experts", "num_experts_per_tok", "sliding_window", "num_experts", "moe_intermediate_size",
                 "norm_topk_prob", "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
-                "final_logit_softcapping"):
+                "final_logit_softcapping", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
+                "routed_scaling_factor", "rope_interleave"):
         assert config.get(key) == source.get(key), key
-    if family in RAW:  # the sliding-window pattern (Qwen2's and Mistral's HF configs derive theirs)
+    if family.startswith("gemma"):  # the sliding-window pattern (Qwen2's and Mistral's HF configs derive theirs)
         assert config["layer_types"] == source["layer_types"]
     assert config["head_dim"] == (source.get("head_dim") or 16)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -194,6 +206,11 @@ def test_views_split_qkv_per_query_group() -> None:
      "no family in the table has a GeGLU feed-forward"),
     ({"apply_layernorm_1p": True, "activation_func": "fast_gelu", "window_size": [4, 0],
       "window_attn_skip_freq": "x"}, FormatError, "args: window_attn_skip_freq 'x' is neither a positive integer"),
+    ({"multi_latent_attention": True, "rope_type": "yarn"}, OptionError, "rope_type 'yarn' (YaRN scaling is not "
+                                                                         "mapped yet; plain rope only)"),
+    ({"num_moe_experts": 2, "moe_layer_freq": [0, 1, 1]}, FormatError, "args: moe_layer_freq [0, 1, 1] is neither a "
+                                                                       "positive integer nor a list of 1 0/1 flags"),
+    ({"multi_latent_attention": True}, OptionError, "no family in the table has multi-latent attention"),
 ])
 def test_configs_the_table_cannot_express(cfg: dict[str, Any], error: type[Exception], words: str) -> None:
     with pytest.raises(error) as caught:
@@ -284,7 +301,8 @@ def test_import_then_export_gives_back_the_hf_model(models: Path, tmp_path: Path
     from converters.formats import load_index
 
     ours, theirs = load_index(str(tmp_path / "megatron")), load_index(str(models / "megatron" / family))
-    assert {n: t.shape for n, t in ours.tensors.items()} == {n: t.shape for n, t in theirs.tensors.items()}
+    assert {n: t.shape for n, t in ours.tensors.items()} == {n: t.shape for n, t in theirs.tensors.items()
+                                                             if not n.startswith("mtp.")}  # HF has no MTP layers
     if family not in RAW:
         assert {n for n in ours.objects if "_extra_state" in n} == {n for n in theirs.objects if "_extra_state" in n}
     out = tmp_path / "back"
@@ -338,4 +356,13 @@ def test_import_refusals(tmp_path: Path) -> None:
     (tmp_path / "hf" / "config.json").write_text(json.dumps(scaled))
     with pytest.raises(OptionError, match=r"config\.json: rope_parameters\.full_attention is .*; only default rope"):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    deepseek = {"model_type": "deepseek_v3", **COMMON, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "n_shared_experts": 1, "moe_intermediate_size": 32, "kv_lora_rank": 16}
+    for fields, words in (({"rope_interleave": False}, "rope_interleave is false"),
+                          ({"norm_topk_prob": False}, "norm_topk_prob is false"),
+                          ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0}}, "rope type 'yarn'")):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**deepseek, **fields}))
+        with pytest.raises(OptionError) as caught:
+            import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+        assert words in str(caught.value) and "Megatron-core's DeepSeek layers do not express it" in str(caught.value)
     assert not (tmp_path / "out").exists()

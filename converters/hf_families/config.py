@@ -14,14 +14,21 @@ from typing import Any
 from ..errors import FormatError, OptionError, short
 from .transforms import Shape
 
-FEATURES = ("qkv_bias", "qk_norm", "moe", "window", "pre_softmax", "zero_gamma", "gelu", "softcap", "window_pattern")
+FEATURES = ("qkv_bias", "qk_norm", "moe", "window", "pre_softmax", "zero_gamma", "gelu", "softcap", "window_pattern",
+            "mla", "q_lora", "shared", "sigmoid", "expert_bias", "dense_layers")
 FEATURE_WORDS = {"qkv_bias": "QKV bias (add_qkv_bias)", "qk_norm": "QK-norm (qk_layernorm)",
                  "moe": "mixture of experts (num_moe_experts)", "window": "sliding-window attention (window_size)",
                  "pre_softmax": "router weights not renormalized over the top k (moe_router_pre_softmax)",
                  "zero_gamma": "zero-centered norm weights (layernorm_zero_centered_gamma / apply_layernorm_1p)",
                  "gelu": "a GeGLU feed-forward (activation_func fast_gelu / openai_gelu)",
                  "softcap": "logit soft-capping (attn_logit_softcapping / final_logit_softcapping)",
-                 "window_pattern": "full-attention layers between sliding-window ones (window_attn_skip_freq)"}
+                 "window_pattern": "full-attention layers between sliding-window ones (window_attn_skip_freq)",
+                 "mla": "multi-latent attention (multi_latent_attention)",
+                 "q_lora": "a low-rank query projection (q_lora_rank)",
+                 "shared": "shared experts (moe_shared_expert_intermediate_size)",
+                 "sigmoid": "sigmoid routing (moe_router_score_function 'sigmoid')",
+                 "expert_bias": "a router expert bias (moe_router_enable_expert_bias)",
+                 "dense_layers": "dense layers among the MoE layers (moe_layer_freq)"}
 # activation_func names (a Megatron-LM arg, or a NeMo `_target_`) that are HF's gelu_pytorch_tanh (tanh approximation)
 TANH_GELU = ("fast_gelu", "openai_gelu", "gelu_tanh")
 
@@ -40,6 +47,10 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     nemo_class: str = ""  # NeMo's config class (`LlamaConfig`, `Qwen2Config`, ...), when the config came from NeMo
     extra: dict[str, Any] = field(default_factory=dict)
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense; empty: every layer as `experts` says
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_layers[layer] if self.moe_layers else self.shape.experts > 0
 
 
 def get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -59,16 +70,20 @@ def _require(cfg: dict[str, Any], where: str, *names: str) -> Any:
 # the numeric settings the translation reads (sizes must be positive integers)
 MEGATRON_SIZES = ("hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "num_layers",
                   "kv_channels", "moe_ffn_hidden_size", "moe_router_topk", "max_position_embeddings", "seq_length",
-                  "old_context_len")
+                  "old_context_len", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                  "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk",
+                  "mtp_num_layers")
 MEGATRON_NUMBERS = ("num_moe_experts", "num_experts", "rotary_percent", "rope_scaling_factor", "scale_factor",
                     "low_freq_factor", "high_freq_factor", "norm_epsilon", "layernorm_epsilon", "rotary_base",
                     "init_method_std", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
-                    "softmax_scale", "rope_local_base_freq")
+                    "softmax_scale", "rope_local_base_freq", "moe_router_topk_scaling_factor")
 HF_SIZES = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
             "head_dim", "max_position_embeddings", "vocab_size", "num_experts_per_tok", "moe_intermediate_size",
-            "sliding_window")
+            "sliding_window", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "n_routed_experts", "n_shared_experts", "n_group", "topk_group")
 HF_NUMBERS = ("num_local_experts", "num_experts", "rms_norm_eps", "rope_theta", "initializer_range",
-              "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "rope_local_base_freq")
+              "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "rope_local_base_freq",
+              "routed_scaling_factor", "first_k_dense_replace")
 
 
 def check_numbers(cfg: dict[str, Any], where: str, sizes: tuple[str, ...], numbers: tuple[str, ...]) -> dict[str, Any]:
@@ -114,21 +129,28 @@ def _unsupported(cfg: dict[str, Any]) -> list[str]:
         problems.append("rotary_percent != 1.0")
     if get(cfg, "rotary_interleaved", default=False):
         problems.append("interleaved rotary embeddings (rotary_interleaved)")
-    if get(cfg, "moe_shared_expert_intermediate_size"):
-        problems.append("shared experts (moe_shared_expert_intermediate_size)")
-    freq = get(cfg, "moe_layer_freq", default=1)
-    if freq != 1 and not (isinstance(freq, list) and all(f == 1 for f in freq)):
-        problems.append(f"moe_layer_freq {freq!r} (dense layers between MoE layers)")
-    if get(cfg, "multi_latent_attention", default=False) or get(cfg, "q_lora_rank"):
-        problems.append("multi-latent attention")
     score = get(cfg, "moe_router_score_function", default="softmax")
-    if score != "softmax":
-        problems.append(f"moe_router_score_function {score!r} (softmax routers only)")
-    if get(cfg, "moe_router_expert_bias", "moe_router_enable_expert_bias", default=False):
-        problems.append("router expert bias (moe_router_enable_expert_bias)")
-    if get(cfg, "mtp_num_layers", default=0):
-        problems.append("multi-token prediction layers (mtp_num_layers)")
+    if score not in ("softmax", "sigmoid"):
+        problems.append(f"moe_router_score_function {score!r} (softmax or sigmoid routers only)")
+    if get(cfg, "q_lora_rank") and not get(cfg, "multi_latent_attention"):
+        problems.append("q_lora_rank without multi_latent_attention")
+    if get(cfg, "rope_type") not in (None, "rope"):
+        problems.append(f"rope_type {get(cfg, 'rope_type')!r} (YaRN scaling is not mapped yet; plain rope only)")
     return problems
+
+
+def _moe_layers(cfg: dict[str, Any], layers: int, experts: int, where: str) -> tuple[bool, ...]:
+    """megatron-core's moe_layer_freq: an int N puts MoE on every Nth layer from the first (1: all), a list marks
+    MoE layers with 1; () when every layer is alike."""
+    freq = get(cfg, "moe_layer_freq", default=1)
+    if not experts or freq == 1:
+        return ()
+    if type(freq) is int and freq > 0:
+        return tuple(i % freq == 0 for i in range(layers))
+    if isinstance(freq, list | tuple) and len(freq) == layers and all(f in (0, 1) for f in freq):
+        return () if all(freq) else tuple(bool(f) for f in freq)
+    raise FormatError(f"{where}: moe_layer_freq {short(freq)} is neither a positive integer nor a list of {layers} "
+                      "0/1 flags; the model config is damaged")
 
 
 def activation_name(cfg: dict[str, Any]) -> str:
@@ -172,8 +194,13 @@ def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
                                       ("zero_gamma", get(cfg, "layernorm_zero_centered_gamma", "apply_layernorm_1p")),
                                       ("gelu", activation_name(cfg) in TANH_GELU),
                                       ("softcap", get(cfg, "attn_logit_softcapping", "final_logit_softcapping")),
-                                      ("window_pattern", window is not None and get(cfg, "window_attn_skip_freq")))
-                if on}
+                                      ("window_pattern", window is not None and get(cfg, "window_attn_skip_freq")),
+                                      ("mla", get(cfg, "multi_latent_attention")),
+                                      ("q_lora", get(cfg, "multi_latent_attention") and get(cfg, "q_lora_rank")),
+                                      ("shared", get(cfg, "moe_shared_expert_intermediate_size")),
+                                      ("sigmoid", experts > 0 and get(cfg, "moe_router_score_function") == "sigmoid"),
+                                      ("expert_bias", experts > 0 and get(cfg, "moe_router_enable_expert_bias",
+                                                                          "moe_router_expert_bias"))) if on}
     shape = Shape(layers=int(_require(cfg, where, "num_layers")), hidden=hidden, ffn=ffn, heads=heads,
                   groups=groups, head_dim=int(get(cfg, "kv_channels", default=hidden // heads)), experts=experts,
                   moe_ffn=int(get(cfg, "moe_ffn_hidden_size", default=ffn)) if experts else 0)
@@ -197,13 +224,21 @@ def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     extra["query_pre_attn_scalar"] = int(scale) if scale is not None else shape.head_dim
     if window is not None:
         extra["layer_types"] = _layer_types(cfg.get("window_attn_skip_freq"), shape.layers, where)
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                 "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_router_topk_scaling_factor", "mtp_num_layers"):
+        if cfg.get(name) is not None:
+            extra[name] = cfg[name]
+    moe_layers = _moe_layers(cfg, shape.layers, experts, where)
+    if moe_layers and not all(moe_layers):
+        features.add("dense_layers")
     return ModelConfig(shape=shape, tied=tied, features=frozenset(features),
                        eps=float(get(cfg, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
                        rope_theta=float(get(cfg, "rotary_base", default=10000)),
                        max_positions=int(get(cfg, "max_position_embeddings", "seq_length", default=4096)),
                        init_std=float(get(cfg, "init_method_std", default=0.02)),
                        top_k=int(get(cfg, "moe_router_topk", default=2)) if experts else 0, window=window,
-                       rope_scaling=scaling, nemo_class=target.rsplit(".", 1)[-1], extra=extra)
+                       rope_scaling=scaling, nemo_class=target.rsplit(".", 1)[-1], extra=extra, moe_layers=moe_layers)
 
 
 def _layer_types(freq: Any, layers: int, where: str) -> list[str]:
@@ -262,7 +297,7 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
                          ("rope_theta",))
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
-    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0)
     args: dict[str, Any] = {
         "num_layers": int(need("num_hidden_layers")), "hidden_size": hidden,
         "ffn_hidden_size": int(need("intermediate_size")), "num_attention_heads": heads,
@@ -287,7 +322,39 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
         args["window_size"] = (int(window), 0)
     if hf.get("model_type") in GEMMA:
         args.update(_gemma_args(hf, where, args))
+    if hf.get("model_type") == "deepseek_v3":
+        args.update(_deepseek_args(hf, where, args))
     return args
+
+
+def _deepseek_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 in Megatron-LM's MLA and MoE arguments (Megatron-Bridge deepseek/common.py): first-k dense
+    layers as a moe_layer_freq list, sigmoid routing with the expert bias, group top-k and scaling factor."""
+    def fail(what: str) -> OptionError:
+        return OptionError(f"{where}: {what}; Megatron-core's DeepSeek layers do not express it", option="family")
+
+    if hf.get("rope_interleave") is False:
+        raise fail("rope_interleave is false (megatron-core's MLA de-interleaves the rope half)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise fail(f"rope type {short(rope.get('rope_type', rope.get('type')))} (YaRN is not mapped yet)")
+    top_k = int(hf.get("num_experts_per_tok") or 1)
+    if not hf.get("norm_topk_prob", True) and top_k > 1:
+        raise fail("norm_topk_prob is false (megatron-core's sigmoid router renormalizes the top k)")
+    layers, first = args["num_layers"], int(hf.get("first_k_dense_replace") or 0)
+    moe_ffn = int(hf.get("moe_intermediate_size") or args["ffn_hidden_size"])
+    out: dict[str, Any] = {
+        "multi_latent_attention": True, "q_lora_rank": hf.get("q_lora_rank"),
+        "kv_lora_rank": int(hf.get("kv_lora_rank") or 512), "qk_head_dim": int(hf.get("qk_nope_head_dim") or 128),
+        "qk_pos_emb_head_dim": int(hf.get("qk_rope_head_dim") or 64), "v_head_dim": int(hf.get("v_head_dim") or 128),
+        "rope_type": "rope", "num_query_groups": args["num_attention_heads"],
+        "moe_shared_expert_intermediate_size": int(hf.get("n_shared_experts") or 0) * moe_ffn or None,
+        "moe_layer_freq": [0] * first + [1] * (layers - first), "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True, "moe_router_num_groups": hf.get("n_group"),
+        "moe_router_group_topk": hf.get("topk_group"),
+        "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
+        "moe_router_pre_softmax": False}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 GEMMA = ("gemma2", "gemma3_text")

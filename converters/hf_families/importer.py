@@ -25,7 +25,7 @@ from ..plan import Execution, Plan, execute
 from ..writers.dcp import Piece, plan_dcp
 from ..writers.torchsave import TorchPart
 from .config import megatron_args, read_megatron
-from .mapping import AUTO, check
+from .mapping import AUTO, applies, check
 from .table import FAMILIES, TOP, Family, Rule
 from .transforms import INVERSE, Shape, stack
 
@@ -83,28 +83,32 @@ def megatron_view(hf: CheckpointIndex, family: Family, cfg: dict[str, Any], wher
     used: set[str] = set()
     tensors: dict[str, TensorEntry] = {}
 
-    def applies(r: Rule) -> bool:
-        return not r.when or (not mc.tied if r.when == "untied" else r.when in mc.features)
-
     for r in TOP:
-        if applies(r):
+        if applies(r, mc):
             name = r.megatron[0]
             tensors[name] = _join(hf, r, shape, "", name)
             used.update(r.hf)
     for r in family.layer:
-        if not applies(r):
-            continue
-        name = "decoder.layers." + _megatron_name(r)
         layers = []
         for i in range(shape.layers):
+            if not applies(r, mc, i):
+                continue
             at = f"model.layers.{i}."
+            # a family whose layers differ is saved per layer (`decoder.layers.{i}.`), the others layer-stacked
+            name = f"decoder.layers.{i}." if family.per_layer_keys else "decoder.layers."
+            name += _megatron_name(r)
             if r.per_expert:
-                layers.append(stack(name, [_join(hf, r, shape, at, name, e) for e in range(shape.experts)]))
+                entry = stack(name, [_join(hf, r, shape, at, name, e) for e in range(shape.experts)])
                 used.update(at + n.format(e=e) for n in r.hf for e in range(shape.experts))
             else:
-                layers.append(_join(hf, r, shape, at, name))
+                entry = _join(hf, r, shape, at, name)
                 used.update(at + n for n in r.hf)
-        tensors[name] = stack(name, layers)
+            if family.per_layer_keys:
+                tensors[name] = entry
+            else:
+                layers.append(entry)
+        if layers:
+            tensors[layers[0].name] = stack(layers[0].name, layers)
     objects = {name: ObjectEntry(name, value=[None], path=(name,)) for name in extra_states(family, shape)}
     left = [n for n in hf.tensors if n not in used and not (mc.tied and n == "lm_head.weight")]
     if left:
@@ -117,8 +121,11 @@ def extra_states(family: Family, shape: Shape) -> list[str]:
     """The `_extra_state` entries megatron-core saves beside each layer's linear modules (None for the local
     spec's layers, which Transformer Engine's layers also accept): a full model `dist_checkpointing.load`, as
     Megatron-LM does, asks for every one. Keyed per layer (`shard_{i}_{L}`), per layer and expert
-    (`shard_{i}.{e}_{L}.{E}`)."""
-    names = []
+    (`shard_{i}.{e}_{L}.{E}`). None for a family saved per layer (not written: a strict load of its import
+    needs them added)."""
+    names: list[str] = []
+    if family.per_layer_keys:
+        return names
     for r in family.layer:
         module = _megatron_name(r).rsplit(".", 1)[0]
         if not module.rsplit(".", 1)[-1].startswith("linear_") or not _megatron_name(r).endswith(".weight"):

@@ -24,7 +24,7 @@ def detect(mc: ModelConfig, where: str) -> Family:
         if mc.nemo_class and mc.nemo_class in family.nemo_classes:
             return family
     # the plainest fit first
-    for name in ("gemma3", "gemma2", "qwen3_moe", "mixtral", "qwen3", "qwen2", "llama", "mistral"):
+    for name in ("deepseek_v3", "gemma3", "gemma2", "qwen3_moe", "mixtral", "qwen3", "qwen2", "llama", "mistral"):
         family = FAMILIES[name]
         if family.features <= mc.features <= family.features | family.optional:
             return family
@@ -46,9 +46,14 @@ def check(family: Family, mc: ModelConfig, where: str) -> None:
     raise OptionError(f"{where}: to_hf {family.name}: " + "; ".join(parts) + hint, option="to_hf")
 
 
-def _applies(r: Rule, mc: ModelConfig) -> bool:
+def applies(r: Rule, mc: ModelConfig, layer: int = 0) -> bool:
+    """Whether the rule's tensor exists in the model (at `layer`, for the per-layer conditions)."""
     if not r.when:
         return True
+    if r.when in ("dense_layer", "moe_layer"):
+        return mc.is_moe(layer) == (r.when == "moe_layer")
+    if r.when == "no_q_lora":
+        return "q_lora" not in mc.features
     return not mc.tied if r.when == "untied" else r.when in mc.features
 
 
@@ -96,15 +101,18 @@ def to_hf(view: CheckpointIndex, cfg: dict[str, Any], where: str,
     tensors: dict[str, TensorEntry] = {}
     used: set[str] = set()
     for r in TOP:
-        if _applies(r, mc):
+        if applies(r, mc):
             for entry in _apply(view, r, "", "", mc, used):
                 tensors[entry.name] = entry
     for i in range(mc.shape.layers):
         for r in family.layer:
-            if _applies(r, mc):
+            if applies(r, mc, i):
                 for entry in _apply(view, r, f"decoder.layers.{i}.", f"model.layers.{i}.", mc, used):
                     tensors[entry.name] = entry
-    left = [n for n in view.tensors if n not in used]
+    # multi-token prediction layers (mtp_num_layers): no HF class of the table runs them (transformers'
+    # DeepseekV3ForCausalLM has no MTP module): left out, said in the report
+    mtp = [n for n in view.tensors if n not in used and n.startswith("mtp.")] if mc.extra.get("mtp_num_layers") else []
+    left = [n for n in view.tensors if n not in used and n not in mtp]
     if left:
         raise FormatError(f"{view.uri}: tensors with no {family.architecture} counterpart: {', '.join(left[:5])}"
                           + (f" (and {len(left) - 5} more)" if len(left) > 5 else "")
@@ -118,4 +126,7 @@ def to_hf(view: CheckpointIndex, cfg: dict[str, Any], where: str,
     moe = f", {s.experts} experts (top {mc.top_k})" if s.experts else ""
     report = [f"mapped to {family.architecture}: {s.layers} layers, {s.heads} heads in {s.groups} query groups{moe}, "
               f"vocab {config['vocab_size']} (config from {where})"]
+    if mtp:
+        report.append(f"left out the {mc.extra['mtp_num_layers']} multi-token prediction layer(s) ({len(mtp)} tensors "
+                      f"under mtp.): {family.architecture} has no MTP module; export without `to_hf` to keep them")
     return out, config, report

@@ -4,7 +4,10 @@ Layer rules are relative to `decoder.layers.{i}.` (Megatron) and `model.layers.{
 names are alternatives (the first present is used: Transformer Engine fuses the norms into the linear layers,
 the local spec keeps them apart). An expert rule (`per_expert`) has `{e}` in its HF names; its Megatron names
 either hold every expert on a leading axis (torch_dist's layout of grouped and sequential experts) or, with
-`{e}` in them, one expert each. `when` names the feature a rule needs (config.FEATURES, or "untied").
+`{e}` in them, one expert each. `when` names the feature a rule needs (config.FEATURES, "untied", "no_q_lora",
+or per layer "dense_layer" / "moe_layer").
+A family with `per_layer_keys` is saved by megatron-core under `decoder.layers.{i}.` keys, not layer-stacked
+(its layers differ: transformer_block.py's non_homogeneous_layers, set by a moe_layer_freq list).
 Adding a family is one `Family(...)` entry here and a test.
 """
 
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ModelConfig
-from .transforms import Transform, expert_gate_up, gate_up, identity, qkv
+from .transforms import Transform, expert_gate_up, gate_up, halves, identity, qkv
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Family:
     nemo_classes: tuple[str, ...] = ()  # NeMo config classes of this family (`--to-hf auto`)
     extra: Any = None  # ModelConfig -> the family's own config.json fields
     notes: tuple[str, ...] = field(default=())
+    per_layer_keys: bool = False
 
     def config_fields(self, mc: ModelConfig) -> dict[str, Any]:
         return dict(self.extra(mc)) if self.extra is not None else {}
@@ -119,6 +123,56 @@ def _gemma3(mc: ModelConfig) -> dict[str, Any]:
             "use_bidirectional_attention": False}
 
 
+# DeepSeek-V3 (Megatron-Bridge deepseek/common.py): multi-latent attention under megatron-core's MLA names (the
+# rows keep HF's order: q_up per head [nope, rope], kv_down [kv_lora_rank, rope], kv_up per head [k nope, v];
+# megatron-core de-interleaves the rope half as HF's rope_interleave does); TE names first, local spec's after
+MLA = (
+    rule("input_layernorm.weight", "input_layernorm.weight"),
+    rule("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", when="q_lora"),
+    rule(("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
+         "self_attn.q_a_layernorm.weight", when="q_lora"),
+    rule("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", when="q_lora"),
+    rule("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight", when="no_q_lora"),
+    rule("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    rule(("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"),
+         "self_attn.kv_a_layernorm.weight"),
+    rule("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+    rule("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+)
+
+DEEPSEEK_MLP = (
+    rule(("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "post_attention_layernorm.weight",
+         when="dense_layer"),
+    rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), gate_up, when="dense_layer"),
+    rule("mlp.linear_fc2.weight", "mlp.down_proj.weight", when="dense_layer"),
+    rule("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", when="moe_layer"),
+    rule("mlp.router.weight", "mlp.gate.weight", when="moe_layer"),
+    rule("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", when="moe_layer"),
+    *(Rule(r.megatron, r.hf, r.transform, "moe_layer", True) for r in moe_mlp("mlp", "gate_proj", "up_proj",
+                                                                            "down_proj")[2:]),
+    rule("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_experts.gate_proj.weight",
+                                                  "mlp.shared_experts.up_proj.weight"), halves, when="moe_layer"),
+    rule("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight", when="moe_layer"),
+)
+
+
+def _deepseek_v3(mc: ModelConfig) -> dict[str, Any]:
+    x, s = mc.extra, mc.shape
+    rope = int(x.get("qk_pos_emb_head_dim", 64))
+    nope = int(x.get("qk_head_dim", 128))
+    first = mc.moe_layers.index(True) if True in mc.moe_layers else 0
+    return {"intermediate_size": s.ffn, "moe_intermediate_size": s.moe_ffn, "n_routed_experts": s.experts,
+            "n_shared_experts": int(x["moe_shared_expert_intermediate_size"]) // s.moe_ffn,
+            "num_experts_per_tok": mc.top_k, "n_group": int(x.get("moe_router_num_groups") or 1),
+            "topk_group": int(x.get("moe_router_group_topk") or 1),
+            "routed_scaling_factor": float(x.get("moe_router_topk_scaling_factor") or 1.0),
+            "first_k_dense_replace": first, "norm_topk_prob": True, "q_lora_rank": x.get("q_lora_rank"),
+            "kv_lora_rank": int(x["kv_lora_rank"]), "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+            "qk_head_dim": nope + rope, "head_dim": rope, "v_head_dim": int(x.get("v_head_dim", 128)),
+            "num_key_value_heads": s.heads, "rope_interleave": True, "attention_bias": False,
+            "num_nextn_predict_layers": 0, "output_router_logits": False}
+
+
 def _llama(mc: ModelConfig) -> dict[str, Any]:
     return {"attention_bias": False, "mlp_bias": False}
 
@@ -171,4 +225,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", frozenset({"zero_gamma", "gelu", "qk_norm"}),
            ATTENTION + GEMMA_NORMS, optional=frozenset({"window", "window_pattern"}),
            nemo_classes=("Gemma3Config1B", "Gemma3Config"), extra=_gemma3),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3",
+           frozenset({"mla", "moe", "sigmoid", "expert_bias", "shared"}), MLA + DEEPSEEK_MLP,
+           optional=frozenset({"q_lora", "dense_layers"}), nemo_classes=("DeepSeekV3Config",), extra=_deepseek_v3,
+           per_layer_keys=True),
 )}

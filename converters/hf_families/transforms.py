@@ -71,6 +71,13 @@ def gate_up(entry: TensorEntry, shape: Shape, names: tuple[str, ...]) -> list[Te
     return _halves(entry, shape.ffn, names)
 
 
+def halves(entry: TensorEntry, shape: Shape, names: tuple[str, ...]) -> list[TensorEntry]:
+    """A fused `linear_fc1` of its own size (shared experts) -> its gate, up: the two halves of its rows."""
+    if not entry.shape or entry.shape[0] % 2:
+        raise FormatError(f"{entry.name!r} is {list(entry.shape)}: not gate and up stacked (an even row count)")
+    return _halves(entry, entry.shape[0] // 2, names)
+
+
 def expert_gate_up(entry: TensorEntry, shape: Shape, names: tuple[str, ...]) -> list[TensorEntry]:
     """One expert's fused `linear_fc1` -> its gate, up (the MoE FFN size)."""
     return _halves(entry, shape.moe_ffn, names)
@@ -122,4 +129,4 @@ def stack(name: str, parts: list[TensorEntry]) -> TensorEntry:
 
 
 INVERSE: dict[Transform, Callable[[list[TensorEntry], Shape, str], TensorEntry]] = {
-    identity: join, qkv: qkv_join, gate_up: join, expert_gate_up: join}
+    identity: join, qkv: qkv_join, gate_up: join, expert_gate_up: join, halves: join}
