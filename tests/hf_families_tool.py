@@ -119,9 +119,10 @@ def _inverse(hf: dict[str, torch.Tensor], args: dict) -> dict[str, torch.Tensor]
     return out
 
 
-# families whose layers megatron-core's local spec cannot build (Gemma's post-norms live in Megatron-Bridge's own
-# modules): saved as the tensors megatron-core's layer-stacked torch_dist layout holds (TE names, as
-# Megatron-Bridge's gemma2_bridge.py lists them), with no Megatron forward
+# families whose layers megatron-core's local spec cannot build on CPU (Gemma's post-norms live in Megatron-Bridge's
+# own modules; megatron-core 0.16's local MLA spec passes k_channels to the local DotProductAttention, which takes no
+# such argument: only Transformer Engine's builds MLA): saved as the tensors megatron-core's torch_dist layout holds
+# (TE names, as Megatron-Bridge's gemma2_bridge.py and deepseek/common.py list them), with no Megatron forward
 RAW = ("gemma2", "gemma3", "deepseek_v3")
 
 
