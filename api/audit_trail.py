@@ -69,6 +69,7 @@ class Action:
     name: str
     object: Callable[[Params, Any, Any], str]  # (path parameters, answer, before) -> KIND:ID
     before: Reader | None = None
+    refusals_only: bool = False
 
 
 def _id(kind: str, param: str | None = None) -> Callable[[Params, Any, Any], str]:
@@ -112,7 +113,8 @@ ACTIONS: dict[str, Action] = {
     "resume_rule": Action("rule.resume", _id("rule", "rule_id"), _rule),
     "add_policy": Action("policy.add", _id("policy")),
     "remove_policy": Action("policy.remove", _id("policy", "policy_id"), _policy),
-    "gc": Action("gc.run", lambda params, after, before: "gc"),
+    # a GC run itself is audited by Retention.run (the scheduler's runs too), each deletion by its removal
+    "gc": Action("gc.run", lambda params, after, before: "gc", refusals_only=True),
 }
 
 
@@ -198,6 +200,8 @@ class AuditTrail:
         who = _who(self.api, authorization)
         log = self.api.state.audit
         if 200 <= status < 300:
+            if action.refusals_only:
+                return
             after = answer if answer != {} else None  # 204: removed
             log.record(who, action.name, action.object(params, after, before), before=before, after=after)
             return

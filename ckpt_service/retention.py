@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from converters import CkptError
 
 from . import logs, roots
+from .audit import AuditLog
 from .catalog import NAME, when
 from .service_errors import Conflict, NotFound, ServiceError
 from .store import new_id, views
@@ -462,6 +463,7 @@ class Retention:
         report.deleted, report.failed = self.finish_pending()
         logs.event("gc.done", by=by, planned=len(plan), deleted=len(report.deleted), failed=len(report.failed),
                    bytes=report.bytes)
+        AuditLog(self.store).record(by, "gc.run", "gc", after=report.model_dump(mode="json"))
         return report
 
     def _mark(self, items: list[PlanItem], by: str) -> list[str]:
@@ -489,7 +491,8 @@ class Retention:
         """Remove the data of every pending deletion (this run's and any an interrupted run left), or of
         deletion `only`; returns (done, not done) deletion ids. Each is handled on its own."""
         kept = self._kept()
-        sql = "SELECT id, uri, identity FROM deletions WHERE state = 'pending'"
+        sql = ("SELECT id, checkpoint_id, uri, identity, requested_by, policy, reason FROM deletions "
+               "WHERE state = 'pending'")
         params: tuple[str, ...] = ()
         if only is not None:
             sql, params = sql + " AND id = ?", (only,)
@@ -533,6 +536,11 @@ class Retention:
                          (state, error, time.time() if state != "pending" else None, row["id"]))
         logs.event("gc.deleted" if state == "done" else "gc.not_deleted", deletion=row["id"], uri=row["uri"],
                    state=state, error=error)
+        if state != "pending":  # still pending: tried again by the next GC, and audited then
+            AuditLog(self.store).record(
+                row["requested_by"], "checkpoint.delete", f"checkpoint:{row['checkpoint_id']}",
+                before={"uri": row["uri"], "deletion": row["id"], "policy": row["policy"], "reason": row["reason"]},
+                after={"state": state}, outcome="done" if state == "done" else "refused", detail=error)
         return state
 
     def purge(self, checkpoint_id: str, uri: str, by: str) -> None:

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from converters import CkptError, ContextThread
 
 from . import logs, roots, sandbox
+from .audit import AuditLog
 from .auth import Principal
 from .catalog import NAME, check_owner, when
 from .jobs import KINDS, WRITING_KINDS, JobOptions, JobSpec
@@ -383,10 +384,13 @@ class Rules:
             if spec.skip_existing and storage.exists(target):
                 return "skipped", None, f"target {target} exists"
             job = JobSpec(kind=spec.job.kind, source=uri, target=target, options=spec.job.options, callback_url=None)
-            view, _ = self.service.submit(job, Principal(f"rule:{spec.name}", "write"),
-                                          idempotency_key=trigger_key(rule_id, uri))
+            view, created = self.service.submit(job, Principal(f"rule:{spec.name}", "write"),
+                                                idempotency_key=trigger_key(rule_id, uri))
         except (ServiceError, CkptError, OSError) as exc:
             return "failed", None, str(exc)[:500]
+        if created:
+            AuditLog(self.store).record(f"rule:{spec.name}", "job.submit", f"job:{view.id}",
+                                        after=view.model_dump(mode="json"))
         return "submitted", view.id, None
 
     def link_outputs(self) -> None:

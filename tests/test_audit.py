@@ -65,6 +65,9 @@ def test_each_change_and_each_refusal_is_one_row(api: tuple[TestClient, dict[str
     rule = {"name": "nightly", "pattern": f"{root}/runs/*/step_*",
             "job": {"kind": "convert", "target": f"{root}/exports/{{run}}-{{step}}", "options": {"to": "safetensors"}}}
     made_rule = client.post("/v1/rules", json=rule, headers=h["alice"]).json()
+    three = step(root / "runs" / "r" / "step_3", 3)
+    notified = client.post("/v1/notify", json={"uri": str(three)}, headers=h["alice"]).json()
+    assert notified["triggers"][0]["state"] == "submitted", notified
     assert client.post("/v1/rules/nightly/pause", headers=h["alice"]).json()["paused"] is True
     assert client.delete("/v1/rules/nightly", headers=h["bob"]).status_code == 403
     job = client.post("/v1/jobs", json={"kind": "convert", "source": str(one), "target": str(root / "out"),
@@ -73,7 +76,7 @@ def test_each_change_and_each_refusal_is_one_row(api: tuple[TestClient, dict[str
     nobody = client.post("/v1/jobs", json={"kind": "convert", "source": str(one), "target": str(root / "o2")},
                          headers={"Authorization": "Bearer ckpt_not-a-token"})
     assert nobody.status_code == 401
-    policy = client.post("/v1/policies", json={"name": "keep", "run": "r", "keep_last": 5}, headers=h["root"]).json()
+    policy = client.post("/v1/policies", json={"name": "keep", "run": "r", "keep_last": 1}, headers=h["root"]).json()
     assert client.post("/v1/gc", json={"dry_run": True}, headers=h["root"]).status_code == 200  # changes nothing
     assert client.post("/v1/gc", json={"dry_run": False}, headers=h["alice"]).status_code == 403
     assert client.post("/v1/gc", json={"dry_run": False}, headers=h["root"]).status_code == 200
@@ -82,6 +85,7 @@ def test_each_change_and_each_refusal_is_one_row(api: tuple[TestClient, dict[str
     assert client.delete(f"/v1/checkpoints/{second['id']}", headers=h["alice"]).status_code == 200
 
     log = rows(client, h["root"])
+    rule_job = notified["triggers"][0]["job_id"]
     assert [(r["principal"], r["action"], r["object"], r["outcome"]) for r in log] == [
         ("alice", "checkpoint.register", f"checkpoint:{first['id']}", "done"),
         ("alice", "checkpoint.register", f"checkpoint:{second['id']}", "done"),
@@ -91,6 +95,8 @@ def test_each_change_and_each_refusal_is_one_row(api: tuple[TestClient, dict[str
         ("alice", "alias.move", "alias:team/best", "done"),
         ("bob", "alias.remove", "alias:team/best", "refused"),
         ("alice", "rule.add", f"rule:{made_rule['id']}", "done"),
+        ("rule:nightly", "job.submit", f"job:{rule_job}", "done"),  # the job the rule made, then the notify
+        ("alice", "checkpoint.notify", f"checkpoint:{notified['checkpoint_id']}", "done"),
         ("alice", "rule.pause", f"rule:{made_rule['id']}", "done"),
         ("bob", "rule.remove", f"rule:{made_rule['id']}", "refused"),
         ("alice", "job.submit", f"job:{job['id']}", "done"),
@@ -98,12 +104,14 @@ def test_each_change_and_each_refusal_is_one_row(api: tuple[TestClient, dict[str
         ("unauthenticated", "job.submit", "job:(new)", "refused"),
         ("root", "policy.add", f"policy:{policy['id']}", "done"),
         ("alice", "gc.run", "gc", "refused"),
+        ("root", "checkpoint.delete", f"checkpoint:{first['id']}", "done"),  # keep_last 1; step 2 has the alias
         ("root", "gc.run", "gc", "done"),
         ("root", "policy.remove", f"policy:{policy['id']}", "done"),
         ("alice", "alias.remove", "alias:team/best", "done"),
         ("alice", "checkpoint.unregister", f"checkpoint:{second['id']}", "done"),
     ]
     assert all(started <= r["at"] <= time.time() for r in log)
+    assert not one.exists() and two.exists()
     tag, refused_tag = log[2], log[3]
     assert (tag["before"], tag["after"]) == ([], {"checkpoint_id": first["id"], "tags": ["stage=eval"]})
     assert refused_tag["before"] == ["stage=eval"] and refused_tag["after"] is None
@@ -112,24 +120,29 @@ def test_each_change_and_each_refusal_is_one_row(api: tuple[TestClient, dict[str
     assert (moved["before"]["checkpoint"]["id"], moved["after"]["checkpoint"]["id"]) == (first["id"], second["id"])
     assert log[4]["before"] is None
     assert log[6]["detail"] == "HTTP 403: " + stolen.json()["error"]["message"]
-    assert (log[8]["before"]["paused"], log[8]["after"]["paused"]) == (False, True)
-    assert (log[11]["before"]["state"], log[11]["after"]["state"]) == ("queued", "cancelled")
-    assert log[12]["detail"] == "HTTP 401: " + nobody.json()["error"]["message"]
-    assert log[17]["before"]["checkpoint"]["id"] == second["id"] and log[17]["after"] is None  # 204: gone
-    assert log[18]["before"]["id"] == second["id"]
+    assert (log[8]["after"]["spec"]["source"], log[8]["after"]["submitted_by"]) == (str(three), "rule:nightly")
+    assert (log[10]["before"]["paused"], log[10]["after"]["paused"]) == (False, True)
+    assert (log[13]["before"]["state"], log[13]["after"]["state"]) == ("queued", "cancelled")
+    assert log[14]["detail"] == "HTTP 401: " + nobody.json()["error"]["message"]
+    assert log[16]["detail"] == "HTTP 403: token 'alice' has scope write; this needs admin"
+    assert log[17]["before"]["uri"] == str(one) and log[17]["after"] == {"state": "done"}
+    assert (log[18]["after"]["deleted"], log[18]["after"]["dry_run"]) == ([log[17]["before"]["deletion"]], False)
+    assert log[20]["before"]["checkpoint"]["id"] == second["id"] and log[20]["after"] is None  # 204: gone
+    assert log[21]["before"]["id"] == second["id"]
 
     # filters: exact, prefix (`*`), outcome, time, and pages
     assert [r["action"] for r in rows(client, h["root"], principal="bob")] == [
         "checkpoint.tag", "alias.remove", "rule.remove"]
-    assert [r["seq"] for r in rows(client, h["root"], action="rule.*")] == [log[i]["seq"] for i in (7, 8, 9)]
+    assert [r["seq"] for r in rows(client, h["root"], action="rule.*")] == [log[i]["seq"] for i in (7, 10, 11)]
     assert [r["seq"] for r in rows(client, h["root"], object="alias:team/best")] == [
-        log[i]["seq"] for i in (4, 5, 6, 17)]
+        log[i]["seq"] for i in (4, 5, 6, 20)]
     assert len(rows(client, h["root"], outcome="refused")) == 5
     assert rows(client, h["root"], since=log[-1]["at"]) == [log[-1]]
     assert rows(client, h["root"], until=log[0]["at"]) == [log[0]]
     page = client.get("/v1/audit", params={"limit": 10}, headers=h["root"]).json()
-    rest = client.get("/v1/audit", params={"limit": 10, "cursor": page["next_cursor"]}, headers=h["root"]).json()
-    assert [r["seq"] for r in page["items"] + rest["items"]] == [r["seq"] for r in reversed(log)]
+    middle = client.get("/v1/audit", params={"limit": 10, "cursor": page["next_cursor"]}, headers=h["root"]).json()
+    rest = client.get("/v1/audit", params={"limit": 10, "cursor": middle["next_cursor"]}, headers=h["root"]).json()
+    assert [r["seq"] for r in page["items"] + middle["items"] + rest["items"]] == [r["seq"] for r in reversed(log)]
     assert rest["next_cursor"] is None
 
     # admins only, and no route changes the log
