@@ -19,13 +19,15 @@ manifest's `certificate`:
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import threading
 from typing import Any
 
 import numpy as np
 
 from . import storage
-from .checksum import crc32
+from .checksum import crc32, crc32_combine
 from .index import CheckpointIndex, TensorEntry
 from .stats.moments import SUPPORTED, Moments, TensorStats, numpy_dtype
 from .tensorio import Box
@@ -56,14 +58,16 @@ class Tally:
         self.out: Moments | None = None
         if ledger.stats and entry.dtype in SUPPORTED and out_dtype in SUPPORTED:
             self.src = Moments(entry.name, entry.dtype, entry.shape)
-            self.out = Moments(entry.name, out_dtype, entry.shape)
+            # an uncast copy writes the bytes it read (their CRC-32s agree): its output's statistics are the source's
+            self.out = Moments(entry.name, out_dtype, entry.shape) if out_dtype != entry.dtype else None
 
     def add(self, read: memoryview, written: memoryview) -> None:
         """Take a slab as read from the source and as written to the output (the same view when not cast)."""
         self.src_crc = crc32(read, self.src_crc)
         self.out_crc = self.src_crc if written is read else crc32(written, self.out_crc)
-        if self.src is not None and self.out is not None:
+        if self.src is not None:
             self.src.add(np.frombuffer(read, dtype=numpy_dtype(self.entry.dtype)))
+        if self.out is not None:
             self.out.add(np.frombuffer(written, dtype=numpy_dtype(self.out_dtype)))
 
     def add_crc(self, crc: int) -> None:
@@ -80,7 +84,7 @@ class Ledger:
     def __init__(self, source: str, source_format: str, stats: bool = False) -> None:
         self.source, self.source_format, self.stats = source.rstrip("/"), source_format, stats
         self.pieces: dict[str, list[dict[str, Any]]] = {}
-        self.moments: dict[str, tuple[Moments, Moments]] = {}
+        self.moments: dict[str, tuple[Moments, Moments | None]] = {}  # output None: an uncast copy
         self._lock = threading.Lock()
 
     def open(self, entry: TensorEntry, out_dtype: str, box: Box | None) -> Tally:
@@ -95,13 +99,14 @@ class Ledger:
                  "source_crc32": tally.src_crc, "crc32": tally.out_crc}
         with self._lock:
             self.pieces.setdefault(entry.name, []).append(piece)
-            if tally.src is not None and tally.out is not None:
+            if tally.src is not None:
                 have = self.moments.get(entry.name)
                 if have is None:
                     self.moments[entry.name] = (tally.src, tally.out)
                 else:
                     have[0].merge(tally.src)
-                    have[1].merge(tally.out)
+                    if have[1] is not None and tally.out is not None:
+                        have[1].merge(tally.out)
 
     def _relative(self, uri: str) -> str:
         prefix = self.source + "/"
@@ -113,8 +118,8 @@ class Ledger:
         doc: dict[str, Any] = {"source": {"uri": self.source, "format": self.source_format},
                                "tensors": tensors}
         if self.stats:
-            doc["stats"] = {name: side_by_side(*(m.result() for m in pair))
-                            for name, pair in sorted(self.moments.items()) if name in view.tensors}
+            doc["stats"] = {name: side_by_side(src.result(), out.result() if out is not None else src.result())
+                            for name, (src, out) in sorted(self.moments.items()) if name in view.tensors}
         return doc
 
 
@@ -165,8 +170,21 @@ def file_crcs(out: Any) -> None:
     page cache)."""
     for name, info in out.files.items():
         if out.local:
-            with open(out.path(name), "rb", buffering=0) as fh:
-                info["crc32"], info["blocks"] = block_crcs(fh.readinto)
+            info["crc32"], info["blocks"] = mapped_crcs(out.path(name))
+
+
+def mapped_crcs(path: str) -> tuple[int, list[int]]:
+    """`block_crcs` of a local file, read through short mappings of the page cache (no copy into a buffer)."""
+    whole, blocks = 0, []
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        for offset in range(0, size, BLOCK):
+            with mmap.mmap(fh.fileno(), min(BLOCK, size - offset), access=mmap.ACCESS_READ, offset=offset) as mapping, \
+                    memoryview(mapping) as view:
+                crc = crc32(view)
+            whole = crc32_combine(whole, crc, min(BLOCK, size - offset))  # joined, not read twice
+            blocks.append(crc)
+    return whole, blocks
 
 
 def block_crcs(readinto: Any, block: int = BLOCK) -> tuple[int, list[int]]:
