@@ -32,7 +32,9 @@ import torch
 from safetensors.torch import save_file
 
 from converters.archive import archive, chunking, codec, gc, list_archives, restore
-from converters.errors import CkptError, FormatError, TargetError
+from converters.errors import CkptError, FormatError, OptionError, TargetError
+
+from .s3server import S3, s3_fixture, s3_server_fixture  # noqa: F401  (fixtures s3 and s3_server)
 
 # ---- the DCP series' ranks ----------------------------------------------------------------------------------
 
@@ -179,6 +181,34 @@ def test_restore_is_byte_for_byte_and_a_second_version_stores_what_changed(tmp_p
         restore(store, first.archive_id, str(v1))
 
 
+def test_an_id_taken_by_other_content_is_refused(tmp_path: Path) -> None:
+    v1, v2 = _versions(tmp_path)
+    store = str(tmp_path / "store")
+    assert archive(str(v1), store, archive_id="run1-step1").archive_id == "run1-step1"
+    assert archive(str(v1), store, archive_id="run1-step1").new_chunks == 0  # the same content: a no-op
+    with pytest.raises(OptionError, match=r"archive id run1-step1 is taken in store \S+ by another checkpoint"):
+        archive(str(v2), store, archive_id="run1-step1")
+
+
+def test_source_store_and_target_on_s3(tmp_path: Path, s3: S3) -> None:
+    v1, v2 = _versions(tmp_path)
+    sources = [s3.upload(v, f"ckpt/{v.name}") for v in (v1, v2)]
+    store = s3.uri("archive")
+    results = [archive(source, store) for source in sources]
+    assert results[1].new_bytes < results[1].logical_bytes / 2
+    assert {a["id"] for a in list_archives(store)} == {r.archive_id for r in results}
+    restore(store, results[1].archive_id, str(tmp_path / "back"))
+    same_tree(v2, tmp_path / "back")
+    restore(store, results[0].archive_id, s3.uri("restored/v1"))
+    for path in v1.rglob("*"):
+        if path.is_file():
+            assert s3.get(f"restored/v1/{path.relative_to(v1).as_posix()}") == path.read_bytes()
+    s3.client.delete_object(Bucket=s3.bucket, Key=f"archive/manifests/{results[0].archive_id}.json")
+    assert gc(store, grace_s=0).deleted
+    restore(store, results[1].archive_id, str(tmp_path / "again"))
+    same_tree(v2, tmp_path / "again")
+
+
 def test_a_single_file_restores_as_that_file(tmp_path: Path) -> None:
     v1, _ = _versions(tmp_path)
     store = str(tmp_path / "store")
@@ -203,7 +233,7 @@ def test_a_damaged_chunk_is_named_with_the_archives_using_it(tmp_path: Path) -> 
                               f"{', '.join(sorted(ids))}); those archives cannot be restored from this store: "
                               "re-archive their sources") or "does not match its hash" in str(err.value)
     assert digest in str(err.value) and all(i in str(err.value) for i in ids) and "\n" not in str(err.value)
-    assert not (tmp_path / "out" / "model.safetensors").exists()  # nothing half-written under the real name
+    assert sorted(os.listdir(tmp_path)) == sorted(["store", "v1", "v2"])  # nothing written, nothing left
     chunk.unlink()
     with pytest.raises(FormatError, match=f"chunk {digest} is missing"):
         restore(str(store), ids[0], str(tmp_path / "out2"))

@@ -12,12 +12,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CkptError, OptionError
 from ..index import CheckpointIndex
 from . import codec
 from .chunking import BLOCK, cdc_cuts, segments, tensor_ranges
 from .collect import STALE_S, put_marker, wait_for_gc
-from .manifest import FORMAT, check_id, manifest_key
+from .manifest import FORMAT, check_id, manifest_key, parse
 from .sources import SourceFile, list_files, open_read
 from .store import CHUNKS, PENDING, Store, chunk_key
 
@@ -166,6 +166,7 @@ def archive(source: str, store: str, archive_id: str | None = None, stale_s: flo
         unique = {c[0]: c for e in entries for c in e["chunks"]}
         body = [[e["name"], e["size"], e["mode"], [c[0] for c in e["chunks"]]] for e in entries]
         archive_id = archive_id or hashlib.sha256(json.dumps(body).encode()).hexdigest()[:24]
+        _check_free(st, archive_id, entries)
         doc = {"format": FORMAT, "id": archive_id, "source": source, "single_file": single, "created": time.time(),
                "files": entries, "logical_bytes": sum(f.size for f in files),
                "unique_bytes": sum(c[1] for c in unique.values()),
@@ -177,6 +178,18 @@ def archive(source: str, store: str, archive_id: str | None = None, stale_s: flo
     return ArchiveResult(archive_id, st.uri, len(files), sum(len(e["chunks"]) for e in entries), writer.new_chunks,
                          doc["logical_bytes"], doc["unique_bytes"], doc["stored_bytes"], writer.new_bytes,
                          writer.new_stored, time.monotonic() - began)
+
+
+def _check_free(store: Store, archive_id: str, entries: list[dict[str, Any]]) -> None:
+    """Refuses an id the store holds for other content (archiving the same content again is a no-op)."""
+    raw = store.get(manifest_key(archive_id))
+    if raw is None:
+        return
+    old = parse(raw, store.where(manifest_key(archive_id)))["files"]
+    if [[f["name"], f["mode"], [c[0] for c in f["chunks"]]] for f in old] != [
+            [e["name"], e["mode"], [c[0] for c in e["chunks"]]] for e in entries]:
+        raise OptionError(f"archive id {archive_id} is taken in store {store.uri} by another checkpoint; "
+                          "choose another id", option="archive_id")
 
 
 def _stored_sizes(store: Store, writer: _Writer, digests: set[str]) -> dict[str, int]:

@@ -32,7 +32,7 @@ def live_markers(store: Store, kind: str, stale_s: float, mine: str | None = Non
     live: list[str] = []
     stale: list[str] = []
     now = time.time()
-    for key, mtime in store.listing(kind).items():
+    for key, (mtime, _) in store.listing(kind).items():
         if key == mine:
             continue
         (stale if now - mtime > stale_s else live).append(key)
@@ -77,15 +77,14 @@ def gc(store_uri: str, grace_s: float = GRACE_S, stale_s: float = STALE_S) -> Gc
             if raw is not None:  # None: removed since it was listed, so it references nothing
                 used |= hashes(parse(raw, store.where(manifest_key(archive_id))))
         now = time.time()
-        for key, mtime in store.listing(CHUNKS).items():
+        for key, (mtime, size) in store.listing(CHUNKS).items():
             digest = key.rsplit("/", 1)[-1]
             if digest in used or now - mtime < grace_s:
                 result.kept += 1
                 continue
-            data = store.get(key)
             store.delete(key)
             result.deleted.append(digest)
-            result.freed_bytes += len(data) if data else 0
+            result.freed_bytes += size
         return result
     finally:
         store.delete(mine)

@@ -3,15 +3,17 @@ verified; list_archives(store): what a store holds."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
 from ..errors import FormatError, TargetError
-from ..remote import filesystem, translate_errors
+from ..remote import filesystem, remote_call, translate_errors
 from ..uris import is_local, join, local_path
 from . import codec
 from .manifest import ids, read
@@ -69,19 +71,37 @@ def _chunk(store: Store, digest: str, length: int) -> bytes:
 
 def restore(store: str, archive_id: str, target: str) -> list[str]:
     """Writes archive `archive_id` of `store` to `target` (a folder, or the file itself for a single-file
-    checkpoint), which must not exist yet; returns the files written."""
+    checkpoint), which must not exist yet; returns the files written. A local target appears whole or not at
+    all (written beside it under a temporary name, then renamed); remote files are each put whole, and those
+    written are removed again when the restore fails."""
     st = Store(store)
     doc = read(st, archive_id)
     target = target.rstrip("/")
     _check_target(target)
     single = bool(doc.get("single_file")) and len(doc["files"]) == 1
-    written = []
-    with ThreadPoolExecutor(WORKERS) as pool:
-        for entry in doc["files"]:
-            where = target if single else join(target, entry["name"])
-            _write(st, pool, entry, where)
-            written.append(where)
-    return written
+    local = is_local(target)
+    stage = f"{local_path(target)}.restoring-{uuid.uuid4().hex[:8]}" if local else target
+    written: list[str] = []
+    try:
+        with ThreadPoolExecutor(WORKERS) as pool:
+            for entry in doc["files"]:
+                where = stage if single else join(stage, entry["name"])
+                _write(st, pool, entry, where)
+                written.append(where)
+        if local:
+            os.replace(stage, local_path(target))
+    except BaseException:
+        if local:
+            if os.path.isdir(stage):
+                shutil.rmtree(stage, ignore_errors=True)
+            elif os.path.lexists(stage):
+                os.remove(stage)
+        else:
+            for where in written:
+                with contextlib.suppress(Exception):
+                    remote_call(where, "rm_file")
+        raise
+    return [target if single else join(target, e["name"]) for e in doc["files"]]
 
 
 def _check_target(target: str) -> None:
@@ -97,25 +117,21 @@ def _check_target(target: str) -> None:
 
 def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: str) -> None:
     local = is_local(where)
-    final = local_path(where) if local else where
-    temp = f"{final}.restore-{uuid.uuid4().hex[:8]}" if local else final
-    if local:
-        try:
-            os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
-        except OSError as e:
-            raise TargetError(f"restore: cannot create the folder of {where}: {e.strerror or e}", uri=where) from None
     handle: IO[bytes]
     if local:
-        handle = open(temp, "wb")  # noqa: SIM115 - closed below
+        try:
+            os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
+            handle = open(where, "wb")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
     else:
         fs, path = filesystem(where)
         with translate_errors(where, writing=True):
             handle = fs.open(path, "wb")
+    queue: deque[Future[bytes]] = deque()
     done = False
     try:
-        queue: deque[Future[bytes]] = deque()
-        chunks = iter(entry["chunks"])
-        for digest, length, _ in chunks:
+        for digest, length, _ in entry["chunks"]:
             queue.append(pool.submit(_chunk, st, digest, length))
             if len(queue) >= AHEAD:
                 handle.write(queue.popleft().result())
@@ -128,10 +144,7 @@ def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: st
         if local:
             handle.close()
             if done:
-                os.chmod(temp, entry["mode"] or 0o644)
-                os.replace(temp, final)
-            else:
-                os.remove(temp)
+                os.chmod(where, entry["mode"] or 0o644)
         elif done:
             with translate_errors(where, writing=True):
                 handle.close()

@@ -75,10 +75,10 @@ class Store:
         with translate_errors(where, writing=True), contextlib.suppress(FileNotFoundError):
             fs.rm_file(path)
 
-    def listing(self, prefix: str) -> dict[str, float]:
-        """Every key under `prefix` (temporary files left out) -> its modification time (epoch seconds)."""
+    def listing(self, prefix: str) -> dict[str, tuple[float, int]]:
+        """Every key under `prefix` (temporary files left out) -> (modification time in epoch seconds, size)."""
         base = self.where(prefix)
-        out: dict[str, float] = {}
+        out: dict[str, tuple[float, int]] = {}
         if self.local:
             for folder, _, names in os.walk(base):
                 for name in names:
@@ -86,10 +86,10 @@ class Store:
                         continue
                     full = os.path.join(folder, name)
                     try:
-                        mtime = os.stat(full).st_mtime
+                        info = os.stat(full)
                     except FileNotFoundError:
                         continue
-                    out[os.path.relpath(full, self.root).replace(os.sep, "/")] = mtime
+                    out[os.path.relpath(full, self.root).replace(os.sep, "/")] = (info.st_mtime, info.st_size)
             return out
         fs, path = filesystem(base)
         with translate_errors(base):
@@ -100,7 +100,7 @@ class Store:
         own = self.uri.split("://", 1)[1]
         for name, info in found.items():
             name = name.split("://", 1)[-1]
-            out[name[len(own) + 1:]] = _mtime(info)
+            out[name[len(own) + 1:]] = (_mtime(info), int(info.get("size") or 0))
         return out
 
 
