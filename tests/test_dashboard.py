@@ -715,3 +715,39 @@ def test_form_errors_beside_their_fields_and_reshard_sends_no_only(tab: Tab, sit
     page.wait_for_selector(".field-error:not(:empty)")
     sent = json.loads(bodies[-1])
     assert sent["kind"] == "reshard" and "only" not in sent["options"], sent
+
+
+@pytest.mark.slow
+def test_audit_page_for_admins_only(tab: Tab, site: Site) -> None:
+    """Admins see the audit log: a change with its object as JSON text (markup in it stays text) and a refused
+    attempt with the line its caller got, filtered through the form; other tokens get no Audit link."""
+    path = _save(site.data / "audited" / "step1.pt", {"w": torch.ones(4, 4)})
+    with site.server.http(site.tokens.write) as http, site.server.http(site.tokens.read) as reader:
+        made = http.post("/v1/checkpoints", json={"uri": str(path), "metadata": {"note": EVIL}})
+        assert made.status_code == 201, made.text
+        refused = reader.post("/v1/checkpoints", json={"uri": str(path), "name": "again"})
+        assert refused.status_code == 403
+    page = tab.page
+    sign_in(tab, site.tokens.write, "write")
+    assert page.is_hidden("#nav-audit")
+    page.click("#sign-out")
+    sign_in(tab, site.tokens.admin, "admin")
+    assert page.is_visible("#nav-audit")
+    page.click("#nav-audit")
+    page.wait_for_selector("#view-audit:not([hidden])")
+    page.fill("#audit-principal", "test-read")
+    page.click("#audit-filters button[type=submit]")
+    wait_for(lambda: "principal=test-read" in page.evaluate("location.hash"), 10, "the filter in the address")
+    rows_become(page, "#audit tbody tr", "outcome", ["refused"])
+    cells = page.eval_on_selector_all("#audit tbody tr td", "tds => tds.map(td => td.textContent)")
+    assert cells[1:6] == ["test-read", "checkpoint.register", "checkpoint:(new)", "refused",
+                          "HTTP 403: " + refused.json()["error"]["message"]]
+    page.fill("#audit-principal", "test-write")
+    page.fill("#audit-object", f"checkpoint:{made.json()['id']}")
+    page.click("#audit-filters button[type=submit]")
+    rows_become(page, "#audit tbody tr", "outcome", ["done"])
+    page.click("#audit tbody tr details summary")
+    after = json.loads(page.text_content("#audit pre[data-side=after]"))
+    assert (after["id"], after["uri"], after["metadata"]["note"]) == (made.json()["id"], str(path), EVIL)
+    assert page.text_content("#audit pre[data-side=before]") == "(none)"
+    assert tab.dialogs == [] and tab.errors == []

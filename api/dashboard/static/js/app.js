@@ -1,8 +1,9 @@
 // The dashboard: sign-in, a hash router (#/jobs, #/jobs/ID, #/checkpoints, #/checkpoints/ID, #/runs, #/runs/RUN,
-// #/rules, #/rules/ID, #/retention, #/new, #/health)
+// #/rules, #/rules/ID, #/retention, #/new, #/audit, #/health)
 // and the views. Data comes only from the public REST API; every value is put in the page as text.
 
 import { api, ApiError, setToken, token } from "./api.js";
+import { showAudit } from "./audit.js";
 import { showCheckpoint, showCheckpoints } from "./checkpoints.js";
 import { el } from "./dom.js";
 import { showHealth } from "./health.js";
@@ -38,6 +39,7 @@ function showWho() {
   // only a token that was accepted can be signed out of (not a refused one, not a server without tokens)
   document.getElementById("sign-out").hidden = !(signedIn && token());
   document.getElementById("nav-new").hidden = !canWrite();
+  document.getElementById("nav-audit").hidden = !(signedIn && session.who.scope === "admin");
 }
 
 async function whoami() {
@@ -106,6 +108,9 @@ async function route() {
       showView("new");
       if (!canWrite()) notify("This token is read-only: it cannot submit jobs.");
       document.getElementById("job-submit").disabled = !canWrite();
+    } else if (section === "audit") {
+      showView("audit");
+      await showAudit(params, signal);
     } else if (section === "health") {
       showView("health");
       await showHealth(signal);
@@ -153,6 +158,13 @@ function setup() {
   document.getElementById("ckpts-next").addEventListener("click", (e) =>
     pageTo("#/checkpoints", e.target.dataset.cursor));
   document.getElementById("ckpts-first").addEventListener("click", () => pageTo("#/checkpoints", ""));
+  const auditFilters = document.getElementById("audit-filters");
+  auditFilters.addEventListener("submit", (e) => {
+    e.preventDefault();
+    setHashParams("#/audit", auditFilters);
+  });
+  document.getElementById("audit-older").addEventListener("click", (e) => pageTo("#/audit", e.target.dataset.cursor));
+  document.getElementById("audit-newest").addEventListener("click", () => pageTo("#/audit", ""));
   document.getElementById("signin-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     const input = document.getElementById("token");
