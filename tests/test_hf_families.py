@@ -306,8 +306,12 @@ def test_import_then_export_gives_back_the_hf_model(models: Path, tmp_path: Path
     if family not in RAW:
         assert {n for n in ours.objects if "_extra_state" in n} == {n for n in theirs.objects if "_extra_state" in n}
     out = tmp_path / "back"
-    ckptctl("export", tmp_path / "megatron", out, "--to-hf", "mistral" if family == "mistral" else "auto", "-q",
-            "--verify")
+    proc = ckptctl("export", tmp_path / "megatron", out, "--to-hf", "mistral" if family == "mistral" else "auto",
+                   "-q", "--verify")
+    # the generation config save_pretrained wrote went into the import and comes back with the export
+    generation = (models / "hf" / family / "generation_config.json").read_bytes()
+    assert (tmp_path / "megatron" / "generation_config.json").read_bytes() == generation
+    assert (out / "generation_config.json").read_bytes() == generation, proc.stderr
     got, want = load_file(out / "model.safetensors"), load_file(models / "hf" / family / "model.safetensors")
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
@@ -332,6 +336,30 @@ def test_megatron_loads_the_import_in_parallel(models: Path, tmp_path: Path, fam
     torch.testing.assert_close(torch.load(logits, weights_only=True),
                                torch.load(models / "hf" / family / "logits.pt", weights_only=True), atol=1e-4,
                                rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_import_carries_the_tokenizer(models: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from converters.hf_families.importer import import_hf
+
+    hf = tmp_path / "hf"
+    shutil.copytree(models / "hf" / "llama", hf)
+    files = {"tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE"}}',
+             "tokenizer_config.json": b'{"model_max_length": 64}', "chat_template.jinja": b"{{ messages }}"}
+    for name, data in files.items():
+        (hf / name).write_bytes(data)
+    result = import_hf(str(hf), str(tmp_path / "megatron"))
+    assert result.report[1] == ("carried side files: generation_config.json, tokenizer.json, tokenizer_config.json, "
+                                "chat_template.jinja")
+    for name, data in files.items():
+        assert (tmp_path / "megatron" / name).read_bytes() == data
+    assert not (tmp_path / "megatron" / "config.json").exists()  # Megatron's config is common.pt's args
+    out = tmp_path / "back"
+    proc = ckptctl("export", tmp_path / "megatron", out, "--to-hf", "auto", "-q")
+    for name, data in files.items():
+        assert (out / name).read_bytes() == data, proc.stderr
 
 
 def test_import_refusals(tmp_path: Path) -> None:

@@ -1,6 +1,9 @@
 """`import`: a Hugging Face folder (safetensors + config.json) of a family in the table as a Megatron-core
 torch_dist checkpoint, laid out as Megatron-LM saves one: `latest_checkpointed_iteration.txt` ("release") and
 `release/` with the DCP files, `metadata.json` (the torch_dist backend) and `common.pt` (the Megatron-LM `args`).
+The HF folder's generation_config.json, tokenizer and chat template files (`sidefiles.NAMES` but config.json) are
+copied as they are to the Megatron folder's root, beside latest_checkpointed_iteration.txt: where Megatron-LM's
+--tokenizer-model can point, and the first folder `export --to-hf` looks in, so a round trip keeps them.
 
 The table is read backwards: each rule's HF tensors are joined by the inverse transform (fused QKV per query
 group, gate/up) and stacked over experts and layers under the names megatron-core's GPTModel saves, all as
@@ -22,6 +25,7 @@ from ..index import CheckpointIndex, ObjectEntry, TensorEntry
 from ..jsonsafe import read_json
 from ..output import open_output
 from ..plan import Execution, Plan, execute
+from ..sidefiles import CONFIG, collect
 from ..writers.dcp import Piece, plan_dcp
 from ..writers.torchsave import TorchPart
 from .config import megatron_args, read_megatron
@@ -172,8 +176,9 @@ def _import(source: str, target: str, family_name: str, overwrite: bool, memory_
             objects = [ObjectEntry("args", value={k: list(v) if isinstance(v, tuple) else v for k, v in args.items()}),
                        ObjectEntry("iteration", value=0), ObjectEntry("checkpoint_version", value=3.0)]
             execute(Plan("torch", [TorchPart([], objects, None, name=f"{RELEASE}/common.pt")]), out, copier, execution)
+            side = collect(source, source, None, skip=frozenset({CONFIG}))
             for name, data in ((f"{RELEASE}/metadata.json", json.dumps(BACKEND).encode()),
-                               ("latest_checkpointed_iteration.txt", RELEASE.encode())):
+                               ("latest_checkpointed_iteration.txt", RELEASE.encode()), *side.data.items()):
                 with out.open(name) as fh:
                     fh.write(data)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
@@ -181,6 +186,8 @@ def _import(source: str, target: str, family_name: str, overwrite: bool, memory_
         report = [f"imported {family.architecture} as Megatron-core torch_dist: {s.layers} layers, {s.heads} heads in "
                   f"{s.groups} query groups" + (f", {s.experts} experts" if s.experts else "")
                   + f" ({len(view.tensors)} layer-stacked tensors)"]
+        report.append("carried side files: " + (", ".join(side.data) or "none (no generation_config.json or "
+                                                                  "tokenizer files beside config.json)"))
         report.extend(reader.fetch_note())
         return ImportResult(target, family.name, outputs, report)
     finally:
