@@ -12,6 +12,7 @@ from ckpt_service.auth import Principal, Scope
 from ckpt_service.catalog import AliasChange, ManagedView, RunView
 from ckpt_service.retention import DeletionView, GcReport, PolicySpec, PolicyView, Retention
 from ckpt_service.rules import NotifyResult, Rules, RuleSpec, RuleView, Scheduler, TriggerView
+from ckpt_service.service_errors import Forbidden
 
 from .schemas import errors
 from .security import Reader, Writer, check_rule, may_rule
@@ -59,7 +60,10 @@ def _admin(request: Request) -> Principal:
 
 
 def _checkpoint(request: Request, principal: Principal, checkpoint_id: str, needed: Scope) -> None:
-    """403 (one line) unless the caller holds `needed` over the checkpoint's URI."""
+    """403 (one line) unless the caller holds `needed` over the checkpoint's URI (static tokens: their scope,
+    already checked, holds everywhere)."""
+    if principal.roots is None:
+        return
     uri = request.app.state.service.checkpoint(checkpoint_id).uri
     principal.check(uri, needed, f"checkpoint {checkpoint_id}")
 
@@ -133,39 +137,53 @@ def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, prin
 @router.delete("/aliases/{namespace}/{name}", status_code=204, responses=errors(401, 403, 404, 422, 503),
                summary="Remove an alias")
 def delete_alias(namespace: Id, name: Id, request: Request, principal: Writer) -> None:
-    _checkpoint(request, principal, request.app.state.service.catalog.resolve(namespace, name), "write")
+    if principal.roots is not None:
+        _checkpoint(request, principal, request.app.state.service.catalog.resolve(namespace, name), "write")
     request.app.state.service.catalog.remove_alias(namespace, name, principal.name, principal)
 
 
 @router.get("/aliases/{namespace}/{name}/history", response_model=list[AliasChange],
             responses=errors(401, 403, 404, 422, 503), summary="Every move of an alias")
-def alias_history(namespace: Id, name: Id, request: Request, _: Reader) -> list[AliasChange]:
+def alias_history(namespace: Id, name: Id, request: Request, principal: Reader) -> list[AliasChange]:
+    if principal.roots is not None:
+        _checkpoint(request, principal, request.app.state.service.catalog.resolve(namespace, name), "read")
     return request.app.state.service.catalog.history(namespace, name)
 
 
 @router.get("/runs", response_model=list[RunView], responses=errors(401, 403, 503), summary="List runs")
-def runs(request: Request, _: Reader) -> list[RunView]:
-    return request.app.state.service.catalog.runs()
+def runs(request: Request, principal: Reader) -> list[RunView]:
+    """Only runs whose latest checkpoint the caller may read."""
+    found: list[RunView] = request.app.state.service.catalog.runs()
+    if principal.roots is None:
+        return found
+    registry = request.app.state.service.registry
+    return [run for run in found if run.latest_id and principal.may(registry.get(run.latest_id).uri, "read")]
 
 
 @router.get("/runs/{run}", response_model=list[ManagedView], responses=errors(401, 403, 404, 422, 503),
             summary="A run's checkpoints by step")
-def run_steps(run: Id, request: Request, _: Reader) -> list[ManagedView]:
-    return request.app.state.service.catalog.steps(run)
+def run_steps(run: Id, request: Request, principal: Reader) -> list[ManagedView]:
+    """The steps the caller may read."""
+    steps: list[ManagedView] = request.app.state.service.catalog.steps(run)
+    return [step for step in steps if principal.may(step.checkpoint.uri, "read")]
 
 
 @router.get("/runs/{run}/stats", responses=errors(401, 403, 404, 422, 503), summary="A run's statistics by step")
-def run_stats(run: Id, request: Request, _: Reader) -> list[dict[str, Any]]:
+def run_stats(run: Id, request: Request, principal: Reader) -> list[dict[str, Any]]:
     """Per scanned step: each layer's weight norm, its relative change from the step before, and the NaN/Inf
     count (from the newest scan job of each step's checkpoint)."""
+    if principal.roots is not None:
+        _checkpoint(request, principal, request.app.state.service.catalog.latest(run).checkpoint.id, "read")
     points: list[dict[str, Any]] = request.app.state.service.run_stats(run)
     return points
 
 
 @router.get("/runs/{run}/latest", response_model=ManagedView, responses=errors(401, 403, 404, 422, 503),
             summary="The latest step of a run")
-def run_latest(run: Id, request: Request, _: Reader) -> ManagedView:
-    return request.app.state.service.catalog.latest(run)
+def run_latest(run: Id, request: Request, principal: Reader) -> ManagedView:
+    view: ManagedView = request.app.state.service.catalog.latest(run)
+    principal.check(view.checkpoint.uri, "read", f"run {run}")
+    return view
 
 
 # -- retention and GC ------------------------------------------------------------------------------
@@ -193,15 +211,20 @@ def gc(body: GcRequest, request: Request, principal: Reader) -> GcReport:
     """The plan (what, which policy and why, bytes); without `dry_run` (admin) it is carried out."""
     if not body.dry_run:
         principal = _admin(request)
+    elif not principal.everywhere("read"):
+        raise Forbidden(f"{principal.name} may read some roots only; a GC plan covers every root (read of \"*\" "
+                        "in CKPT_OIDC_GROUP_ROLES)")
     return _retention(request).run(body.dry_run, principal.name)
 
 
 @router.get("/deletions", response_model=list[DeletionView], responses=errors(401, 403, 422, 503),
             summary="The deletion log")
-def deletions(request: Request, _: Reader,
+def deletions(request: Request, principal: Reader,
               state: Annotated[str | None, Query(pattern="^(pending|done|refused)$")] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[DeletionView]:
-    return _retention(request).deletions(state, limit)
+    """Only deletions under roots the caller may read."""
+    found: list[DeletionView] = _retention(request).deletions(state, limit)
+    return [item for item in found if principal.may(item.uri, "read")]
 
 
 # -- rules -----------------------------------------------------------------------------------------

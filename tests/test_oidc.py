@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # a node process and a server: the full suite (CI
 AUDIENCE = "urn:ckpt"
 PIPELINE = Client("pipeline", "pipeline-secret", ["ml-writers"])
 STRANGER = Client("stranger", "stranger-secret", ["marketing"])
-TEAM_A = Client("team-a-ci", "a-secret", ["team-a"])
+TEAM_A = Client("team-a-ci", "a-secret", ["team-a", "team-a-leads"])
 TEAM_B = Client("team-b-ci", "b-secret", ["team-b", "marketing"])
 ADMIN = Client("platform", "admin-secret", ["platform-admins"])
 
@@ -84,13 +84,15 @@ class Teams:
 
 @pytest.fixture(scope="module")
 def teams(site: Site, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Teams]:
-    """Team A writes root a and reads the shared root, team B likewise with root b; platform admins do all."""
+    """Team A writes root a (its leads administer it) and reads the shared root, team B likewise with root b;
+    platform admins do all."""
     root = tmp_path_factory.mktemp("teams")
     shared, a, b = root / "shared", root / "a", root / "b"
     for folder in (shared, a, b):
         folder.mkdir()
         save_file({"w": torch.ones(2, 2)}, str(folder / "model.safetensors"))
-    roles = {"team-a": {str(a): "write", str(shared): "read"}, "team-b": {str(b): "write", str(shared): "read"},
+    roles = {"team-a": {str(a): "write", str(shared): "read"}, "team-a-leads": {str(a): "admin"},
+             "team-b": {str(b): "write", str(shared): "read"},
              "platform-admins": {"*": "admin"}}
     server = make_server(root / "data", read_roots=[shared], write_roots=[a, b], workers=1,
                          extra_env={"CKPT_OIDC_ISSUER": site.provider.issuer(0), "CKPT_OIDC_AUDIENCE": AUDIENCE,
@@ -269,7 +271,12 @@ def test_two_teams_see_and_change_only_their_roots_and_an_admin_sees_all(site: S
         assert refused(b.post("/v1/rules/a-exports/pause")).startswith("rule a-exports pattern: oidc:team-b-ci")
         # service-wide admin routes need admin of every root
         assert refused(a.post("/v1/gc", json={"dry_run": False})) == (
-            "token 'oidc:team-a-ci' has scope write; this needs admin")
+            "oidc:team-a-ci is admin of some roots only; this needs admin of every root (\"*\" in "
+            "CKPT_OIDC_GROUP_ROLES)")
+        assert refused(b.post("/v1/gc", json={"dry_run": True})) == (
+            "oidc:team-b-ci may read some roots only; a GC plan covers every root (read of \"*\" in "
+            "CKPT_OIDC_GROUP_ROLES)")
+        assert admin.post("/v1/gc", json={"dry_run": True}).status_code == 200
         assert admin.get("/v1/policies").status_code == 200
     finally:
         for client in http.values():
