@@ -168,6 +168,11 @@ def _deepseek_args(hf: dict) -> dict:
                 moe_router_enable_expert_bias=True, moe_router_num_groups=hf["n_group"],
                 moe_router_group_topk=hf["topk_group"], moe_router_topk_scaling_factor=hf["routed_scaling_factor"],
                 moe_router_pre_softmax=False)
+    rope = hf["rope_parameters"]
+    if rope.get("rope_type") == "yarn":  # MLATransformerConfig's YaRN fields
+        args.update(rope_type="yarn", rotary_scaling_factor=rope["factor"], beta_fast=rope["beta_fast"],
+                    beta_slow=rope["beta_slow"], mscale=rope["mscale"], mscale_all_dim=rope["mscale_all_dim"],
+                    original_max_position_embeddings=rope["original_max_position_embeddings"])
     return args
 
 

@@ -47,12 +47,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 20,
                                     "layer_types": ["sliding_attention", "full_attention"],
                                     "tie_word_embeddings": True}),
-    # MLA with a low-rank q, first-k dense, shared experts, sigmoid group top-k routing with the expert bias
+    # MLA with a low-rank q and YaRN (mscale in the softmax scale), first-k dense, shared experts, sigmoid group
+    # top-k routing with the expert bias
     "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "moe_intermediate_size": 32, "n_shared_experts": 1,
                                          "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
                                          "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
                                          "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12,
-                                         "v_head_dim": 10, "routed_scaling_factor": 2.5}),
+                                         "v_head_dim": 10, "routed_scaling_factor": 2.5,
+                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                             "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                             "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 0.8}}),
 }
 # saved by the tool as megatron-core's tensors (no local GPTModel spec builds Gemma's post-norms; MLA: see the tool)
 RAW = ("gemma2", "gemma3", "deepseek_v3")
@@ -206,8 +210,7 @@ def test_views_split_qkv_per_query_group() -> None:
      "no family in the table has a GeGLU feed-forward"),
     ({"apply_layernorm_1p": True, "activation_func": "fast_gelu", "window_size": [4, 0],
       "window_attn_skip_freq": "x"}, FormatError, "args: window_attn_skip_freq 'x' is neither a positive integer"),
-    ({"multi_latent_attention": True, "rope_type": "yarn"}, OptionError, "rope_type 'yarn' (YaRN scaling is not "
-                                                                         "mapped yet; plain rope only)"),
+    ({"rope_type": "yarn"}, OptionError, "rope_type 'yarn' (plain rope, or YaRN with multi-latent attention only)"),
     ({"num_moe_experts": 2, "moe_layer_freq": [0, 1, 1]}, FormatError, "args: moe_layer_freq [0, 1, 1] is neither a "
                                                                        "positive integer nor a list of 1 0/1 flags"),
     ({"multi_latent_attention": True}, OptionError, "no family in the table has multi-latent attention"),
@@ -388,7 +391,7 @@ def test_import_refusals(tmp_path: Path) -> None:
                 "n_shared_experts": 1, "moe_intermediate_size": 32, "kv_lora_rank": 16}
     for fields, words in (({"rope_interleave": False}, "rope_interleave is false"),
                           ({"norm_topk_prob": False}, "norm_topk_prob is false"),
-                          ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0}}, "rope type 'yarn'")):
+                          ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'")):
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**deepseek, **fields}))
         with pytest.raises(OptionError) as caught:
             import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))

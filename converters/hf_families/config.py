@@ -77,6 +77,9 @@ MEGATRON_NUMBERS = ("num_moe_experts", "num_experts", "rotary_percent", "rope_sc
                     "low_freq_factor", "high_freq_factor", "norm_epsilon", "layernorm_epsilon", "rotary_base",
                     "init_method_std", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
                     "softmax_scale", "rope_local_base_freq", "moe_router_topk_scaling_factor")
+# megatron-core's MLATransformerConfig YaRN settings -> HF rope_parameters (rope_type "yarn")
+YARN = {"rotary_scaling_factor": "factor", "original_max_position_embeddings": "original_max_position_embeddings",
+        "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
 HF_SIZES = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
             "head_dim", "max_position_embeddings", "vocab_size", "num_experts_per_tok", "moe_intermediate_size",
             "sliding_window", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -134,8 +137,9 @@ def _unsupported(cfg: dict[str, Any]) -> list[str]:
         problems.append(f"moe_router_score_function {score!r} (softmax or sigmoid routers only)")
     if get(cfg, "q_lora_rank") and not get(cfg, "multi_latent_attention"):
         problems.append("q_lora_rank without multi_latent_attention")
-    if get(cfg, "rope_type") not in (None, "rope"):
-        problems.append(f"rope_type {get(cfg, 'rope_type')!r} (YaRN scaling is not mapped yet; plain rope only)")
+    rope_type = get(cfg, "rope_type")
+    if rope_type not in (None, "rope") and not (rope_type == "yarn" and get(cfg, "multi_latent_attention")):
+        problems.append(f"rope_type {rope_type!r} (plain rope, or YaRN with multi-latent attention only)")
     return problems
 
 
@@ -172,7 +176,7 @@ def _rope_bases(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
     """The model's shape and features from its Megatron config; one line naming what no family expresses."""
-    cfg = check_numbers(_rope_bases(cfg), where, MEGATRON_SIZES, MEGATRON_NUMBERS)
+    cfg = check_numbers(_rope_bases(cfg), where, MEGATRON_SIZES, MEGATRON_NUMBERS + tuple(YARN))
     problems = _unsupported(cfg)
     if problems:
         raise OptionError(f"{where}: no Hugging Face family in the table expresses " + "; ".join(problems)
@@ -229,6 +233,8 @@ def read_megatron(cfg: dict[str, Any], where: str) -> ModelConfig:
                  "moe_router_topk_scaling_factor", "mtp_num_layers"):
         if cfg.get(name) is not None:
             extra[name] = cfg[name]
+    if get(cfg, "rope_type") == "yarn":
+        extra["yarn"] = {hf: cfg[name] for name, hf in YARN.items() if cfg.get(name) is not None}
     moe_layers = _moe_layers(cfg, shape.layers, experts, where)
     if moe_layers and not all(moe_layers):
         features.add("dense_layers")
@@ -336,8 +342,15 @@ def _deepseek_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict
     if hf.get("rope_interleave") is False:
         raise fail("rope_interleave is false (megatron-core's MLA de-interleaves the rope half)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise fail(f"rope type {short(rope.get('rope_type', rope.get('type')))} (YaRN is not mapped yet)")
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    if kind not in ("default", "yarn"):
+        raise fail(f"rope type {short(kind)} (default or yarn only)")
+    yarn: dict[str, Any] = {}
+    if kind == "yarn":
+        numbers = check_numbers(rope, where, ("original_max_position_embeddings",),
+                                ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"))
+        yarn = {"rope_type": "yarn", **{name: numbers[field] for name, field in YARN.items()
+                                        if numbers.get(field) is not None}}
     top_k = int(hf.get("num_experts_per_tok") or 1)
     if not hf.get("norm_topk_prob", True) and top_k > 1:
         raise fail("norm_topk_prob is false (megatron-core's sigmoid router renormalizes the top k)")
@@ -347,7 +360,7 @@ def _deepseek_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict
         "multi_latent_attention": True, "q_lora_rank": hf.get("q_lora_rank"),
         "kv_lora_rank": int(hf.get("kv_lora_rank") or 512), "qk_head_dim": int(hf.get("qk_nope_head_dim") or 128),
         "qk_pos_emb_head_dim": int(hf.get("qk_rope_head_dim") or 64), "v_head_dim": int(hf.get("v_head_dim") or 128),
-        "rope_type": "rope", "num_query_groups": args["num_attention_heads"],
+        "rope_type": "rope", "num_query_groups": args["num_attention_heads"], **yarn,
         "moe_shared_expert_intermediate_size": int(hf.get("n_shared_experts") or 0) * moe_ffn or None,
         "moe_layer_freq": [0] * first + [1] * (layers - first), "moe_router_score_function": "sigmoid",
         "moe_router_enable_expert_bias": True, "moe_router_num_groups": hf.get("n_group"),

@@ -170,7 +170,14 @@ def _deepseek_v3(mc: ModelConfig) -> dict[str, Any]:
             "kv_lora_rank": int(x["kv_lora_rank"]), "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
             "qk_head_dim": nope + rope, "head_dim": rope, "v_head_dim": int(x.get("v_head_dim", 128)),
             "num_key_value_heads": s.heads, "rope_interleave": True, "attention_bias": False,
-            "num_nextn_predict_layers": 0, "output_router_logits": False}
+            "num_nextn_predict_layers": 0, "output_router_logits": False, **_yarn(mc)}
+
+
+def _yarn(mc: ModelConfig) -> dict[str, Any]:
+    """megatron-core's YaRN settings (MLATransformerConfig) as HF rope_parameters; nothing for plain rope."""
+    if "yarn" not in mc.extra:
+        return {}
+    return {"rope_parameters": {"rope_type": "yarn", "rope_theta": mc.rope_theta, **mc.extra["yarn"]}}
 
 
 def _llama(mc: ModelConfig) -> dict[str, Any]:
