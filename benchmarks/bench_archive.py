@@ -6,7 +6,8 @@ and each one's peak RSS.
 
 Without --source, `ckptctl sample DIR --size SIZE --world-size 2 --no-train` makes the checkpoint (an FSDP2
 DCP folder). Each operation runs --repeat times in a fresh child process (its peak RSS from wait4, including
-the interpreter and torch); its time is measured inside the child around the call, the best run kept. Page
+the interpreter); its time is measured inside the child around the call, the best run kept. CPU seconds (user +
+system, the child's whole life, imports included) depend less on the machine's load than wall seconds. Page
 cache stays warm for all three (cp runs first, once unmeasured). Archive runs into an empty store each time;
 a second archive of the same checkpoint into the filled store (everything deduplicated) is reported too.
 Prints a table and writes the numbers as JSON.
@@ -44,8 +45,9 @@ print(json.dumps(out))
 """
 
 
-def timed(argv: list[str]) -> tuple[float, int, dict[str, Any]]:
-    """(wall seconds, peak RSS bytes) of the command `argv` in a child process (rusage from wait4)."""
+def timed(argv: list[str]) -> tuple[float, int, float]:
+    """(wall seconds, peak RSS bytes, CPU seconds) of the command `argv` in a child process (rusage from
+    wait4). CPU seconds do not depend on what else runs on the machine; wall seconds do."""
     began = time.perf_counter()
     pid = os.fork()
     if pid == 0:
@@ -54,15 +56,16 @@ def timed(argv: list[str]) -> tuple[float, int, dict[str, Any]]:
     wall = time.perf_counter() - began
     if status:
         raise SystemExit(f"{argv[:3]} failed (status {status})")
-    return wall, usage.ru_maxrss * 1024, {}
+    return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
-def child(op: str, a: str, b: str, c: str, work: Path) -> tuple[float, int, dict[str, Any]]:
+def child(op: str, a: str, b: str, c: str, work: Path) -> tuple[float, int, float, dict[str, Any]]:
+    """(seconds of the call, peak RSS, CPU seconds of the whole child, its JSON)."""
     out = work / "child.json"
     argv = ["sh", "-c", f'"{sys.executable}" -c "$0" "$@" > "{out}"', CHILD, op, a, b, c]
-    _, rss, _ = timed(argv)
+    _, rss, cpu = timed(argv)
     doc = json.loads(out.read_text().strip().splitlines()[-1])
-    return doc["wall_s"], rss, doc
+    return doc["wall_s"], rss, cpu, doc
 
 
 def main() -> None:
@@ -80,40 +83,44 @@ def main() -> None:
         subprocess.run(["ckptctl", "sample", str(source), "--size", args.size, "--world-size", "2", "--no-train"],
                        check=True, cwd=ROOT)
     logical = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
-    rows: dict[str, list[tuple[float, int]]] = {"cp -r": [], "archive": [], "archive again": [], "restore": []}
+    rows: dict[str, list[tuple[float, int, float]]] = {"cp -r": [], "archive": [], "archive again": [], "restore": []}
     timed(["cp", "-r", str(source), str(work / "warm")])  # page cache warm for everyone
     shutil.rmtree(work / "warm")
     result: dict[str, Any] = {}
     for i in range(args.repeat):
         copy = work / f"copy{i}"
-        wall, rss, _ = timed(["cp", "-r", str(source), str(copy)])
-        rows["cp -r"].append((wall, rss))
+        rows["cp -r"].append(timed(["cp", "-r", str(source), str(copy)]))
         shutil.rmtree(copy)
         store = work / f"store{i}"
-        wall, rss, result = child("archive", str(source), str(store), "-", work)
-        rows["archive"].append((wall, rss))
-        wall, rss, _ = child("archive", str(source), str(store), "-", work)
-        rows["archive again"].append((wall, rss))
+        *row, result = child("archive", str(source), str(store), "-", work)
+        rows["archive"].append((row[0], row[1], row[2]))
+        *row, _ = child("archive", str(source), str(store), "-", work)
+        rows["archive again"].append((row[0], row[1], row[2]))
         target = work / f"restored{i}"
-        wall, rss, _ = child("restore", str(store), str(target), result["archive_id"], work)
-        rows["restore"].append((wall, rss))
+        *row, _ = child("restore", str(store), str(target), result["archive_id"], work)
+        rows["restore"].append((row[0], row[1], row[2]))
         if i == 0:
             same = subprocess.run(["diff", "-rq", str(source), str(target)], capture_output=True).returncode == 0
             assert same, "restore differs from the source"
         shutil.rmtree(target)
         if i < args.repeat - 1:
             shutil.rmtree(store)
-    cp_s = min(w for w, _ in rows["cp -r"])
-    table = {name: {"seconds": round(min(w for w, _ in runs), 3), "peak_rss_mb": round(max(r for _, r in runs) / 2**20),
-                    "x_cp": round(min(w for w, _ in runs) / cp_s, 2),
-                    "mb_per_s": round(logical / 2**20 / min(w for w, _ in runs))} for name, runs in rows.items()}
+    cp_s = min(w for w, _, _ in rows["cp -r"])
+    table = {name: {"seconds": round(min(w for w, _, _ in runs), 3),
+                    "peak_rss_mb": round(max(r for _, r, _ in runs) / 2**20),
+                    "cpu_s": round(min(c for _, _, c in runs), 2),
+                    "x_cp": round(min(w for w, _, _ in runs) / cp_s, 2),
+                    "mb_per_s": round(logical / 2**20 / min(w for w, _, _ in runs))} for name, runs in rows.items()}
     print(f"checkpoint: {source} ({logical / 1e9:.2f} GB, {sum(1 for p in source.rglob('*') if p.is_file())} files)")
-    print(f"{'operation':<14}{'seconds':>9}{'x cp':>7}{'MB/s':>7}{'peak RSS MB':>13}")
+    print(f"{'operation':<14}{'seconds':>9}{'x cp':>7}{'MB/s':>7}{'CPU s':>7}{'peak RSS MB':>13}")
     for name, row in table.items():
-        print(f"{name:<14}{row['seconds']:>9}{row['x_cp']:>7}{row['mb_per_s']:>7}{row['peak_rss_mb']:>13}")
+        print(f"{name:<14}{row['seconds']:>9}{row['x_cp']:>7}{row['mb_per_s']:>7}{row['cpu_s']:>7}"
+              f"{row['peak_rss_mb']:>13}")
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"stored {result['stored_bytes'] / 1e9:.3f} GB of {result['logical_bytes'] / 1e9:.3f} GB logical "
           f"(dedup saved {result['dedup_saved'] / 1e9:.3f} GB, compression {result['compression_saved'] / 1e9:.3f} GB)")
     doc = {"when": datetime.now(timezone.utc).isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
+           "load_average": os.getloadavg()[0],
            "source": str(source), "logical_bytes": logical, "repeat": args.repeat, "operations": table,
            "archive": {k: result[k] for k in ("chunks", "stored_bytes", "unique_bytes", "dedup_saved",
                                               "compression_saved")}}

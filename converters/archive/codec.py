@@ -23,13 +23,13 @@ def split_planes(data: bytes | memoryview, itemsize: int) -> bytes:
     return planes.tobytes() + bytes(data[n:])
 
 
-def join_planes(data: bytes, itemsize: int) -> bytes:
+def join_planes(data: bytes, itemsize: int) -> bytes | memoryview:
     n = len(data) - len(data) % itemsize
     planes = np.frombuffer(data, np.uint8, n).reshape(itemsize, -1)
     elements = np.empty((n // itemsize, itemsize), np.uint8)
     for k in range(itemsize):
         elements[:, k] = planes[k]
-    return elements.tobytes() + data[n:]
+    return memoryview(elements.reshape(-1).data) if n == len(data) else elements.tobytes() + data[n:]
 
 
 def _trial_slice(data: bytes | memoryview, itemsize: int) -> bytes | memoryview:
@@ -60,13 +60,13 @@ def encode(data: bytes | memoryview, itemsize: int) -> bytes:
     return bytes([RAW]) + bytes(data)
 
 
-def decode(stored: bytes, length: int) -> bytes:
+def decode(stored: bytes, length: int) -> bytes | memoryview:
     """The raw bytes of a stored chunk of `length` bytes; ValueError when it is not a chunk this module wrote."""
     if not stored:
         raise ValueError("empty")
     tag = stored[0]
     if tag == RAW:
-        return stored[1:]
+        return memoryview(stored)[1:]
     if tag == ZSTD:
         return zstandard.ZstdDecompressor().decompress(stored[1:], max_output_size=length)
     if tag == PLANES and len(stored) > 1 and stored[1] in (2, 4, 8):

@@ -48,7 +48,7 @@ def users(store: Store, digest: str) -> list[str]:
     return out
 
 
-def _chunk(store: Store, digest: str, length: int) -> bytes:
+def _chunk(store: Store, digest: str, length: int) -> bytes | memoryview:
     stored = store.get(chunk_key(digest))
     why = None
     if stored is None:
@@ -128,7 +128,7 @@ def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: st
         fs, path = filesystem(where)
         with translate_errors(where, writing=True):
             handle = fs.open(path, "wb")
-    queue: deque[Future[bytes]] = deque()
+    queue: deque[Future[bytes | memoryview]] = deque()
     done = False
     try:
         for digest, length, _ in entry["chunks"]:
