@@ -88,11 +88,19 @@ class OidcVerifier:
         self._clock = clock
         self._lock = threading.Lock()
         self._jwks_uri: str | None = None
+        self._document: dict[str, Any] | None = None
         self._keys: dict[str, jwt.PyJWK] = {}
         self._fetched_at: float | None = None
         self.fetches = 0  # JWKS downloads so far (for tests and metrics)
 
     # -- keys ---------------------------------------------------------------------------------------------------
+
+    def document(self) -> dict[str, Any]:
+        """The issuer's discovery document (fetched once, checked to name the configured issuer)."""
+        with self._lock:
+            self._discover()
+            assert self._document is not None
+            return self._document
 
     def _discover(self) -> str:
         if self._jwks_uri is None:
@@ -105,7 +113,7 @@ class OidcVerifier:
             if not isinstance(uri, str) or not _same_security(uri, self.config.issuer):
                 raise Unauthorized(f"cannot verify the token: {url} has no usable jwks_uri (https, or http on "
                                    "loopback like the issuer)")
-            self._jwks_uri = uri
+            self._jwks_uri, self._document = uri, doc
         return self._jwks_uri
 
     def _load_keys(self) -> None:

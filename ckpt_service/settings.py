@@ -108,6 +108,10 @@ class Settings(BaseSettings):
         "prefix: every root. A token none of whose groups is listed is refused (403).")
     oidc_algorithms: StrList = Field(default_factory=lambda: ["RS256", "ES256", "PS256"], description="JWS "
                                      "algorithms accepted (asymmetric only; none and HS* are always refused).")
+    oidc_client_id: str | None = Field(None, max_length=256, description="The dashboard's client at the issuer (a "
+                                       "public client: authorization code with PKCE); unset: no SSO button.")
+    oidc_redirect_uri: str | None = Field(None, max_length=2048, description="Where the issuer sends the browser "
+                                          "back (default: this server's URL + /v1/session/callback, as requested).")
     oidc_leeway_seconds: float = Field(30.0, ge=0, le=300, description="Clock skew allowed on exp, nbf and iat.")
     oidc_jwks_seconds: float = Field(300.0, ge=1, le=86400, description="How long the issuer's keys are cached.")
     oidc_refetch_seconds: float = Field(10.0, ge=0, le=3600, description="Least time between key downloads when "

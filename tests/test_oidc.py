@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jwt
 import pytest
 import torch
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 from ckpt_service.oidc import OidcConfig, OidcVerifier, fetch_json
 from ckpt_service.service_errors import Unauthorized
 
-from .oidc.provider import Client, Provider, private_jwk
+from .oidc.provider import Client, Provider, private_jwk, sign_in
 from .service_harness import Server, Tokens, job_spec, make_server
 
 pytestmark = pytest.mark.slow  # a node process and a server: the full suite (CI), not the edit loop
@@ -55,17 +56,20 @@ def unb64(text: str) -> bytes:
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     root = tmp_path_factory.mktemp("oidc")
     keys = [private_jwk("ES256", "ec-1"), private_jwk("RS256", "rs-1")]
-    # provider 1 signs with the same keys under another issuer URL: its tokens differ only in `iss`
-    provider = Provider(root, AUDIENCE, [PIPELINE, STRANGER, TEAM_A, TEAM_B, ADMIN]).start([keys, keys])
     source = root / "in" / "model.safetensors"
     source.parent.mkdir()
     save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(source))
     tokens = Tokens.make()
     server = make_server(root / "data", read_roots=[source.parent], write_roots=[root / "data"], workers=1,
-                         tokens=tokens.entries,
-                         extra_env={"CKPT_OIDC_ISSUER": provider.issuer(0), "CKPT_OIDC_AUDIENCE": AUDIENCE,
-                                    "CKPT_OIDC_GROUP_ROLES": json.dumps({"ml-writers": {"*": "write"}}),
-                                    "CKPT_OIDC_LEEWAY_SECONDS": "1", "CKPT_OIDC_REFETCH_SECONDS": "0.5"})
+                         tokens=tokens.entries)
+    dashboard = Client("dashboard", "", [], [f"{server.url}/v1/session/callback"])
+    # provider 1 signs with the same keys under another issuer URL: its tokens differ only in `iss`
+    provider = Provider(root, AUDIENCE, [PIPELINE, STRANGER, TEAM_A, TEAM_B, ADMIN, dashboard],
+                        users={"alice": ["ml-writers"], "mallory": ["marketing"]}).start([keys, keys])
+    server.env.update({"CKPT_OIDC_ISSUER": provider.issuer(0), "CKPT_OIDC_AUDIENCE": AUDIENCE,
+                       "CKPT_OIDC_GROUP_ROLES": json.dumps({"ml-writers": {"*": "write"}}),
+                       "CKPT_OIDC_CLIENT_ID": "dashboard",
+                       "CKPT_OIDC_LEEWAY_SECONDS": "1", "CKPT_OIDC_REFETCH_SECONDS": "0.5"})
     try:
         server.start()
         yield Site(provider, server, tokens, source, keys)
@@ -129,6 +133,38 @@ def test_a_pipeline_token_submits_a_job_and_static_tokens_still_work(site: Site)
     # a valid token whose groups map to no role
     assert refusal(site, site.provider.token(STRANGER), 403) == (
         "oidc:stranger has no group that CKPT_OIDC_GROUP_ROLES maps to a role (its 'groups' claim: ['marketing'])")
+
+
+def test_a_person_signs_in_with_the_authorization_code_flow_and_pkce(site: Site) -> None:
+    with site.server.http() as http:
+        assert http.get("/v1/session/config").json() == {"sso": True}
+        with httpx.Client(timeout=15.0) as browser:
+            done = sign_in(browser, f"{site.server.url}/v1/session/login", "alice")
+            assert done.status_code == 303, done.text
+            location = done.headers["location"]
+            assert location.startswith("/#/sso/") and "." not in location  # a handoff id, never the token
+            handoff = location.removeprefix("/#/sso/")
+            first = http.post("/v1/session/handoff", json={"handoff": handoff})
+            assert first.status_code == 200, first.text
+            assert (first.json()["name"], first.json()["expires_in"]) == ("oidc:alice", 300)
+            again = http.post("/v1/session/handoff", json={"handoff": handoff})  # one use only
+            assert again.status_code == 401
+            assert again.json()["error"]["message"] == (
+                "sign-in handoff unknown, used or expired (60 s): sign in again")
+            token = first.json()["access_token"]
+            me = http.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"}).json()
+            assert (me["name"], me["scope"]) == ("oidc:alice", "write")
+        # a person whose groups map to no role is refused at the callback, in one line (a fresh browser: the
+        # provider remembers alice's session)
+        with httpx.Client(timeout=15.0) as browser:
+            refused = sign_in(browser, f"{site.server.url}/v1/session/login", "mallory")
+            assert refused.status_code == 403
+            assert refused.json()["error"]["message"].startswith("oidc:mallory has no group that")
+            # a forged or replayed state is refused
+            stale = http.get("/v1/session/callback", params={"code": "x", "state": "made-up"})
+            assert stale.status_code == 422
+            assert stale.json()["error"]["message"] == (
+                "sign-in state unknown or expired (over 10 minutes, or already used): sign in again")
 
 
 def test_expired_wrong_audience_and_wrong_issuer_tokens_are_refused(site: Site) -> None:

@@ -52,6 +52,7 @@ class Client:
     client_id: str
     client_secret: str
     groups: list[str]
+    redirect_uris: list[str] | None = None  # a public authorization-code client (PKCE) when given
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Provider:
     folder: Path
     audience: str
     clients: list[Client]
+    users: dict[str, list[str]] = field(default_factory=dict)  # login -> groups
     ports: list[int] = field(default_factory=list)
     proc: subprocess.Popen[str] | None = None
 
@@ -72,7 +74,7 @@ class Provider:
         self.stop()
         if not self.ports:
             self.ports = [free_port() for _ in keys]
-        config = {"audience": self.audience, "clients": [c.__dict__ for c in self.clients],
+        config = {"audience": self.audience, "clients": [c.__dict__ for c in self.clients], "users": self.users,
                   "providers": [{"port": port, "issuer": f"http://127.0.0.1:{port}", "keys": ks, "alg": ks[0]["alg"]}
                                 for port, ks in zip(self.ports, keys, strict=True)]}
         path = self.folder / "provider.json"
@@ -102,3 +104,22 @@ class Provider:
         body = reply.json()
         assert body["token_type"].lower() == "bearer"
         return str(body["access_token"])
+
+
+def sign_in(browser: httpx.Client, start: str, login: str) -> httpx.Response:
+    """Walk the provider's own login and consent pages (devInteractions) from `start` (the service's
+    /v1/session/login) as a browser would, keeping cookies; returns the service's answer to the callback."""
+    reply = browser.get(start)
+    for _ in range(12):  # login, consent, and the redirects between them
+        if reply.url.path == "/v1/session/callback":
+            return reply
+        if reply.status_code in (302, 303):
+            reply = browser.get(reply.url.join(reply.headers["location"]))
+            continue
+        url = str(reply.url)
+        if "/interaction/" not in url:
+            return reply
+        prompt = "login" if 'name="login"' in reply.text else "consent"
+        data = {"prompt": prompt, **({"login": login, "password": "x"} if prompt == "login" else {})}
+        reply = browser.post(url, data=data)
+    raise AssertionError("the sign-in did not come back to the service")
