@@ -86,7 +86,8 @@ def test_a_declared_kind_is_served_offered_and_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     source = str(tmp_path / "data" / "anything")
-    assert got["kinds"] == ["convert", "export", "reshard", "import", "verify", "inspect", "scan", "diff", "echo"]
+    assert got["kinds"] == ["convert", "export", "reshard", "import", "verify", "inspect", "scan", "scrub", "diff",
+                            "echo"]
     assert got["template_kinds"] == ["convert", "export", "reshard", "import"]  # echo writes nothing: no rule runs it
     assert got["word"] == {"anyOf": [{"description": "What to say back.", "maxLength": 20, "minLength": 1,
                                       "type": "string"}, {"type": "null"}],
@@ -102,12 +103,13 @@ def test_a_declared_kind_is_served_offered_and_run(tmp_path: Path) -> None:
 
 def test_the_built_in_kinds_are_derived_from_their_declarations() -> None:
     declared = job_kinds.kinds()
-    assert KINDS == Kind.__args__ == ("convert", "export", "reshard", "import", "verify", "inspect", "scan", "diff")
+    assert KINDS == Kind.__args__ == ("convert", "export", "reshard", "import", "verify", "inspect", "scan", "scrub",
+                                      "diff")
     assert set(WRITING_KINDS) == {"convert", "export", "reshard", "import"}
     assert JobTemplate.model_fields["kind"].annotation.__args__ == ("convert", "export", "reshard", "import")
     assert dict(REQUESTS) == {k.name: k.request for k in declared.values()}
     assert all(REQUESTS[name].kind == name for name in KINDS)
-    assert [k.name for k in declared.values() if not k.takes_target] == ["inspect", "scan"]
+    assert [k.name for k in declared.values() if not k.takes_target] == ["inspect", "scan", "scrub"]
     assert APPLIES["inspect"] == {"source_format", "tag", "weights", "tensors", "stats"}
     # the cast dtypes are the engine's
     assert REQUESTS["convert"].model_validate({"dtype": "bf16"}).dtype == "bfloat16"  # type: ignore[attr-defined]
