@@ -317,3 +317,41 @@ def test_two_teams_see_and_change_only_their_roots_and_an_admin_sees_all(site: S
     finally:
         for client in http.values():
             client.close()
+
+
+def test_the_dashboard_signs_in_through_the_issuer_in_a_real_browser(site: Site) -> None:
+    chromium_path = Path("/usr/bin/chromium")
+    if not chromium_path.exists():
+        pytest.fail("/usr/bin/chromium is missing: install Debian's chromium (.ci/run does) for the browser tests")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(chromium_path), args=["--no-sandbox",
+                                              "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+        try:
+            page = chromium.new_context().new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_default_timeout(20_000)
+            page.goto(f"{site.server.url}/")
+            page.wait_for_selector("#view-signin:not([hidden])")
+            page.click("#sso-link")  # to the issuer, with PKCE
+            page.wait_for_selector("input[name=login]")
+            assert page.url.startswith(f"{site.provider.issuer(0)}/interaction/")
+            page.fill("input[name=login]", "alice")
+            page.fill("input[name=password]", "x")
+            page.click("button[type=submit]")
+            page.wait_for_url(f"{site.provider.issuer(0)}/interaction/**")
+            page.click("button[type=submit]")  # consent
+            page.wait_for_selector("#view-jobs:not([hidden])")
+            assert page.text_content("#who") == "oidc:alice · write"
+            assert page.url == f"{site.server.url}/#/jobs"  # the handoff id is gone from the address bar
+            stored = page.evaluate("() => [sessionStorage.getItem('ckpt-token'), localStorage.length]")
+            assert stored[1] == 0 and stored[0].count(".") == 2  # the JWT, in this tab's session storage only
+            assert jwt.decode(stored[0], options={"verify_signature": False})["sub"] == "alice"
+            page.click("#sign-out")
+            page.wait_for_selector("#view-signin:not([hidden])")
+            assert page.evaluate("() => sessionStorage.getItem('ckpt-token')") is None
+            assert errors == []
+        finally:
+            chromium.close()

@@ -62,6 +62,28 @@ function signIn(message) {
   document.getElementById("token").focus();
 }
 
+// Back from the OpenID issuer (GET /v1/session/callback sent the browser to #/sso/HANDOFF): trade the one-time
+// handoff id for the access token, kept in sessionStorage like a pasted one; the id leaves the address bar first.
+async function finishSso() {
+  const match = /^#\/sso\/([A-Za-z0-9_-]{1,128})$/.exec(location.hash);
+  if (!match) return;
+  history.replaceState(null, "", `${location.pathname}#/jobs`);
+  try {
+    const found = await api("/v1/session/handoff", { method: "POST", body: { handoff: match[1] } });
+    setToken(found.access_token);
+  } catch (error) {
+    notify(`Sign-in did not complete: ${error.message}`);
+  }
+}
+
+async function offerSso() {
+  try {
+    document.getElementById("sso").hidden = !(await api("/v1/session/config")).sso;
+  } catch {
+    document.getElementById("sso").hidden = true;
+  }
+}
+
 function parseHash() {
   const [path, search] = location.hash.replace(/^#\/?/, "").split("?");
   const [section, ...rest] = path.split("/");
@@ -190,6 +212,8 @@ function setup() {
 
 async function start() {
   setup();
+  await finishSso();
+  await offerSso();
   try {
     await whoami();
   } catch (error) {
