@@ -303,8 +303,11 @@ def test_gc_racing_archives_loses_nothing(tmp_path: Path) -> None:
 
     def collect() -> None:
         try:
-            while not done.is_set():
+            while True:
+                last = done.is_set()  # one more run after the archives ended: it finds the garbage for sure
                 runs.append(len(gc(store, grace_s=0).deleted))
+                if last:
+                    break
         except BaseException as e:  # reported by the test below
             failures.append(e)
 
@@ -325,6 +328,39 @@ def test_gc_racing_archives_loses_nothing(tmp_path: Path) -> None:
     for aid, folder in zip(ids, sources, strict=True):
         restore(store, aid, str(tmp_path / f"out-{aid}"))
         same_tree(folder, tmp_path / f"out-{aid}")
+
+
+def test_gc_during_an_archive_deletes_nothing_and_an_archive_waits_for_a_running_gc(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sides of the handshake, made to happen at the worst moment: a gc run while an archive has counted
+    on chunks the store holds (and before its manifest exists), and an archive started while a gc runs."""
+    v1, v2 = _versions(tmp_path)
+    store = tmp_path / "store"
+    first = archive(str(v1), str(store))
+    (store / "manifests" / f"{first.archive_id}.json").unlink()  # v1's chunks are garbage now; v2 reuses most
+    seen: list[Any] = []
+    encode = codec.encode
+
+    def encode_and_collect(data: Any, itemsize: int) -> bytes:
+        if not seen:
+            seen.append(gc(str(store), grace_s=0))
+        return encode(data, itemsize)
+
+    monkeypatch.setattr(codec, "encode", encode_and_collect)
+    second = archive(str(v2), str(store))
+    assert seen[0].deleted == [] and "in progress" in seen[0].skipped
+    restore(str(store), second.archive_id, str(tmp_path / "out"))
+    same_tree(v2, tmp_path / "out")
+    (store / "gc").mkdir(exist_ok=True)
+    (store / "gc" / "running.json").write_text("{}")  # a gc that has not ended
+    finished = threading.Event()
+    thread = threading.Thread(target=lambda: (archive(str(v1), str(store)), finished.set()))
+    thread.start()
+    assert not finished.wait(0.5)  # the archive waits ...
+    assert list((store / "pending").iterdir())  # ... with its marker up
+    (store / "gc" / "running.json").unlink()
+    thread.join(30)
+    assert finished.is_set() and not list((store / "pending").iterdir())
 
 
 # ---- framework series ---------------------------------------------------------------------------------------
