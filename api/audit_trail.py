@@ -165,6 +165,7 @@ class AuditTrail:
         sent: list[bytes] = []
         request: list[bytes] = []
         status = 0
+        replayed = False
 
         async def receiving() -> Message:
             message = await receive()
@@ -173,16 +174,17 @@ class AuditTrail:
             return message
 
         async def sending(message: Message) -> None:
-            nonlocal status
+            nonlocal status, replayed
             if message["type"] == "http.response.start":
                 status = message["status"]
+                replayed = (b"idempotent-replayed", b"true") in list(message.get("headers") or [])
             elif message["type"] == "http.response.body" and sum(map(len, sent)) <= MAX_BODY:
                 sent.append(message.get("body", b""))
             await send(message)
 
         await self.app(scope, receiving, sending)
-        if not (200 <= status < 300 or status in REFUSALS):
-            return
+        if not (200 <= status < 300 or status in REFUSALS) or replayed:
+            return  # a replayed submit (Idempotency-Key) changed nothing: its first request is in the log
         asked = _loads(b"".join(request))
         if name == "gc" and not (isinstance(asked, dict) and asked.get("dry_run") is False):
             return  # a dry run changes nothing

@@ -154,6 +154,14 @@ def test_each_change_and_each_refusal_is_one_row(api: tuple[TestClient, dict[str
         assert client.request(method, "/v1/audit", headers=h["root"]).status_code == 405
     assert len(rows(client, h["root"])) == len(log)
 
+    # a submit replayed by its Idempotency-Key changed nothing: only its first request is a row
+    keyed = {"kind": "convert", "source": str(two), "target": str(root / "keyed"), "options": {"to": "safetensors"}}
+    first_try = client.post("/v1/jobs", json=keyed, headers={**h["alice"], "Idempotency-Key": "k1"})
+    retry = client.post("/v1/jobs", json=keyed, headers={**h["alice"], "Idempotency-Key": "k1"})
+    assert retry.headers["Idempotent-Replayed"] == "true" and retry.json()["id"] == first_try.json()["id"]
+    assert [r["object"] for r in rows(client, h["root"], action="job.submit", principal="alice")] == [
+        f"job:{job['id']}", f"job:{first_try.json()['id']}"]
+
 
 def test_audit_table_in_each_store(store_location: str) -> None:
     log = AuditLog(JobStore(store_location))
