@@ -267,8 +267,8 @@ class ReshardRequest(KeyedRequest):
                              flag("--output-layout")] = "auto"
 
 
-class VerifyRequest(KeyedRequest):
-    """Compare two checkpoints tensor by tensor (exact unless atol/rtol)."""
+class CompareRequest(KeyedRequest):
+    """What verify and diff share: the key clean-up, tolerances and formats of the two sides."""
 
     only: Only = "all"
     clean_keys: CleanKeys = True
@@ -283,6 +283,11 @@ class VerifyRequest(KeyedRequest):
                              Field(description="Force the format of the second checkpoint (B): the same choices."),
                              flag("--from-b", metavar="FORMAT")] = None
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
+
+
+class VerifyRequest(CompareRequest):
+    """Compare two checkpoints tensor by tensor (exact unless atol/rtol)."""
+
     certificate: Annotated[bool, Field(description="Re-check output A against the certificate in its manifest (its "
                                        "files, tensors and, when still there, the source ranges it names); B is "
                                        "not used."), flag("--certificate")] = False
@@ -327,7 +332,7 @@ class ImportRequest(JobRequest):
     overwrite: Overwrite = False
 
 
-class DiffRequest(VerifyRequest):
+class DiffRequest(CompareRequest):
     """Compare two checkpoints of any formats tensor by tensor: identical or not, max |a-b|, relative L2 change,
     by layer (what moved most, what did not move)."""
 

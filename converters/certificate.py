@@ -22,15 +22,15 @@ import math
 import mmap
 import os
 import threading
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from . import storage
 from .checksum import crc32, crc32_combine
 from .index import CheckpointIndex, TensorEntry
-from .stats.moments import SUPPORTED, Moments, TensorStats, numpy_dtype
 from .tensorio import Box
+
+if TYPE_CHECKING:  # numpy and the statistics are imported when asked for (`ckptctl --help` stays light)
+    from .stats.moments import Moments, TensorStats
 
 #: the unit roundoff of each floating dtype a cast can land in (2**-p, p the significand's bits)
 ROUNDING = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
@@ -56,7 +56,11 @@ class Tally:
         self.src_crc = self.out_crc = 0
         self.src: Moments | None = None
         self.out: Moments | None = None
-        if ledger.stats and entry.dtype in SUPPORTED and out_dtype in SUPPORTED:
+        if not ledger.stats:
+            return
+        from .stats.moments import SUPPORTED, Moments
+
+        if entry.dtype in SUPPORTED and out_dtype in SUPPORTED:
             self.src = Moments(entry.name, entry.dtype, entry.shape)
             # an uncast copy writes the bytes it read (their CRC-32s agree): its output's statistics are the source's
             self.out = Moments(entry.name, out_dtype, entry.shape) if out_dtype != entry.dtype else None
@@ -66,9 +70,13 @@ class Tally:
         self.src_crc = crc32(read, self.src_crc)
         self.out_crc = self.src_crc if written is read else crc32(written, self.out_crc)
         if self.src is not None:
+            import numpy as np
+
+            from .stats.moments import numpy_dtype
+
             self.src.add(np.frombuffer(read, dtype=numpy_dtype(self.entry.dtype)))
-        if self.out is not None:
-            self.out.add(np.frombuffer(written, dtype=numpy_dtype(self.out_dtype)))
+            if self.out is not None:
+                self.out.add(np.frombuffer(written, dtype=numpy_dtype(self.out_dtype)))
 
     def add_crc(self, crc: int) -> None:
         """A piece the kernel copied unchanged: `crc` is both CRC-32s extended over it."""

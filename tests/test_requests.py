@@ -45,6 +45,10 @@ WIRE["diff"] = set(WIRE["verify"])
 WIRE["import"] = {"family", "memory_limit", "overwrite"}  # added with the HF -> Megatron import
 for _kind in ("convert", "export", "reshard"):  # added with the scan guard
     WIRE[_kind] |= {"require_finite"}
+for _kind in ("convert", "export", "reshard"):  # added with conversion certificates
+    WIRE[_kind] |= {"stats"}
+WIRE["verify"] |= {"certificate"}  # verify --certificate OUT
+WIRE["scrub"] = {"memory_limit"}
 EXTRAS = {"quiet", "as_json", "wait", "callback_url", "idempotency_key", "server", "token",
           "ray"}  # offline --ray ADDRESS: the Ray executor for this run
 

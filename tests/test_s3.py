@@ -243,15 +243,15 @@ def test_verify_s3_checkpoint_against_local_reference(s3: S3, dcp: Sample) -> No
 def test_manifest_matches_local_output(s3: S3, dcp: Sample, tmp_path: Path) -> None:
     """Same files and sizes; uploads also carry each file's CRC-32 (computed as the bytes stream through).
 
-    Local outputs appear by an atomic rename and are written in the kernel or at offsets by several threads,
-    so their manifest records sizes only: a checksum there would cost a full extra read of the output."""
+    Local outputs are written in the kernel or at offsets by several threads; their CRC-32s (the certificate's)
+    are read back through the page cache after the write: the same values."""
     convert(str(dcp.path), str(tmp_path / "export"))
     convert(str(dcp.path), s3.uri("export"))
     local = json.loads((tmp_path / "export" / MANIFEST).read_bytes())
     remote = json.loads(s3.get(f"export/{MANIFEST}"))
     assert {n: f["bytes"] for n, f in local["files"].items()} == {n: f["bytes"] for n, f in remote["files"].items()}
     for name, info in remote["files"].items():
-        assert info["crc32"] == zlib.crc32((tmp_path / "export" / name).read_bytes()), name
+        assert info["crc32"] == zlib.crc32((tmp_path / "export" / name).read_bytes()) == local["files"][name]["crc32"]
 
 
 # --- bytes fetched vs bytes needed ---------------------------------------------------------------------
