@@ -70,6 +70,7 @@ class Action:
     object: Callable[[Params, Any, Any], str]  # (path parameters, answer, before) -> KIND:ID
     before: Reader | None = None
     refusals_only: bool = False
+    bodies: bool = True  # False: the answer is not kept (a route this table does not know may answer secrets)
 
 
 def _id(kind: str, param: str | None = None) -> Callable[[Params, Any, Any], str]:
@@ -96,6 +97,10 @@ def _notified(params: Params, after: Any, before: Any) -> str:
     found = after.get("checkpoint_id") if isinstance(after, dict) else None
     return f"checkpoint:{found or '(new)'}"
 
+
+#: routes that change nothing of the service's state and answer secrets: never audited
+#: (session_handoff trades the dashboard's one-time sign-in handoff for an access token)
+UNAUDITED = {"session_handoff"}
 
 #: route name (the endpoint function's name) -> what the audit log calls it
 ACTIONS: dict[str, Action] = {
@@ -159,8 +164,11 @@ class AuditTrail:
             await self.app(scope, receive, send)
             return
         name, params = found
+        if name in UNAUDITED:
+            await self.app(scope, receive, send)
+            return
         action = ACTIONS.get(name) or Action(f"{scope['method']} {scope['path']}"[:100],
-                                             lambda params, after, before: f"path:{scope['path']}")
+                                             lambda params, after, before: f"path:{scope['path']}", bodies=False)
         before = await anyio.to_thread.run_sync(_read, action.before, self.api, params)
         sent: list[bytes] = []
         request: list[bytes] = []
@@ -199,6 +207,8 @@ class AuditTrail:
     def _record(self, action: Action, params: Params, status: int, before: Any, body: bytes,
                 authorization: str | None) -> None:
         answer = _loads(body) if len(body) <= MAX_BODY else None
+        if not action.bodies:
+            answer = {"error": answer.get("error")} if isinstance(answer, dict) and "error" in answer else None
         who = _who(self.api, authorization)
         log = self.api.state.audit
         if 200 <= status < 300:

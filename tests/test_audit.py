@@ -177,3 +177,27 @@ def test_audit_table_in_each_store(store_location: str) -> None:
     page = log.entries(limit=2)
     assert [e.object for e in page.items] == ["rule:r2", "rule:r1"] and page.next_cursor is not None
     assert [e.object for e in log.entries(cursor=int(page.next_cursor)).items] == ["alias:ns/best"]
+
+
+def test_secrets_in_answers_stay_out_of_the_log(api: tuple[TestClient, dict[str, dict[str, str]], Path]) -> None:
+    """The dashboard's sign-in handoff (its answer is an access token) is never audited, and a change route the
+    audit table does not know is a row without the answer."""
+    from types import SimpleNamespace
+
+    from ckpt_service.auth import Principal
+
+    client, h, _ = api
+    app: Any = client.app
+    handed = SimpleNamespace(token="eyJ.secret.token", expires_in=60, principal=Principal("oidc:alice", "write"))
+    app.state.login_flows = SimpleNamespace(take=lambda handoff: handed)
+    answer = client.post("/v1/session/handoff", json={"handoff": "h1"})
+    assert answer.json()["access_token"] == "eyJ.secret.token"
+
+    def rotate() -> dict[str, str]:
+        return {"new_secret": "s3cr3t"}
+
+    app.router.add_api_route("/v1/rotate", rotate, methods=["POST"])
+    assert client.post("/v1/rotate", headers=h["root"]).json() == {"new_secret": "s3cr3t"}
+    log = rows(client, h["root"])
+    assert [(r["principal"], r["action"], r["object"], r["after"]) for r in log] == [
+        ("root", "POST /v1/rotate", "path:/v1/rotate", None)]
