@@ -355,3 +355,35 @@ def test_the_dashboard_signs_in_through_the_issuer_in_a_real_browser(site: Site)
             assert errors == []
         finally:
             chromium.close()
+
+
+def test_the_audit_log_names_each_team_and_holds_the_refused_attempts(site: Site, teams: Teams) -> None:
+    """Changes by OpenID principals are audited under oidc:SUB, cross-team attempts as refused rows with the
+    line the caller got; only an admin of every root reads the log."""
+    folder = teams.a / "audited"
+    folder.mkdir()
+    save_file({"w": torch.zeros(2, 2)}, str(folder / "model.safetensors"))
+    http = {c.client_id: teams.server.http(site.provider.token(c)) for c in (TEAM_A, TEAM_B, ADMIN)}
+    a, b, admin = http["team-a-ci"], http["team-b-ci"], http["platform"]
+    try:
+        since = time.time()
+        made = a.post("/v1/checkpoints", json={"uri": str(folder), "name": "audited"})
+        assert made.status_code == 201, made.text
+        tagged = b.post(f"/v1/checkpoints/{made.json()['id']}/tags", json={"set": {"stage": "x"}})
+        stolen = b.post("/v1/jobs", json=job_spec("inspect", folder))
+        assert (tagged.status_code, stolen.status_code) == (403, 403)
+        log = admin.get("/v1/audit", params={"since": since}).json()["items"][::-1]
+        assert [(r["principal"], r["action"], r["object"], r["outcome"], r["detail"]) for r in log] == [
+            ("oidc:team-a-ci", "checkpoint.register", f"checkpoint:{made.json()['id']}", "done", None),
+            ("oidc:team-b-ci", "checkpoint.tag", f"checkpoint:{made.json()['id']}", "refused",
+             "HTTP 403: " + tagged.json()["error"]["message"]),
+            ("oidc:team-b-ci", "job.submit", "job:(new)", "refused", "HTTP 403: " + stolen.json()["error"]["message"])]
+        assert log[0]["after"]["uri"] == str(folder) and log[1]["before"] == []
+        assert a.get("/v1/audit").json()["error"]["message"] == (
+            "oidc:team-a-ci is admin of some roots only; this needs admin of every root (\"*\" in "
+            "CKPT_OIDC_GROUP_ROLES)")
+        assert b.get("/v1/audit").json()["error"]["message"] == (
+            "token 'oidc:team-b-ci' has scope write; this needs admin")
+    finally:
+        for client in http.values():
+            client.close()
