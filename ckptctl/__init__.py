@@ -26,8 +26,8 @@ __all__ = ["app", "main"]
 
 #: the modules that register commands on `common.app`, in this order
 MODULES = ("offline", "server_commands", "manage", "serving")
-#: the commands `offline` registers: one per job kind, and `sample`
-OFFLINE_COMMANDS = frozenset({*names(), "sample"})
+#: the commands `offline` registers: one per job kind, `sample`, and the archive tier's
+OFFLINE_COMMANDS = frozenset({*names(), "sample", "archive", "restore", "archives", "archive-gc"})
 
 
 def load(names: tuple[str, ...] = MODULES) -> None:

@@ -273,3 +273,77 @@ def sample(target: str, world_size: Annotated[int, typer.Option("--world-size")]
         except ValueError as exc:
             fail(str(exc))
     out.print(f"wrote {layout} sample at world size {world_size}: {target}", highlight=False)
+
+
+# -- the archive tier (converters.archive): offline commands on a store at any fsspec location ------------------
+
+Store = Annotated[str, typer.Argument(help="The archive store: a folder or URI (s3://bucket/archive).")]
+
+
+@app.command("archive")
+def archive_command(source: Annotated[str, typer.Argument(help=PATH)], store: Store,
+                    archive_id: Annotated[str | None, typer.Option("--id", help="The archive's id (default: a hash "
+                                                                   "of its content).")] = None,
+                    as_json: AsJson = False) -> None:
+    """Keep a checkpoint in an archive store: content-addressed chunks, stored once across every checkpoint
+    there and losslessly compressed; restore gives it back byte for byte."""
+    from converters import archive_checkpoint
+
+    with errors(), engine_config():
+        result = archive_checkpoint(source, store, archive_id)
+    done = result.to_dict()
+    if as_json:
+        out.print_json(json.dumps(done))
+        return
+    out.print(f"archived {source} as {result.archive_id}: {result.files} file(s), {human(result.logical_bytes)} "
+              f"logical, {human(result.new_stored_bytes)} new in the store ({human(result.stored_bytes)} stored in "
+              f"all)", highlight=False)
+
+
+@app.command("restore")
+def restore_command(store: Store, archive_id: Annotated[str, typer.Argument(help="The archive's id.")],
+                    target: Annotated[str, typer.Argument(help="Where to write the checkpoint (must not exist).")],
+                    as_json: AsJson = False) -> None:
+    """Write an archived checkpoint back, byte for byte, every chunk's hash checked."""
+    from converters import restore_archive
+
+    with errors(), engine_config():
+        files = restore_archive(store, archive_id, target)
+    if as_json:
+        out.print_json(json.dumps({"target": target, "files": files}))
+        return
+    out.print(f"restored {archive_id} to {target}: {len(files)} file(s)", highlight=False)
+
+
+@app.command("archives")
+def archives_command(store: Store, as_json: AsJson = False) -> None:
+    """The checkpoints an archive store holds: id, source, files, logical and stored bytes."""
+    from converters import list_archives
+
+    with errors(), engine_config():
+        found = list_archives(store)
+    if as_json:
+        out.print_json(json.dumps(found))
+        return
+    table = make_table("id", "source", "files", "logical", "stored")
+    for a in found:
+        table.add_row(str(a.get("id")), str(a.get("source")), str(a.get("files")), human(a.get("logical_bytes") or 0),
+                      human(a.get("stored_bytes") or 0))
+    out.print(table)
+
+
+@app.command("archive-gc")
+def archive_gc_command(store: Store,
+                       grace: Annotated[float, typer.Option("--grace", metavar="SECONDS", help="Keep unreferenced "
+                                                            "chunks younger than this.")] = 3600.0,
+                       as_json: AsJson = False) -> None:
+    """Delete the chunks no archived checkpoint uses (safe while archives run: it then deletes nothing)."""
+    from converters import archive_gc
+
+    with errors(), engine_config():
+        result = archive_gc(store, grace_s=grace)
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+        return
+    out.print(result.skipped or f"deleted {len(result.deleted)} chunk(s), {human(result.freed_bytes)} freed; "
+              f"{result.kept} kept", highlight=False)

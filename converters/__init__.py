@@ -22,6 +22,10 @@ from .errors import (
 if TYPE_CHECKING:
     from . import dtypes, storage
     from .adapters import adapter_info, export_adapter, export_merged
+    from .archive import ArchiveResult, list_archives
+    from .archive import archive as archive_checkpoint
+    from .archive import gc as archive_gc
+    from .archive import restore as restore_archive
     from .certificate_check import CertificateReport, scrub
     from .classify import index_kinds
     from .config import ContextThread, EngineConfig, PickleLimits
@@ -67,6 +71,8 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats", "through_merged": "staged",
     "layer_of": "stats", "check_certificate": "verification", "scrub": "certificate_check",
     "CertificateReport": "certificate_check",
+    "archive_checkpoint": ("archive", "archive"), "restore_archive": ("archive", "restore"),
+    "archive_gc": ("archive", "gc"), "list_archives": "archive", "ArchiveResult": "archive",
 }
 _MODULES = ("dtypes", "storage")
 
@@ -75,6 +81,7 @@ __all__ = [
     "DEFAULT_SHARD_SIZE",
     "READERS",
     "WRITERS",
+    "ArchiveResult",
     "BaseReader",
     "CertificateReport",
     "CheckpointIndex",
@@ -99,6 +106,8 @@ __all__ = [
     "VerifyError",
     "VerifyReport",
     "adapter_info",
+    "archive_checkpoint",
+    "archive_gc",
     "check_certificate",
     "convert",
     "deepspeed_source",
@@ -115,11 +124,13 @@ __all__ = [
     "inspect",
     "install_config",
     "layer_of",
+    "list_archives",
     "load_index",
     "parse_dim_rules",
     "register_format",
     "remove_tree",
     "reshard",
+    "restore_archive",
     "scan",
     "scrub",
     "segments_below",
