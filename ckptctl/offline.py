@@ -111,16 +111,8 @@ def run_verify(request: JobRequest, a: str, b: str | None = None, as_json: bool 
             raise OptionError("verify needs two checkpoints A and B (or --certificate OUT)", option="b")
     with errors(), engine_config():
         report = compared(request, a, b)
-    if as_json:
-        out.print_json(json.dumps(report.to_dict()))
-    else:
-        for note in report.notes:
-            err.print(f"[dim]{note}[/]", highlight=False)
-        out.print(("OK " if report.ok else "DIFFERENT ") + report.summary(), highlight=False)
-        for name, diff in list(report.max_abs_diff.items())[:20]:
-            out.print(f"  {name}: max |a-b| = {diff:g}", highlight=False)
-    if not report.ok:
-        raise typer.Exit(DIFFERENT)
+    print_report(report, as_json, "DIFFERENT",
+                 [f"{name}: max |a-b| = {diff:g}" for name, diff in list(report.max_abs_diff.items())[:20]])
 
 
 def run_certificate(request: JobRequest, uri: str, as_json: bool = False) -> None:
@@ -128,13 +120,19 @@ def run_certificate(request: JobRequest, uri: str, as_json: bool = False) -> Non
     damaged file and byte range."""
     with errors(), engine_config():
         report = compared(request, uri, "")
+    print_report(report, as_json, "DAMAGED", list(report.damaged))
+
+
+def print_report(report: Any, as_json: bool, bad: str, details: list[str]) -> None:
+    """A verify or certificate report: its notes, OK or `bad` with the summary, a line per detail; exit 1 when
+    not ok."""
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
     else:
         for note in report.notes:
             err.print(f"[dim]{note}[/]", highlight=False)
-        out.print(("OK " if report.ok else "DAMAGED ") + report.summary(), highlight=False)
-        for line in report.damaged:
+        out.print(("OK " if report.ok else f"{bad} ") + report.summary(), highlight=False)
+        for line in details:
             out.print(f"  {line}", highlight=False)
     if not report.ok:
         raise typer.Exit(DIFFERENT)
