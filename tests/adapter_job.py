@@ -37,12 +37,10 @@ def _model(base: str) -> torch.nn.Module:
 def job(rank: int, world_size: int, base: str, out: Path) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     from tests.ranks import end_rank
-    from tests.test_adapters import TOKENS
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     model = _model(base)
@@ -60,16 +58,25 @@ def job(rank: int, world_size: int, base: str, out: Path) -> None:
     dcp.save(get_model_state_dict(model), checkpoint_id=str(out / "checkpoint"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        trained = _model(base)
-        trained.load_state_dict(full)
-        trained.eval()
-        with torch.no_grad():
-            save_file({"logits": trained(input_ids=TOKENS).logits.contiguous()}, out / "trained.safetensors")
-        merged = trained.merge_and_unload().state_dict()
-        save_file({k: v.contiguous() for k, v in merged.items()}, out / "merged_by_peft.safetensors")
-        (out / "lora.json").write_text(json.dumps({"lora_alpha": LORA["lora_alpha"],
-                                                   "use_rslora": LORA["use_rslora"]}))
+        save_oracles(base, full, out)
     end_rank()
+
+
+def save_oracles(base: str, full: dict[str, torch.Tensor], out: Path) -> None:
+    """What the tests compare with, from the trained PEFT model's full state: its logits on TOKENS, PEFT's own
+    merge_and_unload() and the LoRA settings the weights do not carry."""
+    from safetensors.torch import save_file
+
+    from tests.test_adapters import TOKENS
+
+    trained = _model(base)
+    trained.load_state_dict(full)
+    trained.eval()
+    with torch.no_grad():
+        save_file({"logits": trained(input_ids=TOKENS).logits.contiguous()}, out / "trained.safetensors")
+    merged = trained.merge_and_unload().state_dict()
+    save_file({k: v.contiguous() for k, v in merged.items()}, out / "merged_by_peft.safetensors")
+    (out / "lora.json").write_text(json.dumps({"lora_alpha": LORA["lora_alpha"], "use_rslora": LORA["use_rslora"]}))
 
 
 def _spawn(rank: int, world_size: int, base: str, out: str) -> None:

@@ -13,7 +13,6 @@ OUT_DIR/merged_by_peft.safetensors (`merge_and_unload()`) and OUT_DIR/lora.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 from pathlib import Path
@@ -27,11 +26,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
     torch.set_num_threads(1)
     import deepspeed
-    from safetensors.torch import save_file
 
-    from tests.adapter_job import LORA, _model
+    from tests.adapter_job import _model, save_oracles
     from tests.ranks import end_rank
-    from tests.test_adapters import TOKENS
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model(args.base)
@@ -50,16 +47,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         full = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     if rank == 0:
-        out = Path(args.out)
-        trained = _model(args.base)
-        trained.load_state_dict(full)
-        trained.eval()
-        with torch.no_grad():
-            save_file({"logits": trained(input_ids=TOKENS).logits.contiguous()}, out / "trained.safetensors")
-        merged = trained.merge_and_unload().state_dict()
-        save_file({k: v.contiguous() for k, v in merged.items()}, out / "merged_by_peft.safetensors")
-        (out / "lora.json").write_text(json.dumps({"lora_alpha": LORA["lora_alpha"],
-                                                   "use_rslora": LORA["use_rslora"]}))
+        save_oracles(args.base, full, Path(args.out))
     end_rank()
 
 
