@@ -175,3 +175,16 @@ def leftovers(target: Path) -> list[str]:
     """The target and any temporary siblings the engine writes next to it."""
     return sorted(p.name for p in target.parent.iterdir() if p.name == target.name
                   or p.name.startswith(f".{target.name}.tmp-"))
+
+
+def run_here(client: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """Submit job `body` to an in-process app (a FastAPI TestClient), run it in this process as a worker
+    would, and return the job as the API shows it."""
+    from ckpt_service.executor import run_job
+
+    job = client.post("/v1/jobs", json=body)
+    assert job.status_code == 202, job.text
+    store = client.app.state.service.store
+    claimed = store.claim("test-worker", 60.0)
+    assert claimed is not None and run_job(store, claimed.id, claimed.attempt) == 0
+    return dict(client.get(f"/v1/jobs/{job.json()['id']}").json())

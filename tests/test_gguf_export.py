@@ -421,9 +421,10 @@ def test_export_gguf_option_offline_and_as_a_job(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from api.app import create_app
-    from ckpt_service.executor import run_job
     from ckpt_service.settings import Settings
     from ckptctl import app as cli
+
+    from .service_harness import run_here
 
     source = _small(tmp_path / "llama")
     export_gguf(str(source), str(tmp_path / "direct.gguf"), "q8_0")
@@ -436,13 +437,8 @@ def test_export_gguf_option_offline_and_as_a_job(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
     settings.prepare()
     with TestClient(create_app(settings)) as client:
-        job = client.post("/v1/jobs", json={"kind": "export", "source": str(source),
-                                            "target": str(tmp_path / "job.gguf"), "options": {"gguf": "q8_0"}})
-        assert job.status_code == 202, job.text
-        store = client.app.state.service.store  # type: ignore[attr-defined]
-        claimed = store.claim("test-worker", 60.0)
-        assert run_job(store, claimed.id, claimed.attempt) == 0
-        done = client.get(f"/v1/jobs/{job.json()['id']}").json()
+        done = run_here(client, {"kind": "export", "source": str(source), "target": str(tmp_path / "job.gguf"),
+                                 "options": {"gguf": "q8_0"}})
     assert done["state"] == "succeeded", done
     assert done["result"]["total_bytes"] == (tmp_path / "job.gguf").stat().st_size
     assert (tmp_path / "job.gguf").read_bytes() == (tmp_path / "direct.gguf").read_bytes()

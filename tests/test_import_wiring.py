@@ -61,18 +61,14 @@ def test_the_service_runs_an_import_job(qwen2: Path, tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from ckpt_service.executor import run_job
     from ckpt_service.settings import Settings
+
+    from .service_harness import run_here
 
     settings = Settings(data_dir=tmp_path / "state", read_roots=[str(qwen2.parent)], write_roots=[str(tmp_path)])
     settings.prepare()
     with TestClient(create_app(settings)) as client:
-        job = client.post("/v1/jobs", json={"kind": "import", "source": str(qwen2), "target": str(tmp_path / "mg"),
-                                            "options": {"family": "qwen2"}})
-        assert job.status_code == 202, job.text
-        store = client.app.state.service.store  # type: ignore[attr-defined]
-        claimed = store.claim("test-worker", 60.0)
-        assert run_job(store, claimed.id, claimed.attempt) == 0
-        done = client.get(f"/v1/jobs/{job.json()['id']}").json()
+        done = run_here(client, {"kind": "import", "source": str(qwen2), "target": str(tmp_path / "mg"),
+                                 "options": {"family": "qwen2"}})
     assert done["state"] == "succeeded", done
     assert done["result"]["family"] == "qwen2" and done["result"]["total_bytes"] > 0

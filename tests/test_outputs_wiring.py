@@ -130,8 +130,9 @@ def test_the_service_runs_them_as_export_jobs(llama: Path, lora: Lora, tmp_path:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from ckpt_service.executor import run_job
     from ckpt_service.settings import Settings
+
+    from .service_harness import run_here
 
     base, adapter, _logits, want = lora
     roots = [str(llama.parent), str(adapter.parent), str(tmp_path)]
@@ -153,16 +154,10 @@ def test_the_service_runs_them_as_export_jobs(llama: Path, lora: Lora, tmp_path:
             (422, "options.merge_adapter: an adapter-only export (options.adapter_only) cannot also be a "
                   "merged-adapter export; choose one"),
             (403, f"options.base: /usr is outside the storage roots this server may read ({', '.join(roots)})")]
-        store = client.app.state.service.store  # type: ignore[attr-defined]
-        done = {}
-        for name, source, options in (("fp8", llama, {"quantize": "FP8_DYNAMIC"}),
-                                      ("merged", adapter, {"merge_adapter": True, "base": str(base)})):
-            job = client.post("/v1/jobs", json={"kind": "export", "source": str(source),
-                                                "target": str(tmp_path / name), "options": options})
-            assert job.status_code == 202, job.text
-            claimed = store.claim("test-worker", 60.0)
-            assert run_job(store, claimed.id, claimed.attempt) == 0
-            done[name] = client.get(f"/v1/jobs/{job.json()['id']}").json()
+        done = {name: run_here(client, {"kind": "export", "source": str(source), "target": str(tmp_path / name),
+                                        "options": options})
+                for name, source, options in (("fp8", llama, {"quantize": "FP8_DYNAMIC"}),
+                                              ("merged", adapter, {"merge_adapter": True, "base": str(base)}))}
     fp8, merged = done["fp8"], done["merged"]
     assert (fp8["state"], fp8["spec"]["options"]["quantize"], fp8["result"]["scheme"]) == \
         ("succeeded", "fp8-dynamic", "FP8_DYNAMIC")

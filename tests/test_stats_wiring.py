@@ -100,8 +100,9 @@ def test_the_service_runs_scan_and_diff_jobs(steps: tuple[Path, Path], tmp_path:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from ckpt_service.executor import run_job
     from ckpt_service.settings import Settings
+
+    from .service_harness import run_here
 
     one, two = steps
     settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
@@ -113,14 +114,8 @@ def test_the_service_runs_scan_and_diff_jobs(steps: tuple[Path, Path], tmp_path:
         assert registered.status_code == 201, registered.text
         missing = client.get("/v1/checkpoints/step1/stats")
         assert missing.status_code == 404 and "submit a scan job" in missing.json()["error"]["message"]
-        store = client.app.state.service.store  # type: ignore[attr-defined]
-        done = {}
-        for kind, body in (("scan", {"source": str(one)}), ("diff", {"source": str(one), "target": str(two)})):
-            job = client.post("/v1/jobs", json={"kind": kind, **body})
-            assert job.status_code == 202, job.text
-            claimed = store.claim("test-worker", 60.0)
-            assert run_job(store, claimed.id, claimed.attempt) == 0
-            done[kind] = client.get(f"/v1/jobs/{job.json()['id']}").json()
+        done = {kind: run_here(client, {"kind": kind, **body})
+                for kind, body in (("scan", {"source": str(one)}), ("diff", {"source": str(one), "target": str(two)}))}
         stored = client.get("/v1/checkpoints/step1/stats")
         assert stored.status_code == 200, stored.text
     scan, diff = done["scan"], done["diff"]
@@ -183,8 +178,9 @@ def test_a_guarded_alias_moves_only_to_a_clean_scan(steps: tuple[Path, Path], tm
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from ckpt_service.executor import run_job
     from ckpt_service.settings import Settings
+
+    from .service_harness import run_here
 
     bad = nan_step(tmp_path / "bad")
     settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
@@ -194,11 +190,8 @@ def test_a_guarded_alias_moves_only_to_a_clean_scan(steps: tuple[Path, Path], tm
                for name, path in (("good", steps[0]), ("bad", bad))}
         unscanned = client.put("/v1/aliases/default/prod", json={"checkpoint_id": ids["good"], "require_finite": True})
         assert unscanned.status_code == 409 and "no statistics yet" in unscanned.json()["error"]["message"]
-        store = client.app.state.service.store  # type: ignore[attr-defined]
         for path in (steps[0], bad):
-            assert client.post("/v1/jobs", json={"kind": "scan", "source": str(path)}).status_code == 202
-            claimed = store.claim("test-worker", 60.0)
-            assert run_job(store, claimed.id, claimed.attempt) == 0
+            assert run_here(client, {"kind": "scan", "source": str(path)})["state"] == "succeeded"
         moved = client.put("/v1/aliases/default/prod", json={"checkpoint_id": ids["good"], "require_finite": True})
         assert moved.status_code == 200, moved.text
         blocked = client.put("/v1/aliases/default/prod", json={"checkpoint_id": ids["bad"], "require_finite": True})
