@@ -20,7 +20,8 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("gguf")
 
 import tests.test_adapters  # noqa: E402,F401  (tells PEFT's LoRA dispatcher the torchtitan-era torchao is absent)
-from tests.test_gguf_export import LLAMA3_SPLIT, _tokenizer  # noqa: E402  (after the skips)
+from tests import gguf_reference  # noqa: E402
+from tests.test_gguf_export import LLAMA3_SPLIT, _assert_same, _tokenizer  # noqa: E402  (after the skips)
 
 ENV = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"}
 
@@ -60,6 +61,25 @@ def test_merge_then_gguf_is_the_two_commands(lora: tuple[Path, Path], tmp_path: 
     assert code == 0, output
     assert (tmp_path / "one" / "m.gguf").read_bytes() == (tmp_path / "two" / "m.gguf").read_bytes()
     assert [p.name for p in (tmp_path / "one").iterdir()] == ["m.gguf"]  # the staging folder is gone
+
+
+@pytest.mark.slow
+def test_merge_then_gguf_is_peft_then_llama_cpp(lora: tuple[Path, Path], tmp_path: Path) -> None:
+    """The reference tools on the same input: PEFT's merge_and_unload() saved by transformers, then llama.cpp's
+    own convert_hf_to_gguf.py, write the file our one command writes."""
+    import shutil
+
+    base, adapter = lora
+    merged = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base), adapter)
+    folder = tmp_path / "peft" / "m"  # the folder's name is the model's name in the GGUF metadata
+    merged.merge_and_unload().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, folder / name)
+    gguf_reference.convert(folder, tmp_path / "theirs.gguf", "q8_0", "llama-bpe")
+    code, output = ckptctl("export", str(adapter), str(tmp_path / "ours" / "m.gguf"), "--merge-adapter", "--base",
+                           str(base), "--gguf", "q8_0", "-q")
+    assert code == 0, output
+    _assert_same(tmp_path / "ours" / "m.gguf", tmp_path / "theirs.gguf")
 
 
 def test_merge_then_fp8_is_the_two_commands(lora: tuple[Path, Path], tmp_path: Path) -> None:
