@@ -82,6 +82,25 @@ def test_merge_then_gguf_is_peft_then_llama_cpp(lora: tuple[Path, Path], tmp_pat
     _assert_same(tmp_path / "ours" / "m.gguf", tmp_path / "theirs.gguf")
 
 
+@pytest.mark.slow
+def test_merge_then_fp8_is_peft_then_llm_compressor(lora: tuple[Path, Path], tmp_path: Path) -> None:
+    """PEFT's merge_and_unload() saved by transformers, then llm-compressor's oneshot (no calibration data): the
+    same weights, scales and quantization config as our one command."""
+    from tests.test_fp8 import _config, _oracle, _tensors
+
+    base, adapter = lora
+    merged = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base), adapter)
+    merged.merge_and_unload().save_pretrained(tmp_path / "peft")
+    theirs = _oracle(tmp_path / "peft", tmp_path / "theirs", "FP8_BLOCK", ["lm_head"])
+    code, output = ckptctl("export", str(adapter), str(tmp_path / "ours"), "--merge-adapter", "--base", str(base),
+                           "--quantize", "fp8-block", "-q")
+    assert code == 0, output
+    a, b = _tensors(tmp_path / "ours"), _tensors(theirs)
+    assert sorted(a) == sorted(b)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in b)
+    assert _config(tmp_path / "ours")["quantization_config"] == _config(theirs)["quantization_config"]
+
+
 def test_merge_then_fp8_is_the_two_commands(lora: tuple[Path, Path], tmp_path: Path) -> None:
     base, adapter = lora
     assert ckptctl("export", str(adapter), str(tmp_path / "m"), "--merge-adapter", "--base", str(base), "-q")[0] == 0
