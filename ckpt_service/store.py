@@ -32,6 +32,7 @@ from .jobs import TERMINAL, JobRecord
 from .service_errors import Conflict, InvalidRequest, NotFound, QueueFull, StoreError
 from .store_check import as_store_error
 
+BUSY_TIMEOUT_S = 30  # how long a SQLite statement waits for another connection's lock
 TERMINAL_SQL = "(" + ", ".join(f"'{state}'" for state in sorted(TERMINAL)) + ")"
 _CALLBACK_PENDING = "callback_state = CASE WHEN callback_url IS NOT NULL THEN 'pending' END"
 
@@ -58,13 +59,13 @@ class SqliteConnections:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
             raise StoreError(f"job store {self.path}: cannot open ({exc})") from None
         conn.row_factory = sqlite3.Row
         conn.text_factory = _text
         try:
-            conn.execute("PRAGMA busy_timeout = 30000")
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_S * 1000}")
             conn.execute("PRAGMA foreign_keys = ON")
             conn.execute("PRAGMA synchronous = NORMAL")
         except sqlite3.Error as exc:
@@ -93,7 +94,18 @@ class SqliteConnections:
         return as_store_error(self.path, exc)
 
     def prepare(self, conn: sqlite3.Connection) -> None:
-        conn.execute("PRAGMA journal_mode = WAL")
+        """Switch a new database to WAL. SQLite answers "database is locked" at once, without its busy
+        handler, when several processes open a new database together (one is making the WAL while another
+        looks): retry for as long as the busy timeout would have waited."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

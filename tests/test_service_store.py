@@ -73,17 +73,22 @@ def test_store_migrates_an_older_schema_and_keeps_its_jobs(store_location: str) 
 
 def test_migrations_run_once_when_processes_start_together(store_location: str) -> None:
     results: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
 
     def start() -> None:
-        store = JobStore(store_location, migrate=False)
-        results.append(store.migrate())
-        store.close()
+        try:
+            store = JobStore(store_location, migrate=False)
+            results.append(store.migrate())
+            store.close()
+        except BaseException as exc:  # shown by the assertion below
+            errors.append(exc)
 
     threads = [threading.Thread(target=start) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert errors == []
     assert sorted(results) == [(0, migrations.LATEST)] + [(migrations.LATEST, migrations.LATEST)] * 3
     versions = JobStore(store_location).query("SELECT version FROM schema_version ORDER BY version")
     assert [r["version"] for r in versions] == list(range(1, migrations.LATEST + 1))
