@@ -63,6 +63,13 @@ def call(server: str, token: str | None, method: str, path: str, body: Any = Non
     return None if _emit(reply, as_json) else reply
 
 
+def add(server: str, token: str | None, path: str, body: dict[str, Any], noun: str, as_json: bool) -> None:
+    """POST a new named object (a policy, a rule) and say its id."""
+    result = call(server, token, "POST", path, body, as_json=as_json)
+    if result is not None:
+        out.print(f"added {noun} {body['name']} ({result['id']})", highlight=False)
+
+
 # -- checkpoints tag | alias -----------------------------------------------------------------------
 
 @checkpoints_app.command("tag")
@@ -169,9 +176,7 @@ def policies_add(name: str, run: Annotated[str | None, typer.Option("--run")] = 
     body = {"name": name, "run": run, "prefix": as_uri(prefix) if prefix else None, "applies_to": applies_to,
             "keep_last": keep_last, "keep_every": keep_every, "keep_younger_than": keep_younger_than,
             "delete_with_outputs": delete_with_outputs}
-    result = call(server, token, "POST", "/v1/policies", body, as_json=as_json)
-    if result is not None:
-        out.print(f"added policy {result['spec']['name']} ({result['id']})", highlight=False)
+    add(server, token, "/v1/policies", body, "policy", as_json)
 
 
 @policies_app.command("list")
@@ -246,9 +251,7 @@ def rules_add(name: str, pattern: Annotated[str, typer.Argument(help="e.g. '/dat
     body = {"name": name, "pattern": as_uri(pattern), "job": {"kind": kind, "target": as_uri(target),
                                                                "options": options},
             "latest_only": latest_only, "skip_existing": skip_existing, "max_concurrent": max_concurrent}
-    result = call(server, token, "POST", "/v1/rules", body, as_json=as_json)
-    if result is not None:
-        out.print(f"added rule {name} ({result['id']})", highlight=False)
+    add(server, token, "/v1/rules", body, "rule", as_json)
 
 
 @rules_app.command("list")
