@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request
 
 from ckpt_service.auth import Principal, Scope
+from ckpt_service.integrity import IntegrityView, integrity
 from ckpt_service.registry import CheckpointView, LineageView, RegisterRequest
 
 from .schemas import CheckpointPage, errors
@@ -43,8 +44,10 @@ def list_checkpoints(request: Request, principal: Reader,
                      cursor: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None
                      ) -> CheckpointPage:
     """Live checkpoints (not those GC or a purge deleted); `unreadable` names damaged entries left out."""
-    items, next_cursor, unreadable = request.app.state.service.checkpoints(name, tag, format, limit, cursor)
-    items = [view for view in items if principal.may(view.uri, "read")]  # only what the caller may read
+    # the store filters by the caller's readable roots, so a page is full; the check after it stays exact
+    items, next_cursor, unreadable = request.app.state.service.checkpoints(name, tag, format, limit, cursor,
+                                                                           principal.readable())
+    items = [view for view in items if principal.may(view.uri, "read")]
     return CheckpointPage(items=items, next_cursor=next_cursor, unreadable=unreadable)
 
 
@@ -65,6 +68,15 @@ def stats(checkpoint_id: CheckpointId, request: Request, principal: Reader) -> d
     _check(request, principal, checkpoint_id, "read")
     result: dict[str, Any] = request.app.state.service.stats(checkpoint_id)
     return result
+
+
+@router.get("/{checkpoint_id}/integrity", response_model=IntegrityView, responses=errors(401, 403, 404, 422, 503),
+            summary="A checkpoint's certificate and scrub status")
+def integrity_status(checkpoint_id: CheckpointId, request: Request, principal: Reader) -> IntegrityView:
+    """Whether its manifest carries a conversion certificate (what it covers), its newest scrub job and that
+    job's outcome, and whether a scrub marked it `damaged`: one look-up, no checkpoint data read."""
+    _check(request, principal, checkpoint_id, "read")
+    return integrity(request.app.state.service, checkpoint_id)
 
 
 @router.get("/{checkpoint_id}/lineage", response_model=LineageView, responses=errors(401, 403, 404, 422, 503),

@@ -43,7 +43,8 @@ def list_jobs(request: Request, principal: Reader, state: State | None = None,
               ) -> JobPage:
     """Newest first, only jobs whose source and target the caller may read; `unreadable` names damaged entries
     left out."""
-    items, next_cursor, unreadable = request.app.state.service.jobs(state, kind, limit, cursor)
+    # the store filters by the caller's readable roots, so a page is full; the check after it stays exact
+    items, next_cursor, unreadable = request.app.state.service.jobs(state, kind, limit, cursor, principal.readable())
     items = [job for job in items if may_job(principal, job)]
     return JobPage(items=items, next_cursor=next_cursor, unreadable=unreadable)
 

@@ -74,6 +74,13 @@ class Principal:
             raise Forbidden(f"{what}: {self.name} may not {needed} {uri} (its groups give "
                             f"{held or 'no role'} there; CKPT_OIDC_GROUP_ROLES maps groups to roots)")
 
+    def readable(self) -> list[str] | None:
+        """The root URI prefixes this principal may read, for a store query to filter by (every role reads);
+        None: every root (static tokens, or a "*" entry)."""
+        if self.roots is None or any(prefix == "*" for prefix, _ in self.roots):
+            return None
+        return sorted({prefix for prefix, _ in self.roots})
+
     def everywhere(self, needed: Scope) -> bool:
         """Holds `needed` over every root (static tokens by scope; OpenID principals through a "*" entry)."""
         if self.roots is None:

@@ -13,9 +13,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .archived import ArchiveView, archives_of
 from .jobs import Format
 from .service_errors import Conflict, NotFound
-from .store import JobStore, dumps, new_id, views
+from .store import JobStore, dumps, new_id, under, views
 
 MAX_LINEAGE = 500
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:=/-]+$")]
@@ -56,6 +57,9 @@ class CheckpointView(BaseModel):
     deleted_at: datetime | None = Field(None, description="When GC or a purge deleted its data (the entry stays "
                                         "for lineage; it is not listed as a live checkpoint).")
     summary: dict[str, Any] = Field(description="What `ckptctl inspect --json` reports.")
+    archives: list[ArchiveView] = Field(default_factory=list, description="The archive stores holding it (a restore "
+                                        "job gives it back byte for byte), each with its stored against its logical "
+                                        "bytes; with deleted_at set, its files are gone and it is archived.")
 
 
 class LineageEdge(BaseModel):
@@ -167,7 +171,9 @@ class Registry:
         if not rows:
             raise NotFound(f"no checkpoint {checkpoint_id}")
         try:
-            return _view(rows[0])
+            view = _view(rows[0])
+            view.archives = archives_of(self.store, checkpoint_id)
+            return view
         except (ValueError, TypeError, KeyError, OverflowError):
             raise Conflict(f"checkpoint {checkpoint_id}: its stored entry cannot be read (damaged text or JSON); "
                            "unregister it and register the checkpoint again") from None
@@ -177,11 +183,16 @@ class Registry:
         return _view(rows[0]) if rows else None
 
     def list(self, name: str | None = None, tag: str | None = None, format: str | None = None, limit: int = 50,
-             after: str | None = None) -> tuple[list[CheckpointView], str | None, list[str]]:
+             after: str | None = None, within: builtins.list[str] | None = None
+             ) -> tuple[builtins.list[CheckpointView], str | None, builtins.list[str]]:
         """Ordered by id; returns (page, id to pass as `after` for the next page or None, ids of entries on this
-        page that could not be read)."""
+        page that could not be read). `within`: only URIs under these root URIs (None: all)."""
         where: list[str] = ["r.deleted_at IS NULL"]  # collected entries stay (for lineage) but are not listed
         params: list[Any] = []
+        if within is not None:
+            clause, clause_params = under("c.uri", within)
+            where.append(clause)
+            params.extend(clause_params)
         if name is not None:
             where.append("name = ?")
             params.append(name)

@@ -21,7 +21,7 @@ from . import roots, sandbox
 from .auth import Principal
 from .catalog import Catalog, check_owner
 from .job_requests import problems
-from .jobs import APPLIES, WRITING_KINDS, JobOptions, JobRecord, JobSpec, JobView, request_of
+from .jobs import APPLIES, WRITE_TARGET_KINDS, WRITING_KINDS, JobOptions, JobRecord, JobSpec, JobView, request_of
 from .registry import CheckpointView, LineageView, RegisterRequest, Registry
 from .service_errors import Conflict, Forbidden, InvalidRequest, NotFound
 from .settings import Settings
@@ -82,7 +82,7 @@ class CkptService:
         source = roots.check(spec.source, s.read_locations, field="source", purpose="read")
         target = spec.target
         if target is not None:
-            writing = spec.kind in WRITING_KINDS
+            writing = spec.kind in WRITE_TARGET_KINDS  # an output, or an archive store
             target = roots.check(target, s.write_locations if writing else s.read_locations, field="target",
                                  purpose="write" if writing else "read")
             if writing and roots.overlap(source, target):
@@ -119,7 +119,7 @@ class CkptService:
         normal = self.normalise(spec)
         principal.check(normal.source, "read", "source")  # the caller's roots (CKPT_OIDC_GROUP_ROLES)
         if normal.target is not None:
-            principal.check(normal.target, "write" if normal.kind in WRITING_KINDS else "read", "target")
+            principal.check(normal.target, "write" if normal.kind in WRITE_TARGET_KINDS else "read", "target")
         if not _exists(normal.source, "source"):  # found now, not when the job runs (rules check their own)
             raise InvalidRequest(f"source: {normal.source} does not exist; check the path or URI", "source")
         for option in ("config_from", "base"):  # an export's side files, a merge's base: read roots
@@ -147,14 +147,15 @@ class CkptService:
     def job(self, job_id: str) -> JobRecord:
         return self.store.get(job_id)
 
-    def jobs(self, state: str | None, kind: str | None, limit: int, cursor: str | None
-             ) -> tuple[list[JobView], str | None, list[str]]:
+    def jobs(self, state: str | None, kind: str | None, limit: int, cursor: str | None,
+             within: list[str] | None = None) -> tuple[list[JobView], str | None, list[str]]:
+        """`within`: only jobs under these root URIs (a caller's readable roots; None: all)."""
         before = None
         if cursor is not None:
             if not cursor.isdigit() or len(cursor) > 18:
                 raise InvalidRequest("cursor: pass the next_cursor of the previous page", "cursor")
             before = int(cursor)
-        records, next_before, unreadable = self.store.list_jobs(state, kind, limit, before)
+        records, next_before, unreadable = self.store.list_jobs(state, kind, limit, before, within)
         return [r.view() for r in records], (str(next_before) if next_before is not None else None), unreadable
 
     def cancel(self, job_id: str, principal: Principal) -> JobView:
@@ -186,9 +187,9 @@ class CkptService:
             view.summary = sandbox.inspect(uri, self.settings, tensors=True)
         return view
 
-    def checkpoints(self, name: str | None, tag: str | None, format: str | None, limit: int, cursor: str | None
-                    ) -> tuple[list[CheckpointView], str | None, list[str]]:
-        return self.registry.list(name, tag, format, limit, cursor)
+    def checkpoints(self, name: str | None, tag: str | None, format: str | None, limit: int, cursor: str | None,
+                    within: list[str] | None = None) -> tuple[list[CheckpointView], str | None, list[str]]:
+        return self.registry.list(name, tag, format, limit, cursor, within)
 
     def _scans(self) -> dict[str, JobRecord]:
         """The newest succeeded `scan` job of each URI, among the last SCANS_LOOKED_AT scans."""

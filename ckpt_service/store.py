@@ -145,6 +145,26 @@ def text(value: str) -> str:
     return value.encode("utf-8", "backslashreplace").decode()
 
 
+def like_prefix(text: str) -> str:
+    """`text` as a LIKE pattern that matches itself literally ('!' escapes %, _ and itself: ESCAPE '!')."""
+    return text.replace("!", "!!").replace("%", "!%").replace("_", "!_")
+
+
+def under(column: str, prefixes: list[str]) -> tuple[str, list[Any]]:
+    """SQL (with its parameters) true when `column` holds one of the normalised root URIs `prefixes` or a URI
+    below one (whole segments: root `/d/a` holds `/d/a/x`, not `/d/ab`); false for NULL, and for every row
+    when `prefixes` is empty. LIKE finds the candidates (an index can serve it on PostgreSQL); the substr
+    comparison makes the match exact, as SQLite's LIKE ignores ASCII case."""
+    if not prefixes:
+        return "1 = 0", []
+    terms, params = [], list[Any]()
+    for prefix in prefixes:
+        base = prefix if prefix.endswith("/") else prefix + "/"
+        terms.append(f"{column} = ? OR ({column} LIKE ? ESCAPE '!' AND substr({column}, 1, ?) = ?)")
+        params.extend([prefix, like_prefix(base) + "%", len(base), base])
+    return "(" + " OR ".join(f"({term})" for term in terms) + ")", params
+
+
 def _checked(job: JobRecord) -> JobRecord:
     job.view().model_dump_json()  # text that is not UTF-8 fails here, for this row alone
     return job
@@ -284,14 +304,21 @@ class JobStore:
         return JobRecord.from_row(rows[0])
 
     def list_jobs(self, state: str | None = None, kind: str | None = None, limit: int = 50,
-                  before: int | None = None) -> tuple[list[JobRecord], int | None, list[str]]:
+                  before: int | None = None, within: list[str] | None = None
+                  ) -> tuple[list[JobRecord], int | None, list[str]]:
         """Newest first; returns (jobs, seq to pass as `before` for the next page or None, ids of jobs on this
-        page whose stored rows cannot be read)."""
-        where, params = ["1 = 1"], list[str | int]()
+        page whose stored rows cannot be read). `within`: only jobs whose source, and target when they have
+        one, lie under these root URIs (a caller's readable roots; None: all), so pages are full."""
+        where, params = ["1 = 1"], list[Any]()
         for column, value in (("state", state), ("kind", kind)):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
+        if within is not None:
+            source, source_params = under("json_extract(spec, '$.source')", within)
+            target, target_params = under("json_extract(spec, '$.target')", within)
+            where.append(f"{source} AND (json_extract(spec, '$.target') IS NULL OR {target})")
+            params.extend([*source_params, *target_params])
         if before is not None:
             where.append("seq < ?")
             params.append(before)
