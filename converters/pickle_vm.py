@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .config import PickleLimits, current
@@ -372,28 +372,19 @@ class Interpreter:
     def op_append(self) -> None:
         item = self.pop()
         target = self.target((list,), "APPEND")
-        before = sys.getsizeof(target)
-        target.append(self.values([item])[0])
-        self.grown += sys.getsizeof(target) - before
-        self.grow(target, (item,))
+        self.fill(target, lambda: target.append(self.values([item])[0]), (item,))
 
     def op_appends(self) -> None:
         items = self.pop_mark()
         target = self.target((list,), "APPENDS")
-        before = sys.getsizeof(target)
-        target.extend(self.values(items))
-        self.grown += sys.getsizeof(target) - before
-        self.grow(target, items)
+        self.fill(target, lambda: target.extend(self.values(items)), items)
 
     def op_setitem(self) -> None:
         value, key = self.pop(), self.pop()
         target = self.target((dict, OrderedDictStub), "SETITEM")
         self.keys([key])
         self.values([value])
-        before = sys.getsizeof(target)
-        target[key] = value
-        self.grown += sys.getsizeof(target) - before
-        self.grow(target, (key, value))
+        self.fill(target, lambda: target.__setitem__(key, value), (key, value))
 
     def op_setitems(self) -> None:
         items = self.pop_mark()
@@ -403,17 +394,17 @@ class Interpreter:
         keys, vals = items[0::2], items[1::2]
         self.keys(keys)
         self.values(vals)
-        before = sys.getsizeof(target)
-        for key, value in zip(keys, vals):
-            target[key] = value
-        self.grown += sys.getsizeof(target) - before
-        self.grow(target, items)
+        self.fill(target, lambda: target.update(zip(keys, vals)), items)
 
     def op_additems(self) -> None:
         items = self.pop_mark()
         target = self.target((set,), "ADDITEMS")
+        self.fill(target, lambda: target.update(self.keys(items)), items)
+
+    def fill(self, target: Any, update: Callable[[], object], items: Sequence[Any]) -> None:
+        """Run `update` (adding `items` to the container `target`), counting what the container grew by."""
         before = sys.getsizeof(target)
-        target.update(self.keys(items))
+        update()
         self.grown += sys.getsizeof(target) - before
         self.grow(target, items)
 
