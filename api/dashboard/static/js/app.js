@@ -167,26 +167,20 @@ function setup() {
     e.preventDefault();
     document.getElementById("main").focus();
   });
+  // each paged list: its filter form (applied on submit; the jobs' also on every change) and its two pager buttons
+  for (const [route, form, next, first] of [["#/jobs", "job-filters", "jobs-older", "jobs-newest"],
+    ["#/checkpoints", "ckpt-filters", "ckpts-next", "ckpts-first"],
+    ["#/audit", "audit-filters", "audit-older", "audit-newest"]]) {
+    const filters = document.getElementById(form);
+    filters.addEventListener("submit", (e) => {
+      e.preventDefault();
+      setHashParams(route, filters);
+    });
+    document.getElementById(next).addEventListener("click", (e) => pageTo(route, e.target.dataset.cursor));
+    document.getElementById(first).addEventListener("click", () => pageTo(route, ""));
+  }
   const jobFilters = document.getElementById("job-filters");
   jobFilters.addEventListener("change", () => setHashParams("#/jobs", jobFilters));
-  jobFilters.addEventListener("submit", (e) => e.preventDefault());
-  const ckptFilters = document.getElementById("ckpt-filters");
-  ckptFilters.addEventListener("submit", (e) => {
-    e.preventDefault();
-    setHashParams("#/checkpoints", ckptFilters);
-  });
-  document.getElementById("jobs-older").addEventListener("click", (e) => pageTo("#/jobs", e.target.dataset.cursor));
-  document.getElementById("jobs-newest").addEventListener("click", () => pageTo("#/jobs", ""));
-  document.getElementById("ckpts-next").addEventListener("click", (e) =>
-    pageTo("#/checkpoints", e.target.dataset.cursor));
-  document.getElementById("ckpts-first").addEventListener("click", () => pageTo("#/checkpoints", ""));
-  const auditFilters = document.getElementById("audit-filters");
-  auditFilters.addEventListener("submit", (e) => {
-    e.preventDefault();
-    setHashParams("#/audit", auditFilters);
-  });
-  document.getElementById("audit-older").addEventListener("click", (e) => pageTo("#/audit", e.target.dataset.cursor));
-  document.getElementById("audit-newest").addEventListener("click", () => pageTo("#/audit", ""));
   document.getElementById("signin-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     const input = document.getElementById("token");
