@@ -58,6 +58,10 @@ class Case:
     out_name: str  # the output path inside the run folder
     argv: Callable[[Path, Path], list[str]]
     needs: str | None = None  # a module that must be importable, else the case is skipped
+    floor: str = "cp"  # the `cp -r` case of the same input (its ratio's denominator)
+    peer: str | None = None  # ours: the case of the tool a user would otherwise run on the same input
+    plain: str | None = None  # ours: the plain export it is held against (merged adapters)
+    slow: bool = False  # a slow peer: run only when named in --cases or with --peers
 
 
 def _tool(name: str, module: str) -> list[str]:
@@ -99,8 +103,45 @@ CASES: tuple[Case, ...] = (
          needs="accelerate"),
     Case("dcp-save_file", "peer", "dcp", "safetensors", "saved", lambda s, o: _peer("dcp-save_file", s, o)),
     Case("consolidate", "peer", "hf-dcp", "safetensors", "consolidated", lambda s, o: _peer("consolidate", s, o)),
+    # this round's writers (issues 30-32, 34; sources, peers and checks in bench_writers.py)
+    Case("cp-megatron", "floor", "megatron-moe", "none", "copy", lambda s, o: ["cp", "-r", str(s), str(o)]),
+    Case("export-megatron-hf", "ours", "megatron-moe", "hf-families", "hf",
+         lambda s, o: _ckptctl("export", str(s), str(o), "--to-hf", "auto", "-q"), floor="cp-megatron"),
+    Case("cp-llama", "floor", "llama-dcp", "none", "copy", lambda s, o: ["cp", "-r", str(s), str(o)]),
+    Case("gguf-f16", "ours", "llama-dcp", "gguf", "model.gguf",
+         lambda s, o: _ckptctl("export", str(s), str(o), "--gguf", "f16", "--config-from", str(s.parent / "hf"), "-q"),
+         floor="cp-llama", peer="gguf-peer"),
+    Case("gguf-peer", "peer", "llama-dcp", "gguf", "model.gguf", lambda s, o: _peer("gguf-peer", s, o),
+         floor="cp-llama", slow=True),
+    Case("fp8-block", "ours", "llama-dcp", "fp8", "fp8",
+         lambda s, o: _ckptctl("export", str(s), str(o), "--quantize", "fp8-block", "--config-from",
+                               str(s.parent / "hf"), "-q"), floor="cp-llama", peer="fp8-peer"),
+    Case("fp8-peer", "peer", "llama-dcp", "fp8", "fp8", lambda s, o: _peer("fp8-peer", s, o), needs="llmcompressor",
+         floor="cp-llama", slow=True),
+    Case("cp-llama-hf", "floor", "llama-hf", "none", "copy", lambda s, o: ["cp", "-r", str(s), str(o)]),
+    Case("export-base", "ours", "llama-hf", "hf-copy", "export", lambda s, o: _ckptctl("export", str(s), str(o), "-q"),
+         floor="cp-llama-hf"),
+    Case("merged", "ours", "lora", "merged", "merged",
+         lambda s, o: _ckptctl("export", str(s), str(o), "--merge-adapter", "--base", str(s.parent / "hf"), "-q"),
+         floor="cp-llama-hf", peer="merged-peer", plain="export-base"),
+    Case("merged-peer", "peer", "lora", "merged", "merged", lambda s, o: _peer("merged-peer", s, o), needs="peft",
+         floor="cp-llama-hf", slow=True),
+    Case("archive", "ours", "dcp", "archive", "store",
+         lambda s, o: _ckptctl("archive", str(s), str(o), "--id", "bench")),
+    Case("restore", "ours", "archive-store", "restore", "restored",
+         lambda s, o: _ckptctl("restore", str(s), "bench", str(o))),
 )
 CASE_NAMES = tuple(c.name for c in CASES)
+CASE_BY_NAME = {c.name: c for c in CASES}
+WRITER_SOURCES = ("megatron-moe", "llama-hf", "llama-dcp", "lora", "archive-store")  # made by bench_writers.py
+
+
+def writers() -> Any:
+    """benchmarks/bench_writers.py (imported when a case of this round's writers runs)."""
+    sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
+    import bench_writers
+
+    return bench_writers
 
 
 # --- peers run in their own process (`--peer NAME SRC OUT`) -------------------------------------------
@@ -180,6 +221,7 @@ class SampleSet:
     hf: Path
     made_s: float | None  # seconds to make it, None when reused
     tiny: Path | None = None  # a 1 MB checkpoint for the start-up case (see `tiny_sample`)
+    extra: dict[str, Path] = field(default_factory=dict)  # WRITER_SOURCES kind -> its path (bench_writers.py)
 
 
 def tiny_sample(work: Path) -> Path:
@@ -526,7 +568,9 @@ def check_inspect(log: Path, ref: Reference) -> tuple[bool, str]:
     return not wrong, f"reported {wrong}, expected {want}" if wrong else "tensors, bytes and world size match"
 
 
-def check_output(case: Case, out: Path, log: Path, ref: Reference, src: Path) -> tuple[bool, str]:
+def check_output(case: Case, out: Path, log: Path, ref: Reference, src: Path,
+                 dcp: Path | None = None) -> tuple[bool, str]:
+    """Whether ``out`` (``log``: the run's output) is right for ``case`` run on ``src``; ``dcp``: the FSDP2 sample."""
     try:
         if case.check == "inspect":
             return check_inspect(log, ref)
@@ -540,6 +584,10 @@ def check_output(case: Case, out: Path, log: Path, ref: Reference, src: Path) ->
             return check_safetensors(out, ref)
         if not out.exists():
             return False, f"no output at {out}"
+        if case.check == "none":
+            return True, "not checked (the copy floor)"
+        if case.check in ("hf-families", "gguf", "fp8", "merged", "hf-copy", "archive", "restore"):
+            return writers().check(case.check, out, src, dcp or src)
         if case.check == "safetensors":
             return check_safetensors(out, ref)
         if case.check == "safetensors-bf16":
@@ -582,6 +630,7 @@ class Row:
     ratio_best_peer: float | None = None
     best_peer: str | None = None
     ratio_consolidate: float | None = None
+    ratio_plain: float | None = None  # median / the plain export's (Case.plain)
 
     def summarize(self) -> None:
         if self.wall_s:
@@ -623,7 +672,7 @@ def prepare_cache(src: Path, mode: str) -> None:
 
 def run_case(case: Case, row: Row, samples: SampleSet, refs: dict[str, Reference], args: argparse.Namespace,
              rep: int) -> None:
-    src = {"hf-dcp": samples.hf, "tiny": samples.tiny}.get(case.source) or samples.dcp
+    src = {"hf-dcp": samples.hf, "tiny": samples.tiny, **samples.extra}.get(case.source) or samples.dcp
     ref = refs.get(case.source, refs["dcp"])
     run_dir = args.work_dir / "runs" / samples.label / case.name
     _remove(run_dir)
@@ -632,6 +681,9 @@ def run_case(case: Case, row: Row, samples: SampleSet, refs: dict[str, Reference
     log.parent.mkdir(parents=True, exist_ok=True)
     os.sync()  # what earlier runs left dirty is not this run's to pay for
     prepare_cache(src, args.cache)
+    if case.source in WRITER_SOURCES and args.cache == "warm":
+        for other in writers().also_read(case.source, src):
+            prepare_cache(other, args.cache)
     if case.name in WARM_TOOL_CASES and args.cache == "warm":
         # the tool's own files (interpreter, libraries, bytecode) in the page cache, as after any earlier run:
         # the gigabytes moved by the cases before this one evict them, and then reading them back is measured
@@ -648,7 +700,7 @@ def run_case(case: Case, row: Row, samples: SampleSet, refs: dict[str, Reference
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
         _fail(row, f"exit {result.returncode} (repeat {rep}; {log}): {tail[0][:200]}")
     else:
-        ok, note = check_output(case, out, log, ref, src)
+        ok, note = check_output(case, out, log, ref, src, samples.dcp)
         if not ok:
             _fail(row, f"repeat {rep}: {note}")
         elif row.status == "ok":
@@ -667,6 +719,8 @@ def skipped(case: Case) -> str | None:
 
 
 def run_size(size: str, cases: list[Case], args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
+    from ckpt_service.units import parse_size
+
     wants_hf = not args.no_hf and any(c.source == "hf-dcp" for c in cases)
     samples = sample_set(args.work_dir, size, train=not args.no_train, hf=wants_hf)
     if any(c.check == "verify" for c in cases):
@@ -674,6 +728,9 @@ def run_size(size: str, cases: list[Case], args: argparse.Namespace) -> tuple[li
     print(f"loading the reference tensors of {samples.dcp} ...", flush=True)
     ref = load_reference(samples.dcp, args.check_budget)
     refs = {"dcp": ref}
+    writer_dir = args.work_dir / "samples" / f"{size_label(size)}-writers"
+    for kind in dict.fromkeys(c.source for c in cases if c.source in WRITER_SOURCES and not skipped(c)):
+        samples.extra[kind] = writers().source_path(kind, writer_dir, size, parse_size(size), samples.dcp)
     if any(c.source == "tiny" for c in cases):
         samples.tiny = tiny_sample(args.work_dir)
         refs["tiny"] = load_reference(samples.tiny, args.check_budget)
@@ -699,18 +756,23 @@ def add_ratios(rows: list[Row]) -> None:
         row.summarize()
     for size in {r.size for r in rows}:
         by_name = {r.case: r for r in rows if r.size == size and r.status == "ok" and r.median_s}
-        cp = by_name.get("cp")
         peers = [by_name[p] for p in DCP_PEERS if p in by_name]
         best = min(peers, key=lambda r: r.median_s or 0.0) if peers else None
         cons = by_name.get("consolidate")
         for row in by_name.values():
-            if cp and row.case != "cp":
-                row.ratio_cp = row.median_s / cp.median_s
-                if cp.median_cpu_s:
-                    row.cpu_ratio_cp = (row.median_cpu_s or 0.0) / cp.median_cpu_s
+            case = CASE_BY_NAME[row.case]
+            floor = by_name.get(case.floor)
+            if floor and case.kind != "floor":
+                row.ratio_cp = row.median_s / floor.median_s
+                if floor.median_cpu_s:
+                    row.cpu_ratio_cp = (row.median_cpu_s or 0.0) / floor.median_cpu_s
+            if case.peer and case.peer in by_name:
+                row.ratio_best_peer, row.best_peer = row.median_s / by_name[case.peer].median_s, case.peer
+            if case.plain and case.plain in by_name:
+                row.ratio_plain = row.median_s / by_name[case.plain].median_s
             if row.case in OURS_CONVERSIONS and best:
                 row.ratio_best_peer, row.best_peer = row.median_s / best.median_s, best.case
-            if row.case.startswith("export") and cons:
+            if row.case in ("export", "export-bf16") and cons:
                 row.ratio_consolidate = row.median_s / cons.median_s
 
 
@@ -727,7 +789,12 @@ def _target(name: str, size: str, value: float | None, op: str, limit: float) ->
 
 
 WARM_TOOL_CASES = ("startup", "help", "inspect")  # start-up bound: one untimed run first (see run_case)
-MEMORY_CASES = ("export", "export-bf16", "convert-safetensors", "convert-torch", "reshard", "verify", "service-job")
+MEMORY_CASES = ("export", "export-bf16", "convert-safetensors", "convert-torch", "reshard", "verify", "service-job",
+                "export-megatron-hf", "gguf-f16", "fp8-block", "merged", "archive", "restore")
+#: this round's writers (issues 30, 31, 32, 34): (case, its limit against its copy floor, against its peer)
+WRITER_TARGETS = (("export-megatron-hf", 1.5, None), ("gguf-f16", 1.5, 3.0), ("fp8-block", 1.5, 3.0),
+                  ("archive", 3.0, None), ("restore", 1.5, None))
+MERGED_LIMIT = 1.3  # issue 32: merged export within 1.3x the plain export of its base
 
 
 def copy_speed_limit() -> float:
@@ -760,6 +827,16 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
             _target("startup (export of a 1 MB checkpoint) median wall s", size, startup and startup.median_s,
                     "<=", 0.25),
         ]
+        for case, cp_limit, peer_limit in WRITER_TARGETS:
+            row, floor = get(case), CASE_BY_NAME[case].floor
+            found.append(_target(f"{case} median / {floor} median", size, row and row.ratio_cp, "<=", cp_limit))
+            if peer_limit:
+                speed = 1 / row.ratio_best_peer if row and row.ratio_best_peer else None
+                found.append(_target(f"{CASE_BY_NAME[case].peer} median / {case} median", size, speed, ">=",
+                                     peer_limit))
+        merged = get("merged")
+        found.append(_target("merged median / export-base median", size, merged and merged.ratio_plain, "<=",
+                             MERGED_LIMIT))
         for case in MEMORY_CASES:
             row = get(case)
             found.append(_target(f"{case} peak RSS MB", size, row and row.peak_rss_mb, "<", 300.0))
@@ -794,14 +871,15 @@ def print_table(rows: list[Row], goals: list[dict[str, Any]]) -> None:
 
     table = Table(title="ckpt-service conversions vs cp -r and peers (wall includes sync; RSS of the process tree)")
     for col in ("case", "size", "kind", "min s", "median s", "spread", "peak RSS MB", "anon MB", "file MB", "CPU s",
-                "CPU/cp", "/cp", "/best peer", "/consolidate", "check"):
+                "CPU/cp", "/cp", "/best peer", "/consolidate", "/plain", "check"):
         table.add_column(col, justify="right" if col[0] in "mpsC/" else "left")
     for r in rows:
         peer = f"{_fmt(r.ratio_best_peer, '.2f')} ({r.best_peer})" if r.best_peer else "-"
         numbers = (_fmt(r.min_s, ".2f"), _fmt(r.median_s, ".2f"),
                    "-" if r.spread is None else f"{r.spread:.0%}", _fmt(r.peak_rss_mb, ".0f"),
                    _fmt(r.peak_anon_mb, ".0f"), _fmt(r.peak_file_mb, ".0f"), _fmt(r.median_cpu_s, ".2f"),
-                   _fmt(r.cpu_ratio_cp, ".2f"), _fmt(r.ratio_cp, ".2f"), peer, _fmt(r.ratio_consolidate, ".2f"))
+                   _fmt(r.cpu_ratio_cp, ".2f"), _fmt(r.ratio_cp, ".2f"), peer, _fmt(r.ratio_consolidate, ".2f"),
+                   _fmt(r.ratio_plain, ".2f"))
         table.add_row(r.case, r.size, r.kind, *numbers, f"{r.status}: {r.note[:60]}" if r.note else r.status)
     console = Console(width=max(200, shutil.get_terminal_size().columns))
     console.print(table)
@@ -884,7 +962,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="Make no HuggingFaceStorageWriter copy of a sample that "
                    "lacks one (it doubles the disk and the generator's memory); `consolidate` is skipped there.")
     p.add_argument("--repeats", type=int, default=3, help="Runs of each case (default 3).")
-    p.add_argument("--cases", default=",".join(CASE_NAMES), help=f"Comma-separated subset of {','.join(CASE_NAMES)}.")
+    p.add_argument("--cases", default=",".join(c.name for c in CASES if not c.slow),
+                   help=f"Comma-separated subset of {','.join(CASE_NAMES)} (default: all but the slow peers "
+                   f"{','.join(c.name for c in CASES if c.slow)}).")
+    p.add_argument("--peers", action="store_true", help="Add the slow peers of this round's writers to --cases "
+                   "(llama.cpp's converter and llm-compressor after our export, PEFT's merge).")
     p.add_argument("--work-dir", type=Path, default=ROOT / "bench-out", help="Samples cache, outputs, logs.")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default WORK_DIR/results.json).")
     p.add_argument("--check-budget", default="512MB", help="Compare every tensor below this checkpoint size, "
@@ -900,6 +982,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.peer:
         return args
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if args.peers:
+        names += [c.name for c in CASES if c.slow]
     if unknown := sorted(set(names) - set(CASE_NAMES)):
         p.error(f"unknown case(s) {unknown}: choose from {', '.join(CASE_NAMES)}")
     args.case_list = [c for c in CASES if c.name in names]
@@ -926,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.peer:
         name, src, out = args.peer
-        PEERS[name](src, out)
+        (PEERS.get(name) or writers().PEERS[name])(src, out)
         return 0
     git, sources = git_state(), engine_sources()
     # bytecode as an installed package has it (PYTHONDONTWRITEBYTECODE would have every run compile again)

@@ -47,25 +47,10 @@ def make_checkpoint(work: Path, size: str) -> tuple[Path, float]:
 
 def compare(a: Path, b: Path) -> str:
     """'identical', or what differs, between two safetensors folders (one tensor at a time)."""
-    import torch
-    from safetensors import safe_open
+    from bench_writers import compare_safetensors
 
-    def names(folder: Path) -> dict[str, Path]:
-        found = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            with safe_open(path, "pt") as f:
-                found.update({k: path for k in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
-        return found
-
-    left, right = names(a), names(b)
-    if sorted(left) != sorted(right):
-        return f"names differ: {sorted(set(left) ^ set(right))[:5]}"
-    for name in left:
-        with safe_open(left[name], "pt") as f, safe_open(right[name], "pt") as g:
-            x, y = f.get_tensor(name), g.get_tensor(name)
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
-            return f"{name} differs"
-    return f"identical ({len(left)} tensors)"
+    problem = compare_safetensors(a, b)
+    return problem or f"identical ({len(list(a.glob('*.safetensors')))} files)"
 
 
 def main(argv: list[str] | None = None) -> int:

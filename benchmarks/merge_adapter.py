@@ -58,17 +58,17 @@ def _no_torchao() -> None:
     peft_torchao.is_torchao_available = lambda: False
 
 
-def make_data(work: Path) -> None:
-    """The base (transformers) and the adapter (PEFT), both by save_pretrained."""
+def make_data(work: Path, config: dict[str, Any] | None = None, base_name: str = "base") -> None:
+    """The base (transformers, ``config`` or BASE_CONFIG) in ``work/base_name`` and the adapter (PEFT) in
+    ``work/adapter``, both by save_pretrained."""
     import peft
     import torch
     import transformers
 
     _no_torchao()
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**BASE_CONFIG)
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(work / "base")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(config or BASE_CONFIG)))
+    model.save_pretrained(work / base_name)
     lora = peft.get_peft_model(model, peft.LoraConfig(**LORA))  # type: ignore[arg-type]
     with torch.no_grad():
         for name, param in lora.named_parameters():
@@ -91,25 +91,10 @@ def peer(base: str, adapter: str, out: str) -> None:
 
 def compare(got: Path, want: Path) -> str | None:
     """None when every tensor of the two HF folders is equal bit for bit, else what differs."""
-    import torch
-    from safetensors import safe_open
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_writers import compare_safetensors
 
-    def files(folder: Path) -> dict[str, Path]:
-        found = {}
-        for path in folder.glob("*.safetensors"):
-            with safe_open(path, "pt") as fh:
-                found.update({k: path for k in fh.keys()})  # noqa: SIM118 (safe_open is no dict)
-        return found
-
-    mine, theirs = files(got), files(want)
-    if sorted(mine) != sorted(theirs):
-        return f"names differ: {sorted(set(mine) ^ set(theirs))[:5]}"
-    for name in sorted(mine):
-        with safe_open(mine[name], "pt") as a, safe_open(theirs[name], "pt") as b:
-            x, y = a.get_tensor(name), b.get_tensor(name)
-            if x.dtype != y.dtype or not torch.equal(x, y):
-                return f"{name} differs"
-    return None
+    return compare_safetensors(got, want)
 
 
 def cases(work: Path) -> dict[str, list[str]]:
