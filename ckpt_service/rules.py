@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -31,7 +32,7 @@ from collections import defaultdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from converters import CkptError, ContextThread
 
@@ -49,24 +50,37 @@ if TYPE_CHECKING:
 STALE_CLAIM_SECONDS = 300.0
 HELD_BACK_SECONDS = 2.0  # with polling off: how often checkpoints held back by max_concurrent are retried
 MAX_SKIPPED = 100  # candidates shown per rule as left by its last look
+PERIODIC_CHECK_SECONDS = 30.0  # how often a rule with `every` looks for checkpoints that are due
 _GLOB = set("*?[")
 
 
 #: the kinds a rule may run: those that write an output (`job_kinds`), in declaration order
 TEMPLATE_KINDS = tuple(k for k in KINDS if k in WRITING_KINDS)
+#: kinds that read the checkpoint and write nothing (no target): a rule runs them once per checkpoint, or again
+#: every `every` seconds (a scheduled scrub)
+CHECK_KINDS = tuple(k for k in ("scan", "scrub") if k in KINDS)
 if TYPE_CHECKING:
     TemplateKind = str  # declared at run time, like `jobs.Kind`
 else:
-    TemplateKind = Literal[TEMPLATE_KINDS]
+    TemplateKind = Literal[TEMPLATE_KINDS + CHECK_KINDS]
 
 
 class JobTemplate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: TemplateKind
-    target: str = Field(min_length=1, max_length=4096, description="With {run}, {step} and {name} (the source's "
-                        "last path segment), e.g. s3://bucket/exports/{run}/{step}.")
+    target: str | None = Field(None, min_length=1, max_length=4096, description="With {run}, {step} and {name} "
+                               "(the source's last path segment), e.g. s3://bucket/exports/{run}/{step}. Omitted "
+                               f"for {' and '.join(CHECK_KINDS)}, which write nothing.")
     options: JobOptions = Field(default_factory=JobOptions)
+
+    @model_validator(mode="after")
+    def _target(self) -> JobTemplate:
+        if self.kind in CHECK_KINDS and self.target is not None:
+            raise ValueError(f"a {self.kind} job writes nothing: leave out target")
+        if self.kind not in CHECK_KINDS and self.target is None:
+            raise ValueError(f"a {self.kind} job needs a target, e.g. s3://bucket/exports/{{run}}/{{step}}")
+        return self
 
 
 class RuleSpec(BaseModel):
@@ -79,6 +93,24 @@ class RuleSpec(BaseModel):
                               "recorded as superseded.")
     skip_existing: bool = Field(True, description="Skip (and record) a checkpoint whose target exists.")
     max_concurrent: int = Field(2, ge=1, le=1000, description="This rule's jobs queued or running at once.")
+    every: float | None = Field(None, ge=1, le=366 * 86400, description="Run the job again on each registered "
+                                "checkpoint the pattern matches (outputs too) once its last job of this kind is "
+                                "older than this (seconds, or 90m, 24h, 7d): a scheduled scrub. Only for "
+                                f"{' and '.join(CHECK_KINDS)}.")
+
+    @field_validator("every", mode="before")
+    @classmethod
+    def _every(cls, value: Any) -> Any:
+        from .retention import parse_duration
+
+        return None if value is None else parse_duration(value)
+
+    @model_validator(mode="after")
+    def _periodic(self) -> RuleSpec:
+        if self.every is not None and self.job.kind not in CHECK_KINDS:
+            raise ValueError(f"every: only {' and '.join(CHECK_KINDS)} jobs repeat (a {self.job.kind} would "
+                             "write its target again)")
+        return self
 
 
 class RuleView(BaseModel):
@@ -152,6 +184,7 @@ class Rules:
         #: per rule: the candidates its last look left (uri -> why), and what stopped its last pass
         self._skipped: dict[str, dict[str, str]] = {}
         self._failed: dict[str, str] = {}
+        self._periodic_at: dict[str, float] = {}  # per rule with `every`: when it last looked (monotonic)
 
     # -- managing rules ----------------------------------------------------------------------------
 
@@ -160,15 +193,16 @@ class Rules:
         fixed = _fixed_part(spec.pattern)
         pattern = roots.check(fixed, s.read_locations, field="pattern", purpose="read").rstrip("/")
         spec = spec.model_copy(update={"pattern": pattern + spec.pattern[len(fixed.rstrip("/")):]})
-        probe = render(spec.job.target, "run", 1, "name")
-        roots.check(probe, s.write_locations, field="job.target", purpose="write")
-        parts = probe.rstrip("/").split("/")
-        if (any(matches(spec.pattern, "/".join(parts[:i])) for i in range(1, len(parts) + 1))
-                or roots.parse(probe, resolve=False).contains(roots.parse(fixed, resolve=False))):
-            raise InvalidRequest("job.target: outputs would land where the pattern looks; write them elsewhere",
-                                 "job.target")
+        probe = None if spec.job.target is None else render(spec.job.target, "run", 1, "name")
+        if probe is not None:
+            roots.check(probe, s.write_locations, field="job.target", purpose="write")
+            parts = probe.rstrip("/").split("/")
+            if (any(matches(spec.pattern, "/".join(parts[:i])) for i in range(1, len(parts) + 1))
+                    or roots.parse(probe, resolve=False).contains(roots.parse(fixed, resolve=False))):
+                raise InvalidRequest("job.target: outputs would land where the pattern looks; write them elsewhere",
+                                     "job.target")
         example = re.sub(r"\[[^\]/]*\]|[*?]", "x", spec.pattern)  # a path the pattern would match
-        options = spec.job.options.model_copy(update={"overwrite": True})
+        options = spec.job.options.model_copy(update={"overwrite": True}) if probe is not None else spec.job.options
         self.service.normalise(JobSpec(kind=spec.job.kind, source=example, target=probe, options=options,
                                        callback_url=None))
         rule_id, now = new_id("rule"), time.time()
@@ -267,6 +301,8 @@ class Rules:
             return submitted
 
     def _scan_rule(self, rule_id: str, spec: RuleSpec, by: str, look: bool) -> int:
+        if spec.every is not None:
+            return self._scan_periodic(rule_id, spec)
         seen = {r["uri"]: r for r in self.store.query(
             "SELECT uri, state, claimed_at FROM rule_triggers WHERE rule_id = ?", (rule_id,))}
         registered = [r["uri"] for r in self.store.query(
@@ -288,6 +324,41 @@ class Rules:
             if self._active(rule_id) >= spec.max_concurrent:
                 break  # the rest waits for the next scan
             submitted += self._fire(rule_id, spec, uri, checkpoint_id=checkpoint_id)
+        return submitted
+
+    def _scan_periodic(self, rule_id: str, spec: RuleSpec) -> int:
+        """A rule with `every` (a scheduled scrub): fire on each registered checkpoint the pattern matches (outputs
+        too) whose newest job of the rule's kind, by anyone, was made or finished more than `every` ago, none
+        being queued or running. The trigger row is claimed again only once a period has passed since its last
+        claim (an upsert whose WHERE says so), so replicas fire once per period; its job's idempotency key
+        names the claim."""
+        every = spec.every or 0.0
+        if time.monotonic() - self._periodic_at.get(rule_id, -math.inf) < min(PERIODIC_CHECK_SECONDS, every):
+            return 0
+        self._periodic_at[rule_id] = time.monotonic()
+        now = time.time()
+        due = now - every
+        last = {r["uri"]: r for r in self.store.query(
+            "SELECT json_extract(spec, '$.source') AS uri, MAX(COALESCE(finished_at, created_at)) AS at, "
+            "SUM(CASE WHEN state IN ('queued', 'running') THEN 1 ELSE 0 END) AS active FROM jobs WHERE kind = ? "
+            "GROUP BY json_extract(spec, '$.source')", (spec.job.kind,))}
+        rows = self.store.query("SELECT c.id, c.uri FROM checkpoints c LEFT JOIN checkpoint_runs r ON "
+                                "r.checkpoint_id = c.id WHERE r.deleted_at IS NULL ORDER BY c.uri")
+        submitted = 0
+        for row in rows:
+            uri, before = row["uri"], last.get(row["uri"])
+            if not matches(spec.pattern, uri) or (before is not None and (before["active"] or before["at"] >= due)):
+                continue
+            if self._active(rule_id) >= spec.max_concurrent:
+                break  # the rest waits for the next look
+            with self.store.transaction() as conn:
+                cur = conn.execute(
+                    "INSERT INTO rule_triggers (rule_id, uri, checkpoint_id, state, claimed_at) VALUES "
+                    "(?, ?, ?, 'claimed', ?) ON CONFLICT (rule_id, uri) DO UPDATE SET state = 'claimed', "
+                    "job_id = NULL, detail = NULL, claimed_at = excluded.claimed_at WHERE rule_triggers.claimed_at < ?",
+                    (rule_id, uri, row["id"], now, due))
+            if cur.rowcount == 1:
+                submitted += self._submit_claimed(rule_id, spec, uri, row["id"], f"{uri}\n{now!r}")
         return submitted
 
     def _candidates(self, spec: RuleSpec, uris: list[str], seen: dict[str, Any], by: str
@@ -366,26 +437,31 @@ class Rules:
                                    (rule_id, uri, checkpoint_id, now))
         if cur.rowcount != 1:
             return 0  # another scan (another replica) has it
-        state, job_id, detail = self._submit(rule_id, spec, uri, checkpoint_id)
+        return self._submit_claimed(rule_id, spec, uri, checkpoint_id, uri)
+
+    def _submit_claimed(self, rule_id: str, spec: RuleSpec, uri: str, checkpoint_id: str | None, key: str) -> int:
+        """Submit the job of a trigger this process claimed and record the outcome; 1 when a job was submitted.
+        `key` makes its idempotency key (the uri; with `every`, the uri and the time of the claim)."""
+        state, job_id, detail = self._submit(rule_id, spec, uri, checkpoint_id, key)
         with self.store.transaction() as conn:
             conn.execute("UPDATE rule_triggers SET state = ?, job_id = ?, detail = ? WHERE rule_id = ? AND uri = ?",
                          (state, job_id, detail, rule_id, uri))
         logs.event("rules.fired", rule=spec.name, uri=uri, state=state, job_id=job_id, detail=detail)
         return int(state == "submitted")
 
-    def _submit(self, rule_id: str, spec: RuleSpec, uri: str, checkpoint_id: str | None
+    def _submit(self, rule_id: str, spec: RuleSpec, uri: str, checkpoint_id: str | None, key: str
                 ) -> tuple[str, str | None, str | None]:
         from converters import storage
 
         row = self.store.query("SELECT run, step FROM checkpoint_runs WHERE checkpoint_id = ?", (checkpoint_id,))
         run, step = (row[0]["run"], row[0]["step"]) if row else (None, None)
         try:
-            target = render(spec.job.target, run, step, uri)
-            if spec.skip_existing and storage.exists(target):
+            target = None if spec.job.target is None else render(spec.job.target, run, step, uri)
+            if target is not None and spec.skip_existing and storage.exists(target):
                 return "skipped", None, f"target {target} exists"
             job = JobSpec(kind=spec.job.kind, source=uri, target=target, options=spec.job.options, callback_url=None)
             view, created = self.service.submit(job, Principal(f"rule:{spec.name}", "write"),
-                                                idempotency_key=trigger_key(rule_id, uri))
+                                                idempotency_key=trigger_key(rule_id, key))
         except (ServiceError, CkptError, OSError) as exc:
             return "failed", None, str(exc)[:500]
         if created:
@@ -402,11 +478,12 @@ class Rules:
         for r in rows:
             output = (json.loads(r["result"]) if r["result"] else {}).get("checkpoint_id")
             with self.store.transaction() as conn:
-                if r["state"] == "succeeded" and output:
-                    source = conn.execute("SELECT run, step FROM checkpoint_runs WHERE checkpoint_id = ?",
-                                          (r["checkpoint_id"],)).fetchone()
-                    self.service.catalog.place(conn, output, source["run"] if source else None,
-                                               source["step"] if source else None, "rule", rule_id=r["rule_id"])
+                if r["state"] == "succeeded":  # a scan or scrub has no output
+                    if output:
+                        source = conn.execute("SELECT run, step FROM checkpoint_runs WHERE checkpoint_id = ?",
+                                              (r["checkpoint_id"],)).fetchone()
+                        self.service.catalog.place(conn, output, source["run"] if source else None,
+                                                   source["step"] if source else None, "rule", rule_id=r["rule_id"])
                     conn.execute("UPDATE rule_triggers SET state = 'done', detail = ? WHERE rule_id = ? AND uri = ?",
                                  (output, r["rule_id"], r["uri"]))
                 else:

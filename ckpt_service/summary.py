@@ -33,6 +33,29 @@ def file_bytes(index: CheckpointIndex) -> dict[str, int | None]:
     return sizes
 
 
+def certificate_cover(index: CheckpointIndex) -> dict[str, Any] | None:
+    """What the certificate in an output's manifest covers (tensors, output files with a CRC-32, source files
+    read, statistics or not); None for a checkpoint without one. The manifest's own JSON, nothing imported."""
+    from converters.jsonsafe import read_json
+    from converters.names import MANIFEST
+
+    where = storage.join(index.uri, MANIFEST)
+    try:
+        if not storage.isdir(index.uri) or not storage.exists(where):
+            return None
+        doc = read_json(where)
+    except CkptError:
+        return None
+    cert = doc.get("certificate") if isinstance(doc, dict) else None
+    if not isinstance(cert, dict) or not isinstance(cert.get("tensors"), dict):
+        return None
+    files = doc.get("files") if isinstance(doc.get("files"), dict) else {}
+    sources = {str(r[0]) for pieces in cert["tensors"].values() if isinstance(pieces, list) for p in pieces
+               if isinstance(p, dict) for r in p.get("ranges") or [] if isinstance(r, list) and r}
+    return {"tensors": len(cert["tensors"]), "files": sum(isinstance(f, dict) and "crc32" in f for f in files.values()),
+            "source_files": len(sources), "stats": isinstance(cert.get("stats"), dict)}
+
+
 def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
     dtypes = Counter(t.dtype for t in index.tensors.values())
     kinds = index_kinds(index)
@@ -64,6 +87,9 @@ def summarize(index: CheckpointIndex, tensors: bool = False) -> dict[str, Any]:
         out["adapter"] = adapter
     if index.notes:
         out["notes"] = list(index.notes)
+    certificate = certificate_cover(index)
+    if certificate is not None:
+        out["certificate"] = certificate
     if tensors:
         out["tensor_table"] = [
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks)}

@@ -72,7 +72,7 @@ def test_openapi_document_is_valid(served: tuple[Server, Tokens]) -> None:
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/events",
             "/v1/jobs/{job_id}/logs",
             "/v1/checkpoints", "/v1/checkpoints/{checkpoint_id}", "/v1/checkpoints/{checkpoint_id}/lineage",
-            "/v1/checkpoints/{checkpoint_id}/stats",
+            "/v1/checkpoints/{checkpoint_id}/stats", "/v1/checkpoints/{checkpoint_id}/integrity",
             "/healthz", "/readyz", "/metrics", "/v1/whoami", "/v1/audit", "/v1/session/config", "/v1/session/login",
             "/v1/session/callback", "/v1/session/handoff"} | MANAGE == set(document["paths"])
     post = document["paths"]["/v1/jobs"]["post"]
