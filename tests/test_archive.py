@@ -111,13 +111,17 @@ def test_every_encoding_round_trips(dtype: torch.dtype) -> None:
         assert codec.decode(stored, len(data)) == data
     assert codec.encode(os.urandom(1000), 4)[0] == codec.RAW  # incompressible: stored raw
     assert codec.encode(bytes(100000), 1)[0] == codec.ZSTD
+    import zstandard  # all planes in one frame: what stores written before SOME_PLANES hold
+
+    old = bytes([codec.PLANES, 2]) + zstandard.ZstdCompressor(level=1).compress(codec.split_planes(data, 2))
+    assert codec.decode(old, len(data)) == data
 
 
 def test_byte_planes_win_on_bf16_weights() -> None:
     torch.manual_seed(0)
     data = (torch.randn(1 << 20) * 0.02).bfloat16().view(torch.uint8).numpy().tobytes()
     stored = codec.encode(data, 2)
-    assert stored[0] == codec.PLANES
+    assert stored[:3] == bytes([codec.SOME_PLANES, 2, 0b10])  # the sign/exponent plane zstd'ed, mantissas raw
     assert len(stored) < 0.8 * len(data)
     assert codec.decode(stored, len(data)) == data
 
@@ -237,6 +241,54 @@ def test_a_damaged_chunk_is_named_with_the_archives_using_it(tmp_path: Path) -> 
     chunk.unlink()
     with pytest.raises(FormatError, match=f"chunk {digest} is missing"):
         restore(str(store), ids[0], str(tmp_path / "out2"))
+
+
+def test_a_damaged_raw_chunk_is_refused_and_nothing_is_left(tmp_path: Path) -> None:
+    source = tmp_path / "noise.bin"
+    source.write_bytes(np.random.default_rng(0).bytes(600_000))  # incompressible: raw chunks, copied by the kernel
+    store = tmp_path / "store"
+    result = archive(str(source), str(store))
+    restore(str(store), result.archive_id, str(tmp_path / "back.bin"))
+    assert (tmp_path / "back.bin").read_bytes() == source.read_bytes()
+    doc = json.loads((store / "manifests" / f"{result.archive_id}.json").read_text())
+    digest = doc["files"][0]["chunks"][-1][0]
+    chunk = store / "chunks" / digest[:2] / digest
+    data = bytearray(chunk.read_bytes())
+    assert data[0] == codec.RAW
+    data[-1] ^= 1
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(FormatError) as err:
+        restore(str(store), result.archive_id, str(tmp_path / "out.bin"))
+    assert str(err.value) == (f"archive store {store}: chunk {digest} does not match its hash (used by archives: "
+                              f"{result.archive_id}); those archives cannot be restored from this store: "
+                              "re-archive their sources")
+    assert sorted(os.listdir(tmp_path)) == ["back.bin", "noise.bin", "store"]
+
+
+def test_a_format_1_store_with_sha256_chunks_still_restores(tmp_path: Path) -> None:
+    import hashlib
+
+    v1, _ = _versions(tmp_path)
+    store = tmp_path / "store"
+    result = archive(str(v1), str(store))
+    path = store / "manifests" / f"{result.archive_id}.json"
+    doc = json.loads(path.read_text())
+    for f in doc["files"]:  # what the SHA-256 version of the archive tier wrote: the same chunks under SHA-256
+        for chunk in f["chunks"]:
+            old = store / "chunks" / chunk[0][:2] / chunk[0]
+            stored = old.read_bytes()
+            chunk[0] = hashlib.sha256(codec.decode(stored, chunk[1])).hexdigest()
+            (store / "chunks" / chunk[0][:2]).mkdir(exist_ok=True)
+            (store / "chunks" / chunk[0][:2] / chunk[0]).write_bytes(stored)
+    doc["format"] = "ckpt-archive/1"
+    del doc["hash"]
+    path.write_text(json.dumps(doc))
+    restore(str(store), result.archive_id, str(tmp_path / "back"))
+    same_tree(v1, tmp_path / "back")
+    doc["hash"] = "blake3"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match="hash 'blake3' is not sha256 \\(what ckpt-archive/1 uses\\)"):
+        restore(str(store), result.archive_id, str(tmp_path / "back2"))
 
 
 @pytest.mark.parametrize(("field", "value", "said"), [

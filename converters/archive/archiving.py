@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 from collections import deque
@@ -14,15 +15,17 @@ from typing import Any
 
 from ..errors import CkptError, OptionError
 from ..index import CheckpointIndex
+from ..uris import is_local, local_path
 from . import codec
 from .chunking import BLOCK, cdc_cuts, segments, tensor_ranges
 from .collect import STALE_S, put_marker, wait_for_gc
+from .hashing import BLAKE3, HASHES
 from .manifest import FORMAT, check_id, manifest_key, parse
 from .sources import SourceFile, list_files, open_read
 from .store import CHUNKS, PENDING, Store, chunk_key
 
 WORKERS = 2
-IN_FLIGHT = 6  # chunks hashed/compressed at once (each at most 4 MiB raw)
+IN_FLIGHT = 6  # chunks read/hashed/compressed at once (each at most 4 MiB raw)
 
 
 @dataclass
@@ -77,10 +80,33 @@ def _index(source: str, files: list[SourceFile]) -> dict[str, list[tuple[int, in
     return ranges
 
 
-def _pieces(f: SourceFile, ranges: list[tuple[int, int, int]]) -> Iterator[tuple[bytes, int]]:
-    """The file's chunks in order: (bytes, itemsize)."""
+@dataclass(frozen=True)
+class _Range:
+    """`length` bytes at `offset` of the local file open as `fd`, read by the worker that stores them."""
+
+    fd: int
+    uri: str
+    offset: int
+    length: int
+
+    def read(self) -> bytes:
+        data = os.pread(self.fd, self.length, self.offset)
+        while len(data) < self.length:
+            more = os.pread(self.fd, self.length - len(data), self.offset + len(data))
+            if not more:
+                raise CkptError(f"archive: {self.uri} changed while it was archived (shorter than listed); "
+                                "archive a checkpoint that is complete", uri=self.uri)
+            data += more
+        return data
+
+
+def _pieces(f: SourceFile, ranges: list[tuple[int, int, int]], fd: int | None) -> Iterator[tuple[bytes | _Range, int]]:
+    """The file's chunks in order: (bytes, or for a tensor range of a local file (`fd`) the range to read, itemsize)."""
     with open_read(f.uri) as handle:
         for seg in segments(f.size, ranges):
+            if not seg.by_content and fd is not None:
+                yield _Range(fd, f.uri, seg.offset, seg.length), seg.itemsize
+                continue
             handle.seek(seg.offset)
             if not seg.by_content:
                 data = handle.read(seg.length)
@@ -114,8 +140,9 @@ class _Writer:
         self.stored: dict[str, int] = {}  # chunk -> stored length, for the chunks seen in this archive
         self.new_bytes = self.new_stored = self.new_chunks = 0
 
-    def chunk(self, data: bytes, itemsize: int) -> list[Any]:
-        digest = hashlib.sha256(data).hexdigest()
+    def chunk(self, piece: bytes | _Range, itemsize: int) -> list[Any]:
+        data = piece.read() if isinstance(piece, _Range) else piece
+        digest = HASHES[BLAKE3](data)
         with self.lock:
             if digest in self.stored or digest in self.known:
                 claimed = False
@@ -152,13 +179,23 @@ def archive(source: str, store: str, archive_id: str | None = None, stale_s: flo
             for f in files:
                 queue: deque[Future[list[Any]]] = deque()
                 chunks: list[list[Any]] = []
-                for data, itemsize in _pieces(f, ranges.get(f.name, [])):
-                    queue.append(pool.submit(writer.chunk, data, itemsize))
-                    del data
-                    while len(queue) >= IN_FLIGHT:
+                fd = _open_local(f)
+                try:
+                    for piece, itemsize in _pieces(f, ranges.get(f.name, []), fd):
+                        queue.append(pool.submit(writer.chunk, piece, itemsize))
+                        del piece
+                        while len(queue) >= IN_FLIGHT:
+                            chunks.append(queue.popleft().result())
+                    while queue:
                         chunks.append(queue.popleft().result())
-                while queue:
-                    chunks.append(queue.popleft().result())
+                finally:
+                    for future in queue:
+                        future.cancel()
+                    for future in queue:
+                        if not future.cancelled():
+                            future.exception()  # a running read ends before its file closes
+                    if fd is not None:
+                        os.close(fd)
                 entries.append({"name": f.name, "size": f.size, "mode": f.mode, "chunks": chunks})
         sizes = _stored_sizes(st, writer, {c[0] for e in entries for c in e["chunks"]})
         for entry in entries:
@@ -167,7 +204,8 @@ def archive(source: str, store: str, archive_id: str | None = None, stale_s: flo
         body = [[e["name"], e["size"], e["mode"], [c[0] for c in e["chunks"]]] for e in entries]
         archive_id = archive_id or hashlib.sha256(json.dumps(body).encode()).hexdigest()[:24]
         _check_free(st, archive_id, entries)
-        doc = {"format": FORMAT, "id": archive_id, "source": source, "single_file": single, "created": time.time(),
+        doc = {"format": FORMAT, "hash": BLAKE3, "id": archive_id, "source": source, "single_file": single,
+               "created": time.time(),
                "files": entries, "logical_bytes": sum(f.size for f in files),
                "unique_bytes": sum(c[1] for c in unique.values()),
                "stored_bytes": sum(c[2] for c in unique.values()),
@@ -178,6 +216,17 @@ def archive(source: str, store: str, archive_id: str | None = None, stale_s: flo
     return ArchiveResult(archive_id, st.uri, len(files), sum(len(e["chunks"]) for e in entries), writer.new_chunks,
                          doc["logical_bytes"], doc["unique_bytes"], doc["stored_bytes"], writer.new_bytes,
                          writer.new_stored, time.monotonic() - began)
+
+
+def _open_local(f: SourceFile) -> int | None:
+    """A descriptor of a local source file (its tensor ranges are then read by the workers), else None."""
+    if not is_local(f.uri):
+        return None
+    try:
+        return os.open(local_path(f.uri), os.O_RDONLY)
+    except OSError as e:
+        raise CkptError(f"archive: cannot read {f.uri}: {e.strerror or e}; check the checkpoint's files",
+                        uri=f.uri) from None
 
 
 def _check_free(store: Store, archive_id: str, entries: list[dict[str, Any]]) -> None:

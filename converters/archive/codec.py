@@ -1,14 +1,18 @@
 """Lossless chunk encodings, chosen per chunk by a quick trial: raw, zstd of the bytes, or zstd of the bytes
 split into byte planes (byte k of every element together: floating-point exponent bytes compress well).
 
-A stored chunk is one tag byte, then for byte planes one itemsize byte, then the payload."""
+A stored chunk is one tag byte, then for byte planes one itemsize byte, then the payload. SOME_PLANES (what
+`encode` writes for split elements): tag, itemsize, a mask byte (bit k: plane k is compressed), then each
+plane in order, compressed ones as a 4-byte little-endian length and a zstd frame, the others raw, then the
+bytes after the last whole element. Only the planes a trial finds compressible go through zstd (a weight's
+mantissa planes do not compress: they are copied, not compressed and decompressed)."""
 
 from __future__ import annotations
 
 import numpy as np
 import zstandard
 
-RAW, ZSTD, PLANES = 0, 1, 2
+RAW, ZSTD, PLANES, SOME_PLANES = 0, 1, 2, 3
 LEVEL = 1  # zstd's fastest regular level: ~850 MB/s a core, within 1-2% of level 3 on weights
 TRIAL = 64 << 10  # bytes of the chunk tried
 KEEP = 0.97  # compressed must be under this share of raw to be kept
@@ -39,25 +43,76 @@ def _trial_slice(data: bytes | memoryview, itemsize: int) -> bytes | memoryview:
     return data[start:start + TRIAL]
 
 
+def _planes(data: bytes | memoryview, itemsize: int) -> np.ndarray:
+    """The whole elements of `data` as an (itemsize, n) array of byte planes."""
+    n = len(data) - len(data) % itemsize
+    elements = np.frombuffer(data, np.uint8, n).reshape(-1, itemsize)
+    planes = np.empty((itemsize, n // itemsize), np.uint8)
+    for k in range(itemsize):
+        planes[k] = elements[:, k]
+    return planes
+
+
 def encode(data: bytes | memoryview, itemsize: int) -> bytes:
-    """The smallest of raw, zstd and (for 2-, 4- and 8-byte elements) byte-plane zstd, judged on a sample."""
+    """The smallest of raw, zstd and (for 2-, 4- and 8-byte elements) byte planes of which those that compress
+    are zstd'ed, judged on a sample."""
     compressor = zstandard.ZstdCompressor(level=LEVEL)
     sample = _trial_slice(data, itemsize)
-    best, best_size = RAW, len(sample) * KEEP
-    size = len(compressor.compress(sample))
-    if size < best_size:
-        best, best_size = ZSTD, size
+    whole = len(compressor.compress(sample))
     if itemsize in (2, 4, 8) and len(sample) >= 4 * itemsize:
-        size = len(compressor.compress(split_planes(sample, itemsize)))
-        if size < best_size:
-            best = PLANES
-    if best == ZSTD:
+        trial = _planes(sample, itemsize)
+        sizes = [len(compressor.compress(plane)) for plane in trial]
+        packed = [k for k in range(itemsize) if sizes[k] < trial.shape[1] * KEEP]
+        planes_size = sum(sizes[k] if k in packed else trial.shape[1] for k in range(itemsize))
+        if packed and planes_size < min(whole, len(sample) * KEEP):
+            return _some_planes(data, itemsize, packed)
+    if whole < len(sample) * KEEP:
         out = compressor.compress(data)
         return bytes([ZSTD]) + out if len(out) < len(data) else bytes([RAW]) + bytes(data)
-    if best == PLANES:
-        out = compressor.compress(split_planes(data, itemsize))
-        return bytes([PLANES, itemsize]) + out if len(out) < len(data) else bytes([RAW]) + bytes(data)
     return bytes([RAW]) + bytes(data)
+
+
+def _some_planes(data: bytes | memoryview, itemsize: int, packed: list[int]) -> bytes:
+    compressor = zstandard.ZstdCompressor(level=LEVEL)
+    planes = _planes(data, itemsize)
+    mask = sum(1 << k for k in packed)
+    parts: list[bytes | memoryview] = [bytes([SOME_PLANES, itemsize, mask])]
+    for k in range(itemsize):
+        if k in packed:
+            frame = compressor.compress(planes[k])
+            parts += [len(frame).to_bytes(4, "little"), frame]
+        else:
+            parts.append(memoryview(planes[k]))
+    parts.append(bytes(data[planes.size:]))
+    out = b"".join(parts)
+    return out if len(out) < len(data) + 1 else bytes([RAW]) + bytes(data)
+
+
+def _join_some(stored: bytes | memoryview, length: int) -> memoryview:
+    itemsize, mask = stored[1], stored[2]
+    if itemsize not in (2, 4, 8):
+        raise ValueError("bad itemsize")
+    view = memoryview(stored)
+    count = length // itemsize
+    out = np.empty(length, np.uint8)
+    elements = out[:count * itemsize].reshape(count, itemsize)
+    decompressor = zstandard.ZstdDecompressor()
+    at = 3
+    for k in range(itemsize):
+        if mask >> k & 1:
+            size = int.from_bytes(view[at:at + 4], "little")
+            plane: bytes | memoryview = decompressor.decompress(view[at + 4:at + 4 + size], max_output_size=count)
+            at += 4 + size
+        else:
+            plane, at = view[at:at + count], at + count
+        if len(plane) != count:
+            raise ValueError("wrong length")
+        elements[:, k] = np.frombuffer(plane, np.uint8)
+    tail = view[at:]
+    if len(tail) != length - count * itemsize:
+        raise ValueError("wrong length")
+    out[count * itemsize:] = np.frombuffer(tail, np.uint8)
+    return memoryview(out.data)
 
 
 def decode(stored: bytes, length: int) -> bytes | memoryview:
@@ -74,4 +129,6 @@ def decode(stored: bytes, length: int) -> bytes | memoryview:
         if len(planes) != length:
             raise ValueError("wrong length")
         return join_planes(planes, stored[1])
+    if tag == SOME_PLANES and len(stored) > 2:
+        return _join_some(stored, length)
     raise ValueError(f"unknown encoding {tag}")

@@ -1,9 +1,10 @@
 """A manifest (`manifests/<id>.json`): an archived checkpoint's files, their modes and chunks, and its sizes.
 
-{"format": "ckpt-archive/1", "id", "source", "single_file", "created",
- "files": [{"name", "size", "mode", "chunks": [[sha256, length, stored_length], ...]}],
+{"format": "ckpt-archive/2", "hash": "blake3", "id", "source", "single_file", "created",
+ "files": [{"name", "size", "mode", "chunks": [[hash, length, stored_length], ...]}],
  "logical_bytes", "unique_bytes", "stored_bytes", "new_bytes", "new_stored_bytes"}
 
+Format ckpt-archive/1 (no "hash": its chunks are addressed by SHA-256) is still read and restored.
 Read back, every field is checked: a manifest that is not one of ours is refused in one line."""
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 
 from ..errors import FormatError
 from ..pathsafety import bad_name
+from .hashing import BLAKE3, SHA256
 from .store import MANIFESTS, Store
 
-FORMAT = "ckpt-archive/1"
+FORMAT = "ckpt-archive/2"
+FORMATS = {"ckpt-archive/1": SHA256, FORMAT: BLAKE3}  # format -> the hash addressing its chunks
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
@@ -48,8 +51,10 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise bad("not JSON") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise bad(f"format is not {FORMAT}")
+    if not isinstance(doc, dict) or doc.get("format") not in FORMATS:
+        raise bad(f"format is not one of {', '.join(sorted(FORMATS))}")
+    if doc.get("hash", SHA256) != FORMATS[doc["format"]]:
+        raise bad(f"hash {doc.get('hash')!r} is not {FORMATS[doc['format']]} (what {doc['format']} uses)")
     files = doc.get("files")
     if not isinstance(files, list):
         raise bad("files is not a list")
@@ -67,7 +72,7 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
         for chunk in chunks:
             if (not isinstance(chunk, list) or len(chunk) != 3 or not isinstance(chunk[0], str)
                     or not _HASH.match(chunk[0]) or not _count(chunk[1]) or not _count(chunk[2])):
-                raise bad(f"files[{i}] ({name}) lists a chunk that is not [sha256, length, stored length]")
+                raise bad(f"files[{i}] ({name}) lists a chunk that is not [hash, length, stored length]")
             total += chunk[1]
         if total != size:
             raise bad(f"files[{i}] ({name}): its chunks hold {total} bytes, not its size {size}")
@@ -85,6 +90,11 @@ def ids(store: Store) -> list[str]:
         if key.count("/") == 1 and name.endswith(".json") and _ID.match(name[:-5]):
             out.append(name[:-5])
     return sorted(out)
+
+
+def hash_name(doc: dict[str, Any]) -> str:
+    """The hash addressing the chunks of a parsed manifest."""
+    return FORMATS[doc["format"]]
 
 
 def hashes(doc: dict[str, Any]) -> set[str]:

@@ -4,7 +4,7 @@ verified; list_archives(store): what a store holds."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import mmap
 import os
 import shutil
 import uuid
@@ -16,11 +16,13 @@ from ..errors import FormatError, TargetError
 from ..remote import filesystem, remote_call, translate_errors
 from ..uris import is_local, join, local_path
 from . import codec
-from .manifest import ids, read
+from .hashing import HASHES
+from .manifest import hash_name, ids, read
 from .store import Store, chunk_key
 
 WORKERS = 2
 AHEAD = 6  # chunks fetched and decoded ahead of the one being written
+COPY = 8 << 20  # bytes a copy_file_range call asks for
 
 
 def list_archives(store: str) -> list[dict[str, Any]]:
@@ -48,7 +50,14 @@ def users(store: Store, digest: str) -> list[str]:
     return out
 
 
-def _chunk(store: Store, digest: str, length: int) -> bytes | memoryview:
+def _damaged(store: Store, digest: str, why: str) -> FormatError:
+    used = ", ".join(users(store, digest)) or "none"
+    return FormatError(f"archive store {store.uri}: chunk {digest} {why} (used by archives: {used}); "
+                       "those archives cannot be restored from this store: re-archive their sources",
+                       uri=store.where(chunk_key(digest)))
+
+
+def _chunk(store: Store, digest: str, length: int, hashed: str) -> bytes | memoryview:
     stored = store.get(chunk_key(digest))
     why = None
     if stored is None:
@@ -59,14 +68,49 @@ def _chunk(store: Store, digest: str, length: int) -> bytes | memoryview:
         except Exception:  # zstd's own errors, a bad tag: the chunk is damaged
             why = "does not decode"
         else:
-            if len(data) != length or hashlib.sha256(data).hexdigest() != digest:
+            if len(data) != length or HASHES[hashed](data) != digest:
                 why = "does not match its hash"
     if why:
-        used = ", ".join(users(store, digest)) or "none"
-        raise FormatError(f"archive store {store.uri}: chunk {digest} {why} (used by archives: {used}); "
-                          "those archives cannot be restored from this store: re-archive their sources",
-                          uri=store.where(chunk_key(digest)))
+        raise _damaged(store, digest, why)
     return data
+
+
+def _copied_raw(store: Store, digest: str, length: int, hashed: str, fd: int, offset: int) -> bool:
+    """A raw chunk of a local store copied into `fd` at `offset` in the kernel (copy_file_range), its hash
+    checked through a memory map of the same open file; False when the chunk is not a raw one (decode it)."""
+    try:
+        src = os.open(store.where(chunk_key(digest)), os.O_RDONLY)
+    except FileNotFoundError:
+        raise _damaged(store, digest, "is missing") from None
+    try:
+        if length == 0 or os.fstat(src).st_size != length + 1 or os.pread(src, 1, 0) != bytes([codec.RAW]):
+            return False
+        with mmap.mmap(src, 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            same = HASHES[hashed](view[1:]) == digest
+        if not same:
+            raise _damaged(store, digest, "does not match its hash")
+        done = 0
+        while done < length:
+            n = os.copy_file_range(src, fd, min(COPY, length - done), 1 + done, offset + done)
+            if n <= 0:
+                raise OSError(f"copy_file_range copied {n} bytes")
+            done += n
+        return True
+    finally:
+        os.close(src)
+
+
+def _put(store: Store, digest: str, length: int, hashed: str, fd: int, offset: int, where: str) -> None:
+    """Chunk `digest` verified and written at `offset` of the target file open as `fd`."""
+    try:
+        if store.local and _copied_raw(store, digest, length, hashed, fd, offset):
+            return
+        data = memoryview(_chunk(store, digest, length, hashed))
+        done = 0
+        while done < length:
+            done += os.pwrite(fd, data[done:], offset + done)
+    except OSError as e:
+        raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
 
 
 def restore(store: str, archive_id: str, target: str) -> list[str]:
@@ -76,6 +120,7 @@ def restore(store: str, archive_id: str, target: str) -> list[str]:
     written are removed again when the restore fails."""
     st = Store(store)
     doc = read(st, archive_id)
+    hashed = hash_name(doc)
     target = target.rstrip("/")
     _check_target(target)
     single = bool(doc.get("single_file")) and len(doc["files"]) == 1
@@ -86,7 +131,7 @@ def restore(store: str, archive_id: str, target: str) -> list[str]:
         with ThreadPoolExecutor(WORKERS) as pool:
             for entry in doc["files"]:
                 where = stage if single else join(stage, entry["name"])
-                _write(st, pool, entry, where)
+                (_write_local if local else _write)(st, pool, entry, where, hashed)
                 written.append(where)
         if local:
             os.replace(stage, local_path(target))
@@ -115,7 +160,39 @@ def _check_target(target: str) -> None:
             raise TargetError(f"restore target {target} exists; give a new location", uri=target)
 
 
-def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: str) -> None:
+def _write_local(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: str, hashed: str) -> None:
+    """The file's chunks verified and written in place by the workers (pwrite at each chunk's offset, a raw
+    chunk of a local store copied by the kernel), at most AHEAD at once."""
+    try:
+        os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
+        fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as e:
+        raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
+    queue: deque[Future[None]] = deque()
+    try:
+        try:
+            os.ftruncate(fd, entry["size"])
+        except OSError as e:
+            raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
+        offset = 0
+        for digest, length, _ in entry["chunks"]:
+            queue.append(pool.submit(_put, st, digest, length, hashed, fd, offset, where))
+            offset += length
+            if len(queue) >= AHEAD:
+                queue.popleft().result()
+        while queue:
+            queue.popleft().result()
+        os.fchmod(fd, entry["mode"] or 0o644)
+    finally:
+        for future in queue:
+            future.cancel()
+        for future in queue:
+            if not future.cancelled():
+                future.exception()  # a running write ends before the file closes
+        os.close(fd)
+
+
+def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: str, hashed: str) -> None:
     local = is_local(where)
     handle: IO[bytes]
     if local:
@@ -132,7 +209,7 @@ def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: st
     done = False
     try:
         for digest, length, _ in entry["chunks"]:
-            queue.append(pool.submit(_chunk, st, digest, length))
+            queue.append(pool.submit(_chunk, st, digest, length, hashed))
             if len(queue) >= AHEAD:
                 handle.write(queue.popleft().result())
         while queue:
