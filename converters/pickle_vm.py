@@ -444,14 +444,20 @@ class Interpreter:
             raise Bad("STACK_GLOBAL needs two strings")
         self._global(module, name)
 
-    def op_reduce(self) -> None:
+    def pop_callee(self, op: str, attr: str, refusal: str) -> tuple[Callable[[tuple], Any], tuple]:
+        """The arguments and, under them, the allowed global that REDUCE calls or NEWOBJ instantiates."""
         args = self.pop()
-        func = self.pop()
-        if not isinstance(func, Token) or func.call is None:
-            raise Bad(f"REDUCE on {describe(func)}: it cannot be called")
+        token = self.pop()
+        callee = getattr(token, attr) if isinstance(token, Token) else None
+        if callee is None:
+            raise Bad(f"{op} on {describe(token)}: {refusal}")
         if type(args) is not tuple:
-            raise Bad(f"{func.qualname}: arguments must be a tuple, got {describe(args)}")
-        value = func.call(args)
+            raise Bad(f"{token.qualname}: arguments must be a tuple, got {describe(args)}")
+        return callee, args
+
+    def op_reduce(self) -> None:
+        call, args = self.pop_callee("REDUCE", "call", "it cannot be called")
+        value = call(args)
         self.grown += _size(value)  # a handler may copy (bytearray, encode, set of a list)
         if isinstance(value, (*_MUTABLE, Stub, Wrapped)):
             self.grown += _BOOKKEEPING
@@ -459,14 +465,9 @@ class Interpreter:
         self.push(value)
 
     def op_newobj(self) -> None:
-        args = self.pop()
-        cls = self.pop()
-        if not isinstance(cls, Token) or cls.new is None:
-            raise Bad(f"NEWOBJ on {describe(cls)}: it cannot be instantiated")
-        if type(args) is not tuple:
-            raise Bad(f"{cls.qualname}: arguments must be a tuple, got {describe(args)}")
+        new, args = self.pop_callee("NEWOBJ", "new", "it cannot be instantiated")
         self.values(list(args))
-        value = cls.new(args)
+        value = new(args)
         self.grown += _size(value) + _BOOKKEEPING
         self.push(self.weigh(value, (args,)))
 

@@ -654,12 +654,12 @@ def test_tiling_check_of_many_chunks_is_fast() -> None:
     from converters.index import check_tiling
 
     boxes = [((r, c * 4), (1, 4)) for r in range(2000) for c in range(100)]
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a loaded machine does not make a linear check look quadratic
     check_tiling(_entry_of((2000, 400), boxes), "m")
     boxes[-1], boxes[-2] = ((1999, 394), (1, 4)), ((1999, 392), (1, 4))
     with pytest.raises(FormatError, match="overlap"):
         check_tiling(_entry_of((2000, 400), boxes), "m")
-    assert time.perf_counter() - start < 10
+    assert time.process_time() - start < 10
 
 
 @pytest.mark.parametrize("error", [RecursionError, MemoryError, ValueError("b'\\x00SECRET'"), UnicodeDecodeError(
