@@ -138,10 +138,10 @@ def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_is_refused(name: str, canary: Path) -> None:
-    start = time.monotonic()
+    start = time.process_time()  # CPU time: what the input costs, whatever else the machine runs
     with pytest.raises(FormatError, match=r"evil\.pkl"):
         _load(ATTACKS[name])
-    assert time.monotonic() - start < 1
+    assert time.process_time() - start < 1
     assert CANARY not in sys.modules and not canary.exists()
 
 
@@ -185,10 +185,10 @@ def test_billion_laughs_fails_fast() -> None:
     for i in range(1, 41):
         data += b"0](" + get(i - 1) + get(i - 1) + b"e" + put(i)
     assert len(data) < 1024
-    start = time.monotonic()
+    start = time.process_time()  # CPU time: what the input costs, whatever else the machine runs
     with pytest.raises(FormatError, match="shared references"):
         _load(data + b".")
-    assert time.monotonic() - start < 1
+    assert time.process_time() - start < 1
 
 
 @pytest.mark.parametrize("data", [
@@ -197,10 +197,10 @@ def test_billion_laughs_fails_fast() -> None:
     b"]" + put(0) + b"".join(b"0]" + get(i) + b"a" + put(i + 1) for i in range(200_000)) + b".",  # memo chain
 ], ids=["marks", "stack", "memo-chain"])
 def test_deep_nesting_is_a_format_error_not_recursion(data: bytes) -> None:
-    start = time.monotonic()
+    start = time.process_time()  # CPU time: what the input costs, whatever else the machine runs
     with pytest.raises(FormatError, match="levels of nesting"):
         _load(data)
-    assert time.monotonic() - start < 2
+    assert time.process_time() - start < 2
 
 
 @pytest.mark.parametrize(("var", "data", "message"), [
