@@ -20,6 +20,7 @@ from converters import CkptError, OptionError, SourceError, VerifyError, storage
 from . import logs, roots
 from .helpers import remove_tree
 from .job_requests import (
+    ArchiveRequest,
     ConvertRequest,
     DiffRequest,
     ExportRequest,
@@ -28,6 +29,7 @@ from .job_requests import (
     JobRequest,
     KeyedRequest,
     ReshardRequest,
+    RestoreRequest,
     ScanRequest,
     ScrubRequest,
     VerifyRequest,
@@ -129,6 +131,23 @@ def scrub_call(request: ScrubRequest, source: str, target: str | None) -> Engine
             raise VerifyError(report.summary() + ": " + "; ".join(report.damaged[:5]), report=report)
         return report
     return run_scrub
+
+
+def archive_call(request: ArchiveRequest, source: str, target: str | None) -> EngineCall:
+    """Archive `source` into the store `target` (`converters.archive`); the registry records it (`archived`)."""
+    from converters import archive_checkpoint
+
+    return lambda _progress: archive_checkpoint(source, target or "", request.archive_id)
+
+
+def restore_call(request: RestoreRequest, source: str, target: str | None) -> EngineCall:
+    """Restore archive `archive_id` of the store `source` to `target`, every chunk's hash checked."""
+    from converters import restore_archive
+
+    def run_restore(_progress: Callable[[Any], None] | None) -> dict[str, Any]:
+        files = restore_archive(source, request.archive_id, target or "")
+        return {"archive_id": request.archive_id, "store": source.rstrip("/"), "files": len(files)}
+    return run_restore
 
 
 def diff_call(request: DiffRequest, source: str, target: str | None) -> EngineCall:
@@ -399,8 +418,9 @@ def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: A
     result = kind.result(value)
     output = _summary(spec.target or "") if kind.writes else None
     registry = Registry(store)
+    recorder = kind.record(store, spec, job_id, result) if kind.record is not None else None  # archive, restore
     source_summary = None
-    if output is not None and registry.find_uri(spec.source) is None:
+    if output is not None and kind.store != "source" and registry.find_uri(spec.source) is None:
         source_summary = _summary(spec.source, spec.options.source_format)
     try:
         with store.transaction() as conn:
@@ -408,6 +428,8 @@ def _succeed(store: JobStore, spec: JobSpec, job_id: str, attempt: int, value: A
                 result["checkpoint_id"] = registry.record_output(conn, uri=spec.target or "", summary=output,
                                                                  job_id=job_id, source_uri=spec.source,
                                                                  source_summary=source_summary)
+            if recorder is not None:
+                recorder(conn)
             if not store.finish(conn, job_id, attempt, "succeeded", result=result):
                 raise _Lost
     except _Lost:
@@ -438,7 +460,7 @@ def recheck_roots(spec: JobSpec, read: list[roots.Location], write: list[roots.L
         if value is not None:
             roots.check(value, read, field=f"options.{option}", purpose="read")
     if spec.target is not None:
-        writing = kind_of(spec.kind).writes
+        writing = kind_of(spec.kind).writes_target
         roots.check(spec.target, write if writing else read, field="target", purpose="write" if writing else "read")
 
 

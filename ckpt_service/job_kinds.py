@@ -17,20 +17,24 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
+from .archived import archive_job_recorder, restore_job_recorder
 from .executor import (
     EngineCall,
+    archive_call,
     convert_call,
     diff_call,
     import_call,
     inspect_call,
     reshard_call,
+    restore_call,
     scan_call,
     scrub_call,
     verify_call,
 )
 from .job_requests import (
+    ArchiveRequest,
     ConvertRequest,
     DiffRequest,
     ExportRequest,
@@ -38,6 +42,7 @@ from .job_requests import (
     InspectRequest,
     JobRequest,
     ReshardRequest,
+    RestoreRequest,
     ScanRequest,
     ScrubRequest,
     VerifyRequest,
@@ -77,6 +82,19 @@ class JobKind:
     result: Callable[[Any], dict[str, Any]]
     writes: bool = False
     arguments: tuple[tuple[str, str], ...] = (SOURCE, ("target", "The output."))
+    #: which argument is an archive store: a target store is checked against the write roots but is never
+    #: cleaned up, refused for existing nor registered; a source store is not registered as a checkpoint
+    store: Literal["source", "target"] | None = None
+    #: what a succeeded job records in the registry besides its output: (store, spec, job id, result) -> a
+    #: writer run inside the transaction that marks the job succeeded (`archived`)
+    record: Callable[[Any, Any, str, dict[str, Any]], Callable[[Any], None]] | None = None
+    #: whether `ckptctl KIND` (offline) is derived from it; archive and restore have their own (ckptctl/offline.py)
+    offline: bool = True
+
+    @property
+    def writes_target(self) -> bool:
+        """Its target is written (an output, or an archive store): checked against the write roots."""
+        return self.writes or self.store == "target"
 
     @property
     def takes_target(self) -> bool:
@@ -141,3 +159,9 @@ declare(JobKind("scan", ScanRequest, scan_call, report_result, arguments=(SOURCE
 declare(JobKind("scrub", ScrubRequest, scrub_call, report_result, arguments=(SOURCE,)))
 declare(JobKind("diff", DiffRequest, diff_call, report_result,
                 arguments=(("a", "The first checkpoint."), ("b", "The second checkpoint."))))
+declare(JobKind("archive", ArchiveRequest, archive_call, lambda r: r.to_dict(), store="target",
+                record=archive_job_recorder, offline=False,
+                arguments=(SOURCE, ("store", "The archive store: a folder or URI (s3://bucket/archive)."))))
+declare(JobKind("restore", RestoreRequest, restore_call, as_is, writes=True, store="source",
+                record=restore_job_recorder, offline=False,
+                arguments=(("store", "The archive store: a folder or URI."), ("target", "The new folder (or file)."))))

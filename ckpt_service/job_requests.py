@@ -321,6 +321,25 @@ class ScrubRequest(JobRequest):
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
 
 
+ArchiveId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                 description="The archive's id in the store.")]
+
+
+class ArchiveRequest(JobRequest):
+    """Keep a checkpoint in an archive store (the target: a folder or URI): content-addressed chunks, stored once
+    across every checkpoint there and losslessly compressed; the registry records it with its stored bytes."""
+
+    archive_id: Annotated[ArchiveId | None, Field(description="The archive's id (default: a hash of its content)."),
+                          flag("--id", metavar="ID")] = None
+
+
+class RestoreRequest(JobRequest):
+    """Write an archived checkpoint (archive_id in the store given as source) back to the target, byte for byte,
+    every chunk's hash checked; registered as a checkpoint restored from the archived one."""
+
+    archive_id: Annotated[ArchiveId, flag("--id", metavar="ID")]
+
+
 class ImportRequest(JobRequest):
     """Write a Hugging Face model folder as a Megatron-LM torch_dist save (release/), which megatron-core's
     dist_checkpointing.load reads at any TP/PP/EP, to start a Megatron run from it."""

@@ -18,12 +18,15 @@ from . import job_kinds
 from .job_requests import Format, JobRequest, build, shape, shared_default
 from .units import when
 
-__all__ = ["APPLIES", "KINDS", "STATES", "TERMINAL", "WRITING_KINDS", "Format", "JobOptions", "JobSpec"]
+__all__ = ["APPLIES", "KINDS", "STATES", "TERMINAL", "WRITE_TARGET_KINDS", "WRITING_KINDS", "Format", "JobOptions",
+           "JobSpec"]
 
 #: the job kinds (`job_kinds`), fixed from here on: the models below are built from them
 _KINDS = job_kinds.freeze(__name__)
 KINDS: tuple[str, ...] = job_kinds.names()
 WRITING_KINDS = frozenset(job_kinds.names(writes=True))
+#: the kinds whose target is written (an output, or an archive store): checked against the write roots
+WRITE_TARGET_KINDS = frozenset(k.name for k in _KINDS.values() if k.writes_target)
 REQUESTS: dict[str, type[JobRequest]] = {kind.name: kind.request for kind in _KINDS.values()}
 #: Which options each kind takes; setting another is a 422 naming the option.
 APPLIES: dict[str, frozenset[str]] = {name: frozenset(model.model_fields) for name, model in REQUESTS.items()}

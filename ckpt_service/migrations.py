@@ -201,7 +201,25 @@ V6_AUDIT = [
     "CREATE INDEX audit_by_time ON audit (at)",
 ]
 
-MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS, V5_ORIGIN, V6_AUDIT]
+#: archived checkpoints (archived.py): each archive of a registered checkpoint in an archive store (converters.archive),
+#: with its bytes as stored (its distinct chunks, compressed) against its logical bytes; `origin`: job or retention.
+V7_ARCHIVES = [
+    """CREATE TABLE checkpoint_archives (
+        checkpoint_id TEXT NOT NULL REFERENCES checkpoints (id) ON DELETE CASCADE,
+        store TEXT NOT NULL,
+        archive_id TEXT NOT NULL,
+        logical_bytes BIGINT NOT NULL,
+        stored_bytes BIGINT NOT NULL,
+        new_stored_bytes BIGINT NOT NULL,
+        archived_by TEXT NOT NULL,
+        origin TEXT NOT NULL,
+        archived_at REAL NOT NULL,
+        PRIMARY KEY (checkpoint_id, store)
+    )""",
+    "CREATE INDEX checkpoint_archives_by_id ON checkpoint_archives (store, archive_id)",
+]
+
+MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS, V5_ORIGIN, V6_AUDIT, V7_ARCHIVES]
 LATEST = len(MIGRATIONS)
 
 

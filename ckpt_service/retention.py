@@ -51,6 +51,7 @@ from .store import new_id, views
 
 if TYPE_CHECKING:
     from .service import CkptService
+    from .store import JobStore
 
 _DURATION = re.compile(r"^(\d{1,9})([smhdw]?)$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -79,6 +80,11 @@ class PolicySpec(BaseModel):
     keep_younger_than: float | None = Field(None, ge=0, description="Keep checkpoints registered within T "
                                             "(seconds, or 90m, 36h, 7d).")
     delete_with_outputs: bool = Field(False, description="Delete even when outputs derived from it are kept.")
+    action: Literal["delete", "archive"] = Field("delete", description="archive: archive each checkpoint it does not "
+                                                 "keep to `store`, check the archive, then delete its files (the "
+                                                 "entry stays, restorable); delete: just delete them.")
+    store: str | None = Field(None, min_length=1, max_length=4096, description="With action archive: the archive "
+                              "store (a folder or URI under a write root).")
 
     @field_validator("keep_younger_than", mode="before")
     @classmethod
@@ -92,6 +98,8 @@ class PolicySpec(BaseModel):
         if self.keep_last is None and self.keep_every is None and self.keep_younger_than is None:
             raise ValueError("give at least one of keep_last, keep_every, keep_younger_than (a policy that keeps "
                              "nothing would delete everything it covers)")
+        if (self.action == "archive") != (self.store is not None):
+            raise ValueError("action archive needs a store (and only it takes one): give both, or neither")
         return self
 
 
@@ -110,6 +118,8 @@ class PlanItem(BaseModel):
     bytes: int
     policy: str
     reason: str
+    action: Literal["delete", "archive"] = "delete"
+    store: str | None = None  # with action archive: the store it is archived to first
 
 
 class GcReport(BaseModel):
@@ -118,6 +128,10 @@ class GcReport(BaseModel):
     bytes: int = Field(description="Bytes the plan frees.")
     deleted: list[str] = Field(default_factory=list, description="Deletion ids finished by this run.")
     failed: list[str] = Field(default_factory=list, description="Deletion ids left pending (see their error).")
+    archived: list[str] = Field(default_factory=list, description="Checkpoint ids archived (and checked) before "
+                                "their files were deleted.")
+    not_archived: list[str] = Field(default_factory=list, description="Checkpoint ids whose archive failed or did "
+                                    "not check out: kept, see the audit log for why.")
 
 
 class DeletionView(BaseModel):
@@ -301,6 +315,9 @@ class Retention:
         if spec.prefix is not None:
             spec = spec.model_copy(update={"prefix": roots.check(spec.prefix, self.service.settings.write_locations,
                                                                  field="prefix", purpose="read")})
+        if spec.store is not None:
+            spec = spec.model_copy(update={"store": roots.check(spec.store, self.service.settings.write_locations,
+                                                                field="store", purpose="write")})
         policy_id, now = new_id("pol"), time.time()
         with self.store.transaction() as conn:
             if conn.execute("SELECT 1 FROM retention_policies WHERE name = ?", (spec.name,)).fetchone():
@@ -447,7 +464,8 @@ class Retention:
                     del doomed[checkpoint_id]
                     changed = True
         return [PlanItem(checkpoint_id=i, uri=by_id[i]["uri"], run=by_id[i]["run"], step=by_id[i]["step"],
-                         bytes=disk_bytes(by_id[i]["uri"]), policy=spec.name, reason=reason)
+                         bytes=disk_bytes(by_id[i]["uri"]), policy=spec.name, reason=reason, action=spec.action,
+                         store=spec.store)
                 for i, (spec, reason) in sorted(doomed.items(), key=lambda kv: (by_id[kv[0]]["uri"]))]
 
     # -- execution ---------------------------------------------------------------------------------
@@ -457,6 +475,11 @@ class Retention:
         report = GcReport(dry_run=dry_run, plan=plan, bytes=sum(p.bytes for p in plan))
         if dry_run:
             return report
+        for item in [p for p in plan if p.action == "archive"]:  # archived and checked before anything is deleted
+            scratch = str(self.service.settings.data_dir / "archive-checks")
+            archived = archive_first(self.store, item, by, scratch)
+            (report.archived if archived else report.not_archived).append(item.checkpoint_id)
+        plan = [p for p in plan if p.checkpoint_id not in report.not_archived]
         batch = self.service.settings.gc_batch
         for start in range(0, len(plan), batch):
             self._mark(plan[start:start + batch], by)
@@ -568,6 +591,34 @@ class Retention:
             sql, params = sql + " WHERE state = ?", (state,)
         rows = self.store.query(sql + " ORDER BY planned_at DESC, id LIMIT ?", (*params, limit))
         return views(rows, _deletion_view)[0]  # a damaged row is logged and left out
+
+
+def archive_first(store: JobStore, item: PlanItem, by: str, scratch: str) -> bool:
+    """Retention's `archive` action, before the deletion: archive the checkpoint to the policy's store, check the
+    archive (restored under `scratch`, every chunk's hash checked, and compared byte for byte with the original),
+    record it in the registry; one audit row either way. False (the checkpoint is kept) when any of it fails."""
+    from converters import archive_checkpoint
+
+    from .archived import check_archive, record
+
+    target = f"checkpoint:{item.checkpoint_id}"
+    try:
+        result = archive_checkpoint(item.uri, item.store or "").to_dict()
+        check_archive(result["store"], result["archive_id"], item.uri, scratch)
+    except Exception as exc:  # the engine's one line (or an OS error): the checkpoint stays
+        error = str(exc) if isinstance(exc, CkptError) else f"could not archive {item.uri}: {type(exc).__name__}"
+        logs.event("gc.not_archived", checkpoint_id=item.checkpoint_id, uri=item.uri, error=error)
+        AuditLog(store).record(by, "checkpoint.archive", target, before={"uri": item.uri, "policy": item.policy},
+                               outcome="refused", detail=error)
+        return False
+    with store.transaction() as conn:
+        record(conn, item.checkpoint_id, result, by, f"retention:{item.policy}")
+    logs.event("gc.archived", checkpoint_id=item.checkpoint_id, uri=item.uri, store=result["store"],
+               archive_id=result["archive_id"])
+    AuditLog(store).record(by, "checkpoint.archive", target, before={"uri": item.uri, "policy": item.policy},
+                           after={key: result[key] for key in ("store", "archive_id", "logical_bytes",
+                                                               "stored_bytes", "new_stored_bytes")})
+    return True
 
 
 def _deletion_view(r: Any) -> DeletionView:

@@ -40,7 +40,8 @@ from . import logs, roots, sandbox
 from .audit import AuditLog
 from .auth import Principal
 from .catalog import NAME, check_owner, when
-from .jobs import KINDS, WRITING_KINDS, JobOptions, JobSpec
+from .job_kinds import kind_of
+from .jobs import KINDS, WRITE_TARGET_KINDS, WRITING_KINDS, JobOptions, JobSpec
 from .service_errors import Conflict, InvalidRequest, NotFound, ServiceError
 from .store import new_id
 
@@ -54,8 +55,9 @@ PERIODIC_CHECK_SECONDS = 30.0  # how often a rule with `every` looks for checkpo
 _GLOB = set("*?[")
 
 
-#: the kinds a rule may run: those that write an output (`job_kinds`), in declaration order
-TEMPLATE_KINDS = tuple(k for k in KINDS if k in WRITING_KINDS)
+#: the kinds a rule may run: those that write an output or archive the checkpoint (`job_kinds`), in declaration order
+#: (not restore: its source is an archive store, not the checkpoint a rule found)
+TEMPLATE_KINDS = tuple(k for k in KINDS if k in WRITE_TARGET_KINDS and kind_of(k).store != "source")
 #: kinds that read the checkpoint and write nothing (no target): a rule runs them once per checkpoint, or again
 #: every `every` seconds (a scheduled scrub)
 CHECK_KINDS = tuple(k for k in ("scan", "scrub") if k in KINDS)
@@ -457,7 +459,8 @@ class Rules:
         run, step = (row[0]["run"], row[0]["step"]) if row else (None, None)
         try:
             target = None if spec.job.target is None else render(spec.job.target, run, step, uri)
-            if target is not None and spec.skip_existing and storage.exists(target):
+            if target is not None and spec.skip_existing and spec.job.kind in WRITING_KINDS \
+                    and storage.exists(target):  # a store is shared
                 return "skipped", None, f"target {target} exists"
             job = JobSpec(kind=spec.job.kind, source=uri, target=target, options=spec.job.options, callback_url=None)
             view, created = self.service.submit(job, Principal(f"rule:{spec.name}", "write"),

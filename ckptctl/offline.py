@@ -204,7 +204,7 @@ def print_adapter(adapter: dict) -> None:
 
 job_command(app, REQUESTS["inspect"], [("source", PATH)], [keyword("as_json", AsJson, False)], run_inspect)
 for _kind in kinds().values():  # every kind that writes an output, as its declaration says (`job_kinds`)
-    if _kind.writes:
+    if _kind.writes and _kind.offline:
         job_command(app, _kind.request, list(_kind.arguments), WRITE_EXTRAS, run_write)
 job_command(app, REQUESTS["verify"], [("a", "The first checkpoint.")],
             [keyword("b", Annotated[str | None, typer.Argument(help="The second checkpoint (not with --certificate).",

@@ -87,8 +87,9 @@ def test_a_declared_kind_is_served_offered_and_run(tmp_path: Path) -> None:
     got = json.loads(proc.stdout.splitlines()[-1])
     source = str(tmp_path / "data" / "anything")
     assert got["kinds"] == ["convert", "export", "reshard", "import", "verify", "inspect", "scan", "scrub", "diff",
-                            "echo"]
-    assert got["template_kinds"] == ["convert", "export", "reshard", "import"]  # echo writes nothing: no rule runs it
+                            "archive", "restore", "echo"]
+    # echo writes nothing: no rule runs it; restore reads an archive store, not a checkpoint a rule finds
+    assert got["template_kinds"] == ["convert", "export", "reshard", "import", "archive", "scan", "scrub"]
     assert got["word"] == {"anyOf": [{"description": "What to say back.", "maxLength": 20, "minLength": 1,
                                       "type": "string"}, {"type": "null"}],
                            "default": "hello", "description": "What to say back. (echo)", "title": "Word"}
@@ -104,9 +105,10 @@ def test_a_declared_kind_is_served_offered_and_run(tmp_path: Path) -> None:
 def test_the_built_in_kinds_are_derived_from_their_declarations() -> None:
     declared = job_kinds.kinds()
     assert KINDS == Kind.__args__ == ("convert", "export", "reshard", "import", "verify", "inspect", "scan", "scrub",
-                                      "diff")
-    assert set(WRITING_KINDS) == {"convert", "export", "reshard", "import"}
-    assert JobTemplate.model_fields["kind"].annotation.__args__ == ("convert", "export", "reshard", "import")
+                                      "diff", "archive", "restore")
+    assert set(WRITING_KINDS) == {"convert", "export", "reshard", "import", "restore"}
+    assert JobTemplate.model_fields["kind"].annotation.__args__ == ("convert", "export", "reshard", "import",
+                                                                    "archive", "scan", "scrub")
     assert dict(REQUESTS) == {k.name: k.request for k in declared.values()}
     assert all(REQUESTS[name].kind == name for name in KINDS)
     assert [k.name for k in declared.values() if not k.takes_target] == ["inspect", "scan", "scrub"]

@@ -1,0 +1,161 @@
+"""The archive tier in the service: `archive` (checkpoint -> store) and `restore` (archive id in a store -> target)
+jobs, the registry's record of each archive (stored bytes against logical bytes, on the checkpoint's page and in its
+lineage), and retention's `archive` action (archive, check, then delete: the entry stays, restorable). On SQLite and
+PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from ckpt_service.auth import create
+from ckpt_service.settings import Settings
+
+from .service_harness import run_here
+
+FROZEN = 64 * 64 * 4  # bytes of the frozen tensor every step shares
+
+
+def dcp_step(folder: Path, step: int) -> Path:
+    """A step of a run as torch.distributed.checkpoint saves it: one frozen tensor, one that moves."""
+    torch.manual_seed(0)
+    frozen = torch.randn(64, 64)
+    torch.manual_seed(step)
+    dcp.save({"model": {"frozen": frozen, "moving": torch.randn(32, 32)}}, checkpoint_id=str(folder))
+    return folder
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def loaded(folder: Path) -> dict[str, torch.Tensor]:
+    state = {"model": {"frozen": torch.empty(64, 64), "moving": torch.empty(32, 32)}}
+    dcp.load(state, checkpoint_id=str(folder))
+    return state["model"]
+
+
+@pytest.fixture
+def api(tmp_path: Path, store_location: str) -> Iterator[tuple[TestClient, dict[str, str], Path]]:
+    token, entry = create("admin", "root")  # type: ignore[arg-type]
+    (tmp_path / "frozen").mkdir()
+    database = store_location if store_location.startswith("postgresql://") else None
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)],
+                        write_roots=[str(tmp_path / "runs"), str(tmp_path / "archive"), str(tmp_path / "back")],
+                        tokens=[entry.line()], host="127.0.0.1", database_url=database)
+    settings.prepare()
+    headers = {"Authorization": f"Bearer {token}"}
+    with TestClient(create_app(settings), headers=headers) as client:
+        yield client, headers, tmp_path
+
+
+def job(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
+    done = run_here(client, body)
+    assert done["state"] == "succeeded", done
+    return done
+
+
+def test_archive_and_restore_jobs_record_the_archive_and_give_the_bytes_back(
+        api: tuple[TestClient, dict[str, str], Path]) -> None:
+    client, _, root = api
+    one, two = dcp_step(root / "runs" / "r" / "step_1", 1), dcp_step(root / "runs" / "r" / "step_2", 2)
+    original = files(one)
+    first = client.post("/v1/checkpoints", json={"uri": str(one)}).json()
+    store = root / "archive" / "store"
+
+    archived = job(client, {"kind": "archive", "source": str(one), "target": str(store)})["result"]
+    assert (archived["store"], archived["logical_bytes"]) == (str(store), sum(map(len, original.values())))
+    assert archived["checkpoint_id"] == first["id"] and archived["new_bytes"] == archived["logical_bytes"]
+    page = client.get(f"/v1/checkpoints/{first['id']}").json()
+    assert [(a["store"], a["archive_id"], a["logical_bytes"], a["stored_bytes"], a["archived_by"])
+            for a in page["archives"]] == [(str(store), archived["archive_id"], archived["logical_bytes"],
+                                            archived["stored_bytes"], "root")]
+    assert page["archives"][0]["origin"].startswith("job:") and page["deleted_at"] is None
+
+    second = job(client, {"kind": "archive", "source": str(two), "target": str(store)})["result"]
+    assert second["dedup_saved"] >= FROZEN  # the frozen tensor was in the store already
+    registered = client.get(f"/v1/checkpoints/{second['checkpoint_id']}").json()
+    assert registered["uri"] == str(two) and registered["registered_via"]["how"] == "source"
+
+    back = root / "back" / "step_1"
+    restored = job(client, {"kind": "restore", "source": str(store), "target": str(back),
+                            "options": {"archive_id": archived["archive_id"]}})
+    assert files(back) == original
+    assert all(torch.equal(a, b) for a, b in zip(loaded(back).values(), loaded(one).values(), strict=True))
+    result = restored["result"]
+    assert (result["files"], result["restored_from_checkpoint"]) == (len(original), first["id"])
+    view = client.get(f"/v1/checkpoints/{result['checkpoint_id']}").json()
+    assert (view["uri"], view["made_by_job"]) == (str(back), restored["id"])
+    assert view["metadata"]["restored_from"] == f"archive {archived['archive_id']} in {store}"
+    lineage = client.get(f"/v1/checkpoints/{view['id']}/lineage").json()
+    assert [(e["checkpoint"]["id"], e["job_id"]) for e in lineage["ancestors"]] == [(first["id"], restored["id"])]
+    assert lineage["ancestors"][0]["checkpoint"]["archives"][0]["archive_id"] == archived["archive_id"]
+
+    again = client.post("/v1/jobs", json={"kind": "restore", "source": str(store), "target": str(back),
+                                          "options": {"archive_id": archived["archive_id"]}})
+    assert again.status_code == 409 and "exists" in again.json()["error"]["message"]
+    outside = client.post("/v1/jobs", json={"kind": "archive", "source": str(one), "target": str(root / "frozen")})
+    assert outside.status_code == 403 and outside.json()["error"]["message"].startswith("target:"), outside.text
+    inside = client.post("/v1/jobs", json={"kind": "archive", "source": str(one), "target": str(one / "store")})
+    assert inside.status_code == 422 and "overlap" in inside.json()["error"]["message"]
+    no_id = client.post("/v1/jobs", json={"kind": "restore", "source": str(store), "target": str(root / "back/x")})
+    assert no_id.status_code == 422 and "options.archive_id" in no_id.json()["error"]["message"]
+
+
+def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_archive(
+        api: tuple[TestClient, dict[str, str], Path]) -> None:
+    client, _, root = api
+    steps = [dcp_step(root / "runs" / "r" / f"step_{n}", n) for n in (1, 2, 3)]
+    originals = [files(s) for s in steps]
+    ids = [client.post("/v1/checkpoints", json={"uri": str(s)}).json()["id"] for s in steps]
+    (root / "archive").mkdir()
+    broken = root / "archive" / "not-a-folder"
+    broken.write_bytes(b"a file where the store should be")
+
+    policy = {"name": "arch", "run": "r", "keep_last": 1, "action": "archive", "store": str(broken)}
+    assert client.post("/v1/policies", json=policy).status_code == 201
+    plan = client.post("/v1/gc", json={"dry_run": True}).json()["plan"]
+    assert [(p["checkpoint_id"], p["action"], p["store"]) for p in plan] == [(i, "archive", str(broken))
+                                                                             for i in ids[:2]]
+    kept = client.post("/v1/gc", json={"dry_run": False}).json()
+    assert (kept["archived"], kept["not_archived"], kept["deleted"]) == ([], ids[:2], [])
+    assert [files(s) for s in steps] == originals  # nothing deleted
+    assert client.delete("/v1/policies/arch").status_code == 200
+
+    store = root / "archive" / "store"
+    assert client.post("/v1/policies", json={**policy, "store": str(store)}).status_code == 201
+    report = client.post("/v1/gc", json={"dry_run": False}).json()
+    assert (report["archived"], report["not_archived"], len(report["deleted"])) == (ids[:2], [], 2)
+    assert not steps[0].exists() and not steps[1].exists() and files(steps[2]) == originals[2]
+    for checkpoint_id, original in zip(ids[:2], originals, strict=False):
+        page = client.get(f"/v1/checkpoints/{checkpoint_id}").json()
+        assert page["deleted_at"] is not None
+        (entry,) = page["archives"]
+        assert (entry["store"], entry["origin"], entry["logical_bytes"]) == (
+            str(store), "retention:arch", sum(map(len, original.values())))
+        assert entry["stored_bytes"] <= entry["logical_bytes"]
+    listed = [c["id"] for c in client.get("/v1/checkpoints").json()["items"]]
+    assert listed == [ids[2]]  # archived entries are not live checkpoints
+
+    audit = [(r["action"], r["object"], r["outcome"]) for r in
+             reversed(client.get("/v1/audit", params={"limit": 1000}).json()["items"])
+             if r["action"] in ("checkpoint.archive", "checkpoint.delete")]
+    assert sorted(audit) == sorted([("checkpoint.archive", f"checkpoint:{i}", outcome) for i in ids[:2]
+                                    for outcome in ("refused", "done")]
+                                   + [("checkpoint.delete", f"checkpoint:{i}", "done") for i in ids[:2]])
+    assert [(a[0], a[2]) for a in audit] == [("checkpoint.archive", "refused")] * 2 + [
+        ("checkpoint.archive", "done")] * 2 + [("checkpoint.delete", "done")] * 2  # archived, then deleted
+
+    archive_id = client.get(f"/v1/checkpoints/{ids[0]}").json()["archives"][0]["archive_id"]
+    back = root / "back" / "step_1"
+    restored = job(client, {"kind": "restore", "source": str(store), "target": str(back),
+                            "options": {"archive_id": archive_id}})
+    assert files(back) == originals[0]
+    assert restored["result"]["restored_from_checkpoint"] == ids[0]
