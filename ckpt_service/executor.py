@@ -104,7 +104,8 @@ def import_call(request: ImportRequest, source: str, target: str | None) -> Engi
     from converters import import_hf
 
     return lambda _progress: import_hf(source, target or "", request.family, overwrite=request.overwrite,
-                                       memory_limit=int(request.memory_limit))
+                                       memory_limit=int(request.memory_limit), to=request.into,
+                                       world_size=request.world_size)
 
 
 #: the registry tag a scrub that found a mismatch puts on a checkpoint

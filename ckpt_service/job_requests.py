@@ -139,6 +139,7 @@ OutputFormat = Literal["safetensors", "torch"]
 HFArchitecture = Literal["auto", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3",
                          "deepseek_v3"]
 ShardLayout = Literal["fsdp2"]
+ImportTarget = Literal["megatron", "dcp"]
 OutputLayout = Literal["auto", "flat"]
 #: FP8 schemes of `converters.export_fp8` (llm-compressor's FP8_DYNAMIC, FP8_BLOCK, FP8_TENSOR), as flag values
 QuantizeChoice = Literal["fp8-dynamic", "fp8-block", "fp8-tensor"]
@@ -342,11 +343,21 @@ class RestoreRequest(JobRequest):
 
 class ImportRequest(JobRequest):
     """Write a Hugging Face model folder as a Megatron-LM torch_dist save (release/), which megatron-core's
-    dist_checkpointing.load reads at any TP/PP/EP, to start a Megatron run from it."""
+    dist_checkpointing.load reads at any TP/PP/EP, to start a Megatron run from it; or (into dcp, `--to dcp`) as a
+    DCP folder under the names a FSDP2-wrapped transformers model's state_dict has, to start an FSDP2 run. (`into`,
+    not `to`: the job options share one namespace, where `to` is convert's output format.)"""
 
     family: Annotated[Annotated[HFArchitecture, one_of(HFArchitecture, "architecture")],
                       Field(description="The model family of the mapping table (auto: the one config.json's "
                                         "model_type names)."), flag("--family")] = "auto"
+    into: Annotated[Annotated[ImportTarget, one_of(ImportTarget, "import target")],
+                    Field(description="megatron: a Megatron-LM torch_dist save; dcp: a torch.distributed.checkpoint "
+                                      "folder for FSDP2 (the HF names, config.json beside it)."),
+                    flag("--to")] = "megatron"
+    world_size: Annotated[int | None, Field(ge=1, le=65536, description="With into dcp: the FSDP2 ranks it is laid "
+                                                                        "out for (default 1; dcp.load reads it at "
+                                                                        "any world size)."),
+                          flag("--world-size", metavar="N")] = None
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
     overwrite: Overwrite = False
 

@@ -7,6 +7,9 @@ layout (fused QKV rows per query group = [q heads of g, k_g, v_g]; linear_fc1 = 
 experts), saves it with `dist_checkpointing.save` as Megatron-LM lays it out (ROOT/megatron/FAMILY/
 latest_checkpointed_iteration.txt, iter_0000001/ with `args` in common.pt), and writes Megatron's own
 forward logits on the test tokens to ROOT/megatron/FAMILY/logits.pt.
+`load CKPT OUT TP EP PP PORT`: megatron-core's dist_checkpointing.load of an import at TP/EP/PP, its logits.
+`fsdp2 ROOT PORT FAMILY...`: dcp.load of `import --to dcp` outputs into FSDP2-wrapped transformers models at 2
+gloo ranks, their logits and full state.
 
 One process, gloo, world size 1, CPU; Megatron's CUDA calls are stubbed as in tests/megatron_tool.py.
 """
@@ -337,7 +340,46 @@ def _load_worker(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int, p
     dist.destroy_process_group()
 
 
+def _fsdp2_worker(rank: int, world: int, root: str, port: int, families: list[str]) -> None:
+    """For each family: a transformers model built from the config.json `import --to dcp` carried (random
+    weights), wrapped with FSDP2's fully_shard per decoder layer and whole, loaded with dcp.load from
+    ROOT/FAMILY (get_model_state_dict / set_model_state_dict, every key asked for); rank 0 saves its forward
+    logits on IDS and its full state_dict to ROOT/FAMILY.pt."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+    from tests.ranks import end_rank
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for family in families:
+        ckpt = os.path.join(root, family)
+        torch.manual_seed(7)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32).eval()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=ckpt)
+        set_model_state_dict(model, state)
+        with torch.no_grad():
+            logits = model(torch.tensor(IDS)).logits
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"logits": logits, "state": {k: v.clone() for k, v in full.items()}}, ckpt + ".pt")
+    end_rank()
+
+
 def main() -> None:
+    if sys.argv[1] == "fsdp2":  # fsdp2 ROOT PORT FAMILY...: 2 gloo ranks load ROOT/FAMILY (DCP) into FSDP2
+        import torch.multiprocessing as mp
+
+        mp.spawn(_fsdp2_worker, args=(2, sys.argv[2], int(sys.argv[3]), sys.argv[4:]), nprocs=2)
+        return
     if sys.argv[1] == "load":  # load CKPT OUT TP EP PP PORT (EP with TP = PP = 1)
         import torch.multiprocessing as mp
 

@@ -73,7 +73,8 @@ def test_the_request_schema_offers_the_table() -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ROOT/hf/FAMILY: a tiny model of each family saved by transformers, with its logits on IDS."""
     import transformers
 
     root = tmp_path_factory.mktemp("families")
@@ -87,6 +88,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
         model.save_pretrained(root / "hf" / family)
         with torch.no_grad():
             torch.save(model.eval()(IDS).logits, root / "hf" / family / "logits.pt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def models(hf_models: Path) -> Path:
+    """+ ROOT/megatron/FAMILY: megatron-core's own save of each (tests/hf_families_tool.py)."""
+    root = hf_models
     proc = subprocess.run([sys.executable, str(TOOL), str(root), "29741", *MODELS], capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -339,6 +347,32 @@ def test_megatron_loads_the_import_in_parallel(models: Path, tmp_path: Path, fam
     torch.testing.assert_close(torch.load(logits, weights_only=True),
                                torch.load(models / "hf" / family / "logits.pt", weights_only=True), atol=1e-4,
                                rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp2_loads_the_dcp_import(hf_models: Path, tmp_path: Path) -> None:
+    """`import --to dcp` of every family, dcp.load into FSDP2-wrapped transformers models built from the config.json
+    it carried, at 2 gloo ranks: each model's full state_dict equals from_pretrained's of the HF folder (the tied
+    head, transformers' fused experts) and its forward gives the original logits."""
+    from transformers import AutoModelForCausalLM
+
+    for family in MODELS:
+        proc = ckptctl("import", hf_models / "hf" / family, tmp_path / family, "--to", "dcp", "--world-size", "2")
+        assert f"imported {ARCHITECTURES[family]} as a DCP checkpoint for 2 FSDP2 rank(s)" in proc.stderr
+        assert ("tied embeddings: lm_head.weight" in proc.stderr) == MODELS[family][1].get("tie_word_embeddings",
+                                                                                          False)
+        assert ("fused the experts of" in proc.stderr) == (family in ("mixtral", "qwen3_moe", "deepseek_v3"))
+    proc = subprocess.run([sys.executable, str(TOOL), "fsdp2", str(tmp_path), "29771", *MODELS], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for family in MODELS:
+        got = torch.load(tmp_path / f"{family}.pt", weights_only=True)
+        want = AutoModelForCausalLM.from_pretrained(hf_models / "hf" / family, dtype=torch.float32).state_dict()
+        assert sorted(got["state"]) == sorted(want), family
+        for name, tensor in want.items():
+            assert got["state"][name].dtype == tensor.dtype and torch.equal(got["state"][name], tensor), name
+        assert torch.equal(got["logits"], torch.load(hf_models / "hf" / family / "logits.pt", weights_only=True)), \
+            family
 
 
 @pytest.mark.slow

@@ -70,5 +70,44 @@ def test_the_service_runs_an_import_job(qwen2: Path, tmp_path: Path) -> None:
     with TestClient(create_app(settings)) as client:
         done = run_here(client, {"kind": "import", "source": str(qwen2), "target": str(tmp_path / "mg"),
                                  "options": {"family": "qwen2"}})
+        assert done["state"] == "succeeded", done
+        assert done["result"]["family"] == "qwen2" and done["result"]["total_bytes"] > 0
+        done = run_here(client, {"kind": "import", "source": str(qwen2), "target": str(tmp_path / "dcp"),
+                                 "options": {"into": "dcp", "world_size": 2}})
     assert done["state"] == "succeeded", done
-    assert done["result"]["family"] == "qwen2" and done["result"]["total_bytes"] > 0
+    assert (tmp_path / "dcp" / "__1_0.distcp").is_file() and (tmp_path / "dcp" / "config.json").is_file()
+
+
+def test_import_to_dcp_is_what_dcp_load_reads(qwen2: Path, tmp_path: Path) -> None:
+    """`import --to dcp`: the HF names as the model's state_dict has them, config.json beside the DCP files;
+    dcp.load fills a fresh model's state_dict with the HF tensors (tests/test_hf_families.py loads every family
+    into FSDP2 at 2 ranks)."""
+    import torch.distributed.checkpoint as dcp
+
+    code, output = ckptctl("import", str(qwen2), str(tmp_path / "dcp"), "--to", "dcp", "--world-size", "2", "-q")
+    assert code == 0, output
+    assert sorted(p.name for p in (tmp_path / "dcp").glob("__*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "dcp")
+    torch.manual_seed(1)
+    state = transformers.Qwen2ForCausalLM(config).state_dict()
+    assert sorted(dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata) == sorted(state)
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    want = load_file(qwen2 / "model.safetensors")
+    assert sorted(state) == sorted(want) and all(torch.equal(state[n], t) for n, t in want.items())
+
+
+def test_import_to_dcp_refusals(qwen2: Path, tmp_path: Path) -> None:
+    code, output = ckptctl("import", str(qwen2), str(tmp_path / "mg"), "--world-size", "2", "-q")
+    assert code == 2 and len(output.strip().splitlines()) == 1, output
+    assert "only an import --to dcp is laid out for ranks" in output and not (tmp_path / "mg").exists()
+    from safetensors.torch import save_file
+
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    (headless / "config.json").write_bytes((qwen2 / "config.json").read_bytes())  # tie_word_embeddings: false
+    save_file({n: t for n, t in load_file(qwen2 / "model.safetensors").items() if n != "lm_head.weight"},
+              headless / "model.safetensors")
+    code, output = ckptctl("import", str(headless), str(tmp_path / "dcp"), "--to", "dcp", "-q")
+    assert code == 2 and len(output.strip().splitlines()) == 1, output
+    assert "no 'lm_head.weight'" in output and "tie_word_embeddings is false" in output
+    assert not (tmp_path / "dcp").exists()

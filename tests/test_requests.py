@@ -43,6 +43,7 @@ WIRE["scan"] = {"source_format", "tag", "weights", "only", "clean_keys", "rename
                 "memory_limit"}
 WIRE["diff"] = set(WIRE["verify"])
 WIRE["import"] = {"family", "memory_limit", "overwrite"}  # added with the HF -> Megatron import
+WIRE["import"] |= {"into", "world_size"}  # added with the HF -> FSDP2 DCP import
 for _kind in ("convert", "export", "reshard"):  # added with the scan guard
     WIRE[_kind] |= {"require_finite"}
 for _kind in ("convert", "export", "reshard"):  # added with conversion certificates

@@ -8,6 +8,7 @@ copied as they are to the Megatron folder's root, beside latest_checkpointed_ite
 The table is read backwards: each rule's HF tensors are joined by the inverse transform (fused QKV per query
 group, gate/up) and stacked over experts and layers under the names megatron-core's GPTModel saves, all as
 views of the HF files, so the copy streams like every other output.
+`to` dcp writes the start of an FSDP2 run instead: the HF names as they are, in a DCP folder (`to_dcp`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from ..writers.torchsave import TorchPart
 from .config import megatron_args, read_megatron
 from .mapping import AUTO, applies, check
 from .table import FAMILIES, TOP, Family, Rule
+from .to_dcp import write_fsdp2
 from .transforms import INVERSE, Shape, stack
 
+MEGATRON, DCP = "megatron", "dcp"
+TARGETS = (MEGATRON, DCP)
 RELEASE = "release"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
@@ -145,15 +149,24 @@ def extra_states(family: Family, shape: Shape) -> list[str]:
 
 def import_hf(source: str, target: str, family: str = AUTO, overwrite: bool = False,
               memory_limit: int = DEFAULT_MEMORY_LIMIT, execution: Execution | None = None,
-              config: EngineConfig | None = None) -> ImportResult:
-    """Write the HF model at `source` as a Megatron-LM torch_dist save folder at `target`."""
+              config: EngineConfig | None = None, to: str = MEGATRON, world_size: int | None = None) -> ImportResult:
+    """Write the HF model at `source` as a Megatron-LM torch_dist save folder at `target` (`to` megatron), or as
+    a DCP folder for `world_size` FSDP2 ranks under the HF names (`to` dcp, `to_dcp`)."""
+    if to not in TARGETS:
+        raise OptionError(f"to {to}: choose one of {', '.join(TARGETS)}", option="to")
+    if world_size is not None and to != DCP:
+        raise OptionError(f"world_size {world_size}: only an import --to {DCP} is laid out for ranks (a Megatron "
+                          "save loads at any TP/PP/EP)", option="world_size")
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise OptionError(f"world_size {world_size}: must be a positive integer", option="world_size")
     with use(config):
-        return _import(source, target, family, overwrite, memory_limit, execution or Execution())
+        return _import(source, target, family, overwrite, memory_limit, execution or Execution(), to,
+                       world_size or 1)
 
 
 @storage.with_io_errors
 def _import(source: str, target: str, family_name: str, overwrite: bool, memory_limit: int,
-            execution: Execution) -> ImportResult:
+            execution: Execution, to: str = MEGATRON, world_size: int = 1) -> ImportResult:
     storage.check_target(target, overwrite)
     where = storage.join(source, "config.json")
     if not storage.exists(where):
@@ -163,6 +176,10 @@ def _import(source: str, target: str, family_name: str, overwrite: bool, memory_
     if not isinstance(hf_config, dict):
         raise FormatError(f"{where}: not a JSON object", uri=where)
     family = family_of(hf_config, where, family_name)
+    if to == DCP:
+        outputs, report = write_fsdp2(source, target, hf_config, where, family, world_size, overwrite, memory_limit,
+                                      execution)
+        return ImportResult(target, family.name, outputs, report)
     args = megatron_args(hf_config, where)
     check(family, read_megatron(args, where), where)  # a config the table cannot express: before reading weights
     reader = storage.RangeReader()
