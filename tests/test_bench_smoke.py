@@ -76,3 +76,53 @@ def test_bench_check_rejects_a_changed_tensor(bench_run: tuple[Path, dict], tmp_
     assert not ok and name in note
     shutil.rmtree(out)
     assert not bench.check_output(export, out, log, ref, samples.dcp)[0]
+
+
+WRITER_CASES = ("cp", "cp-llama", "gguf-f16", "fp8-block", "cp-llama-hf", "export-base", "merged", "archive", "restore")
+
+
+@pytest.fixture(scope="module")
+def writers_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """This round's writers' rows (Megatron's is left out: its smallest MoE sample is ~0.5 GB)."""
+    work = tmp_path_factory.mktemp("bench-writers")
+    out = work / "results.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--size", "20MB", "--repeats", "1", "--cases",
+                           ",".join(WRITER_CASES), "--work-dir", str(work), "--out", str(out)], capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return work, json.loads(out.read_text())
+
+
+def test_bench_writer_rows_are_checked_against_the_reference_tools(writers_run: tuple[Path, dict]) -> None:
+    _, doc = writers_run
+    rows = {row["case"]: row for row in doc["rows"]}
+    assert sorted(rows) == sorted(WRITER_CASES)
+    assert {name: row["status"] for name, row in rows.items()} == dict.fromkeys(WRITER_CASES, "ok")
+    assert rows["gguf-f16"]["note"].endswith("tensors equal to llama.cpp's convert_hf_to_gguf.py")
+    assert rows["fp8-block"]["note"] == "every tensor equal to llm-compressor's oneshot FP8_BLOCK"
+    assert rows["merged"]["note"] == "every tensor equal to PEFT's merge_and_unload bit for bit"
+    assert rows["restore"]["note"] == "every file equal to the source byte for byte"
+    assert rows["merged"]["ratio_plain"] is not None and rows["gguf-f16"]["ratio_cp"] is not None
+    targets = {t["target"] for t in doc["targets"]}
+    assert {"gguf-f16 median / cp-llama median", "merged median / export-base median", "restore median / cp median",
+            "archive peak RSS MB"} <= targets
+
+
+def test_bench_writer_check_rejects_a_changed_tensor(writers_run: tuple[Path, dict], tmp_path: Path) -> None:
+    work, _ = writers_run
+    bench_writers = load_bench().writers()
+
+    llama = work / "samples" / "20MB-writers" / "llama"
+    got = tmp_path / "merged"
+    shutil.copytree(llama / "ref-merged", got)
+    assert bench_writers.check("merged", got, llama / "adapter", llama / "dcp")[0]
+
+    from safetensors.torch import load_file, save_file
+
+    path = next(got.glob("*.safetensors"))
+    state = load_file(path)
+    name = sorted(state)[-1]
+    state[name].view(-1)[0] += 1
+    save_file(state, str(path), metadata={"format": "pt"})
+    ok, note = bench_writers.check("merged", got, llama / "adapter", llama / "dcp")
+    assert not ok and note == f"{name} differs"
