@@ -396,14 +396,14 @@ def test_gc_during_an_archive_deletes_nothing_and_an_archive_waits_for_a_running
     first = archive(str(v1), str(store))
     (store / "manifests" / f"{first.archive_id}.json").unlink()  # v1's chunks are garbage now; v2 reuses most
     seen: list[Any] = []
-    encode = codec.encode
+    encode = codec.encode_parts
 
-    def encode_and_collect(data: Any, itemsize: int) -> bytes:
+    def encode_and_collect(data: Any, itemsize: int) -> codec.Parts:
         if not seen:
             seen.append(gc(str(store), grace_s=0))
         return encode(data, itemsize)
 
-    monkeypatch.setattr(codec, "encode", encode_and_collect)
+    monkeypatch.setattr(codec, "encode_parts", encode_and_collect)
     second = archive(str(v2), str(store))
     assert seen[0].deleted == [] and "in progress" in seen[0].skipped
     restore(str(store), second.archive_id, str(tmp_path / "out"))

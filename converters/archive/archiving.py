@@ -150,12 +150,13 @@ class _Writer:
                 self.known.add(digest)
                 claimed = True
         if claimed:
-            encoded = codec.encode(data, itemsize)
+            encoded = codec.encode_parts(data, itemsize)
             self.store.put(chunk_key(digest), encoded)
+            size = sum(len(part) for part in encoded)
             with self.lock:
-                self.stored[digest] = len(encoded)
+                self.stored[digest] = size
                 self.new_bytes += len(data)
-                self.new_stored += len(encoded)
+                self.new_stored += size
                 self.new_chunks += 1
         return [digest, len(data)]
 

@@ -53,9 +53,17 @@ def _planes(data: bytes | memoryview, itemsize: int) -> np.ndarray:
     return planes
 
 
+Parts = list[bytes | memoryview]
+
+
 def encode(data: bytes | memoryview, itemsize: int) -> bytes:
     """The smallest of raw, zstd and (for 2-, 4- and 8-byte elements) byte planes of which those that compress
     are zstd'ed, judged on a sample."""
+    return b"".join(encode_parts(data, itemsize))
+
+
+def encode_parts(data: bytes | memoryview, itemsize: int) -> Parts:
+    """`encode`'s answer as the parts to write one after the other (no copy to join them)."""
     compressor = zstandard.ZstdCompressor(level=LEVEL)
     sample = _trial_slice(data, itemsize)
     whole = len(compressor.compress(sample))
@@ -68,24 +76,24 @@ def encode(data: bytes | memoryview, itemsize: int) -> bytes:
             return _some_planes(data, itemsize, packed)
     if whole < len(sample) * KEEP:
         out = compressor.compress(data)
-        return bytes([ZSTD]) + out if len(out) < len(data) else bytes([RAW]) + bytes(data)
-    return bytes([RAW]) + bytes(data)
+        if len(out) < len(data):
+            return [bytes([ZSTD]), out]
+    return [bytes([RAW]), data]
 
 
-def _some_planes(data: bytes | memoryview, itemsize: int, packed: list[int]) -> bytes:
+def _some_planes(data: bytes | memoryview, itemsize: int, packed: list[int]) -> Parts:
     compressor = zstandard.ZstdCompressor(level=LEVEL)
     planes = _planes(data, itemsize)
     mask = sum(1 << k for k in packed)
-    parts: list[bytes | memoryview] = [bytes([SOME_PLANES, itemsize, mask])]
+    parts: Parts = [bytes([SOME_PLANES, itemsize, mask])]
     for k in range(itemsize):
         if k in packed:
             frame = compressor.compress(planes[k])
             parts += [len(frame).to_bytes(4, "little"), frame]
         else:
             parts.append(memoryview(planes[k]))
-    parts.append(bytes(data[planes.size:]))
-    out = b"".join(parts)
-    return out if len(out) < len(data) + 1 else bytes([RAW]) + bytes(data)
+    parts.append(memoryview(data)[planes.size:])
+    return parts if sum(len(p) for p in parts) < len(data) + 1 else [bytes([RAW]), data]
 
 
 def _join_some(stored: bytes | memoryview, length: int) -> memoryview:

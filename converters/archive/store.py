@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 
 from ..errors import TargetError
@@ -33,14 +34,19 @@ class Store:
     def where(self, key: str) -> str:
         return join(self.root if self.local else self.uri, key)
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | Sequence[bytes | memoryview]) -> None:
+        """Writes `data` (bytes, or parts written one after the other) as `key`."""
         where = self.where(key)
+        parts = [data] if isinstance(data, bytes) else data
         if self.local:
             try:
                 os.makedirs(os.path.dirname(where), exist_ok=True)
                 temp = f"{where}.tmp-{uuid.uuid4().hex}"
-                with open(temp, "wb") as f:
-                    f.write(data)
+                with open(temp, "wb", buffering=0) as f:
+                    for part in parts:
+                        view = memoryview(part)
+                        while view:
+                            view = view[f.write(view):]
                 os.replace(temp, where)
             except OSError as e:
                 raise TargetError(f"archive store {self.uri}: cannot write {key}: {e.strerror or e}",
@@ -48,7 +54,7 @@ class Store:
             return
         fs, path = filesystem(where)
         with translate_errors(where, writing=True):
-            fs.pipe_file(path, data)
+            fs.pipe_file(path, data if isinstance(data, bytes) else b"".join(parts))
 
     def get(self, key: str) -> bytes | None:
         where = self.where(key)
