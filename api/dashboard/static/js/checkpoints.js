@@ -1,6 +1,7 @@
 // The checkpoint registry, one checkpoint's page, its tensor table and its lineage graph.
 
 import { api, query } from "./api.js";
+import { archivedSection } from "./archived.js";
 import { actionButton, bytes, clear, el, facts, jobLink, table, when } from "./dom.js";
 import { drawGraph, lineageGraph } from "./lineage.js";
 import { canWrite, pageSize } from "./session.js";
@@ -75,6 +76,7 @@ function renderCheckpoint(c, box) {
     ["Registered", when(c.created_at)],
   ])];
   parts.push(...filesTable(s));
+  parts.push(...archivedSection(c));
   if (Object.keys(c.metadata).length) {
     parts.push(el("h2", {}, "Metadata"), facts(Object.entries(c.metadata).map(([k, v]) => [k, String(v)])));
   }
