@@ -13,20 +13,32 @@ manifest's `certificate`:
 - with `stats`: the statistics of source and output side by side, and the check: `equal` for an exact copy,
   `within rounding` for a cast (counts equal, values within the output dtype's rounding), else `differs`.
 
+An export that computes its output (GGUF, FP8, a merged adapter) or renames it (an adapter alone) is
+`derived`: the tensors it reads itself are handed to a `Ledger` through `reading` (and those the copier
+copies, as above), and its certificate holds `read` (per source tensor: the ranges and the CRC-32 of the
+values read) and `tensors` (per output tensor its CRC-32, computed while each output file is read back for
+its own CRC-32s). A single-file output (`out.safetensors`, `model.pt`, `model.gguf`) has no folder for a
+manifest: its manifest, certificate included, is written beside it as `<file>.ckpt-manifest.json`
+(`write_sidecar`, once the file is in place).
+
 `converters.verification.check_certificate` re-checks an output against it later.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
+import struct
 import threading
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from . import storage
 from .checksum import crc32, crc32_combine
 from .index import CheckpointIndex, TensorEntry
+from .names import MANIFEST
 from .tensorio import Box
 
 if TYPE_CHECKING:  # numpy and the statistics are imported when asked for (`ckptctl --help` stays light)
@@ -89,22 +101,41 @@ class Tally:
 class Ledger:
     """Everything the copier read and wrote in one conversion, gathered from its writer threads."""
 
-    def __init__(self, source: str, source_format: str, stats: bool = False) -> None:
+    def __init__(self, source: str, source_format: str, stats: bool = False, derived: str | None = None) -> None:
         self.source, self.source_format, self.stats = source.rstrip("/"), source_format, stats
+        self.derived = derived  # what a derived export makes ("gguf", "fp8", ...): its pieces are what it read
         self.pieces: dict[str, list[dict[str, Any]]] = {}
+        self.reads: dict[tuple[str, str, str], dict[str, Any]] = {}  # (name, box, first file) -> a piece read
         self.moments: dict[str, tuple[Moments, Moments | None]] = {}  # output None: an uncast copy
         self._lock = threading.Lock()
 
     def open(self, entry: TensorEntry, out_dtype: str, box: Box | None) -> Tally:
         return Tally(self, entry, out_dtype, box)
 
+    def reading(self, entry: TensorEntry, box: Box | None = None) -> Tally:
+        """A source tensor (or box of one) that a derived export reads itself: `add(view, view)` each slab, in
+        row-major order, then `close()`. Read again (a second pass), it is recorded once."""
+        return Tally(self, entry, entry.dtype, box)
+
+    def read_whole(self, entry: TensorEntry, data: memoryview) -> None:
+        """`entry` read in one piece into `data`."""
+        tally = self.reading(entry)
+        tally.add(data, data)
+        tally.close()
+
     def record(self, tally: Tally) -> None:
         entry = tally.entry
-        piece = {"box": box_key(tally.box), "dtype": entry.dtype, "shape": list(entry.shape),
-                 "out_dtype": tally.out_dtype,
-                 "ranges": [[self._relative(c.data.uri), c.data.offset, c.data.length, list(c.offsets), list(c.sizes),
-                             None if c.data.stride is None else list(c.data.stride)] for c in entry.chunks],
-                 "source_crc32": tally.src_crc, "crc32": tally.out_crc}
+        ranges = [[self._relative(c.data.uri), c.data.offset, c.data.length, list(c.offsets), list(c.sizes),
+                   None if c.data.stride is None else list(c.data.stride)] for c in entry.chunks]
+        piece: dict[str, Any] = {"box": box_key(tally.box), "dtype": entry.dtype, "shape": list(entry.shape),
+                                 "out_dtype": tally.out_dtype, "ranges": ranges, "source_crc32": tally.src_crc,
+                                 "crc32": tally.out_crc}
+        if self.derived:
+            del piece["out_dtype"], piece["crc32"]  # the output's own CRC-32s come from reading it back
+            first = str(ranges[0][0]) if ranges else ""
+            with self._lock:
+                self.reads[(entry.name, str(piece["box"]), first)] = piece
+            return
         with self._lock:
             self.pieces.setdefault(entry.name, []).append(piece)
             if tally.src is not None:
@@ -119,6 +150,13 @@ class Ledger:
     def _relative(self, uri: str) -> str:
         prefix = self.source + "/"
         return uri[len(prefix):] if uri.startswith(prefix) else uri
+
+    def read_doc(self) -> dict[str, list[dict[str, Any]]]:
+        """The source pieces a derived export read, by tensor name."""
+        doc: dict[str, list[dict[str, Any]]] = {}
+        for (name, _, _), piece in sorted(self.reads.items()):
+            doc.setdefault(name, []).append(piece)
+        return doc
 
     def certificate(self, view: CheckpointIndex) -> dict[str, Any]:
         """The manifest's certificate for an output holding the tensors of `view`."""
@@ -163,13 +201,66 @@ def compare(src: TensorStats, out: TensorStats) -> str:
 
 
 def certify(out: Any, copier: Any, view: CheckpointIndex) -> None:
-    """Put the certificate of what `copier` read and wrote into `out`'s manifest (a folder output; a single-file
-    target has no manifest), with every output file's CRC-32."""
+    """Put the certificate of what `copier` read and wrote into `out`'s manifest (a single-file target's goes
+    beside it: `write_sidecar`), with every output file's CRC-32."""
     ledger = copier.ledger
-    if ledger is None or out.single_file:
+    if ledger is None:
         return
     file_crcs(out)
     out.about["certificate"] = ledger.certificate(view)
+
+
+def certify_derived(out: Any, ledger: Ledger) -> None:
+    """The certificate of a derived export (`Ledger.derived`): what it read from the source, and each output
+    tensor's CRC-32 (safetensors files, read back with the files' own CRC-32s in one pass)."""
+    tensors: dict[str, list[dict[str, Any]]] = {}
+    for name, info in out.files.items():
+        if not out.local:
+            continue
+        path = out.path(name)
+        spans = safetensors_spans(path) if path.endswith(".safetensors") else {}
+        info["crc32"], info["blocks"], crcs = mapped_crcs(path, list(spans.values()), with_spans=True)
+        for tensor, crc in zip(spans, crcs, strict=True):
+            tensors[tensor] = [{"box": None, "crc32": crc, "file": name}]
+    out.about["certificate"] = {"source": {"uri": ledger.source, "format": ledger.source_format},
+                                "derived": ledger.derived, "tensors": dict(sorted(tensors.items())),
+                                "read": ledger.read_doc()}
+
+
+def safetensors_spans(path: str) -> dict[str, tuple[int, int]]:
+    """Tensor name -> (start, end) bytes in a safetensors file this process has just written."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return {name: (8 + n + int(info["data_offsets"][0]), 8 + n + int(info["data_offsets"][1]))
+            for name, info in header.items() if name != "__metadata__"}
+
+
+def sidecar(target: str) -> str:
+    """Where the manifest of the single-file output `target` lives."""
+    return f"{target.rstrip('/')}.{MANIFEST}"
+
+
+def write_sidecar(out: Any, kind: str) -> None:
+    """Write a committed single-file output's manifest (its CRC-32s and certificate) beside it; locally under a
+    temporary name first, so a reader never sees half of it."""
+    if not out.single_file or "certificate" not in out.about:
+        return
+    where, data = sidecar(out.uri), out.manifest(kind)
+    if not out.local:
+        fs, _ = storage.filesystem(where)
+        with storage.translate_errors(where, writing=True):
+            fs.pipe_file(where, data)
+        return
+    path = storage.local_path(where)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
 
 
 def file_crcs(out: Any) -> None:
@@ -181,18 +272,26 @@ def file_crcs(out: Any) -> None:
             info["crc32"], info["blocks"] = mapped_crcs(out.path(name))
 
 
-def mapped_crcs(path: str) -> tuple[int, list[int]]:
-    """`block_crcs` of a local file, read through short mappings of the page cache (no copy into a buffer)."""
+def mapped_crcs(path: str, spans: list[tuple[int, int]] | None = None, with_spans: bool = False) -> Any:
+    """`block_crcs` of a local file, read through short mappings of the page cache (no copy into a buffer); with
+    `with_spans`, also the CRC-32 of each (start, end) of `spans`, extended block by block over the same mapping."""
     whole, blocks = 0, []
+    spans = spans or []
+    found = [0] * len(spans)
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         for offset in range(0, size, BLOCK):
-            with mmap.mmap(fh.fileno(), min(BLOCK, size - offset), access=mmap.ACCESS_READ, offset=offset) as mapping, \
+            end = min(offset + BLOCK, size)
+            with mmap.mmap(fh.fileno(), end - offset, access=mmap.ACCESS_READ, offset=offset) as mapping, \
                     memoryview(mapping) as view:
                 crc = crc32(view)
-            whole = crc32_combine(whole, crc, min(BLOCK, size - offset))  # joined, not read twice
+                for i, (start, stop) in enumerate(spans):
+                    low, high = max(start, offset), min(stop, end)
+                    if low < high:
+                        found[i] = crc32(view[low - offset:high - offset], found[i])
+            whole = crc32_combine(whole, crc, end - offset)  # joined, not read twice
             blocks.append(crc)
-    return whole, blocks
+    return (whole, blocks, found) if with_spans else (whole, blocks)
 
 
 def block_crcs(readinto: Any, block: int = BLOCK) -> tuple[int, list[int]]:

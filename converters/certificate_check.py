@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import storage
-from .certificate import BLOCK, block_crcs, source_uri
+from .certificate import BLOCK, block_crcs, sidecar, source_uri
 from .checksum import crc32
 from .copier import DEFAULT_MEMORY_LIMIT, Copier
 from .errors import CkptError, FormatError
@@ -49,11 +49,21 @@ class CertificateReport:
                 "summary": self.summary()}
 
 
-def manifest_of(uri: str) -> dict[str, Any]:
+def manifest_where(uri: str) -> tuple[str, str]:
+    """(the manifest of the output at `uri`, the folder its `files` are in): a folder's own, or the one beside a
+    single-file output (`certificate.sidecar`)."""
     where = storage.join(uri, MANIFEST)
-    if not storage.exists(where):
-        raise FormatError(f"{uri}: no {MANIFEST}, so nothing recorded to check against; only folder outputs of "
-                          "convert, export and reshard carry a certificate", uri=uri)
+    if storage.exists(where):
+        return where, uri
+    beside = sidecar(uri)
+    if storage.exists(beside):
+        return beside, storage.parent(uri)
+    raise FormatError(f"{uri}: no {MANIFEST}, so nothing recorded to check against; only outputs of convert, "
+                      "export and reshard carry a certificate", uri=uri)
+
+
+def manifest_of(uri: str) -> dict[str, Any]:
+    where, _ = manifest_where(uri)
     doc = read_json(where)
     if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
         raise FormatError(f"{where}: not a ckpt-service manifest (no `files`); re-convert to get one", uri=where)
@@ -68,12 +78,12 @@ def check_certificate(uri: str, with_source: bool = True, memory_limit: int = DE
     doc = manifest_of(uri)
     cert = doc.get("certificate")
     if not files_only and not isinstance(cert, dict):
-        raise FormatError(f"{storage.join(uri, MANIFEST)}: no certificate (written before certificates existed); "
+        raise FormatError(f"{manifest_where(uri)[0]}: no certificate (written before certificates existed); "
                           "re-convert to get one", uri=uri)
     report = CertificateReport(uri)
     reader = storage.RangeReader()
     try:
-        _check_files(uri, doc["files"], reader, report)
+        _check_files(manifest_where(uri)[1], doc["files"], reader, report)
         if files_only or not isinstance(cert, dict):
             return report
         _check_tensors(uri, str(doc.get("format") or ""), cert, reader, memory_limit, report)
@@ -139,6 +149,8 @@ class _File:
 
 def _check_tensors(uri: str, fmt: str, cert: dict[str, Any], reader: storage.RangeReader, memory_limit: int,
                    report: CertificateReport) -> None:
+    if not any("crc32" in piece for pieces in cert.get("tensors", {}).values() for piece in pieces):
+        return  # a GGUF file's certificate names no tensors (the engine does not read GGUF): its files' CRC-32s do
     try:
         index = load_index(uri, fmt or None, reader=reader)
     except CkptError as exc:
@@ -165,22 +177,24 @@ def _check_tensors(uri: str, fmt: str, cert: dict[str, Any], reader: storage.Ran
 def _check_source(source: str, cert: dict[str, Any], reader: storage.RangeReader, memory_limit: int,
                   report: CertificateReport) -> None:
     copier = Copier(reader, memory_limit)
-    for name, pieces in cert.get("tensors", {}).items():
-        for piece in pieces:
-            entry = TensorEntry(name, piece["dtype"], tuple(piece["shape"]), [
-                Chunk(tuple(r[3]), tuple(r[4]), ByteRange(source_uri(source, r[0]), int(r[1]), int(r[2]),
-                                                          None if r[5] is None else tuple(r[5])))
-                for r in piece["ranges"]])
-            box = _box(piece.get("box"))
-            report.source_ranges += 1
-            try:
-                got = _crc(copier, entry, box)
-            except CkptError as exc:
-                report.damaged.append(f"source {_where(entry, box)} (tensor {name}) cannot be read ({exc})")
-                continue
-            if got != piece.get("source_crc32"):
-                report.damaged.append(f"source {_where(entry, box)} (tensor {name}) differ from what the conversion "
-                                      "read")
+    # a copy's pieces name the ranges they were read from; a derived export lists what it read under `read`
+    read = [(name, p) for name, pieces in cert.get("tensors", {}).items() for p in pieces if "ranges" in p] + \
+        [(name, p) for name, pieces in cert.get("read", {}).items() for p in pieces]
+    for name, piece in read:
+        entry = TensorEntry(name, piece["dtype"], tuple(piece["shape"]), [
+            Chunk(tuple(r[3]), tuple(r[4]), ByteRange(source_uri(source, r[0]), int(r[1]), int(r[2]),
+                                                      None if r[5] is None else tuple(r[5])))
+            for r in piece["ranges"]])
+        box = _box(piece.get("box"))
+        report.source_ranges += 1
+        try:
+            got = _crc(copier, entry, box)
+        except CkptError as exc:
+            report.damaged.append(f"source {_where(entry, box)} (tensor {name}) cannot be read ({exc})")
+            continue
+        if got != piece.get("source_crc32"):
+            report.damaged.append(f"source {_where(entry, box)} (tensor {name}) differ from what the conversion "
+                                  "read")
 
 
 def _box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

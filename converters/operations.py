@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import dtypes, storage
-from .certificate import Ledger, certify
+from .certificate import Ledger, certify, write_sidecar
 from .config import EngineConfig, use
 from .consumer import check
 from .copier import DEFAULT_MEMORY_LIMIT, Copier, Progress
@@ -174,6 +174,7 @@ def _convert(source: str, target: str, options: ConvertOptions | None,
             if options.verify:
                 result.verify = verify_output(view, out.root, options.to, reader, cast_ok=options.dtype is not None,
                                               memory_limit=options.memory_limit, target=target)
+        write_sidecar(out, options.to)  # a single file's manifest and certificate, beside it once it is in place
         report.extend(reader.fetch_note())
         return result
     finally:

@@ -165,3 +165,105 @@ def test_a_scrub_job_finds_a_flipped_bit_and_marks_the_checkpoint_damaged(source
     assert found["state"] == "failed" and found["result"]["ok"] is False
     assert f"{out / 'model.safetensors'}: bytes 0-{size} differ from the manifest's CRC-32" in found["error"]["message"]
     assert "damaged" in tags
+
+
+# --- outputs made by computing (GGUF, FP8, merged adapters), renaming (an adapter alone) or as one file ----------
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A random tiny Llama saved by transformers itself, with a byte-level BPE tokenizer trained here (GGUF needs
+    one)."""
+    from .test_gguf_export import LLAMA3_SPLIT, _model
+
+    assert LLAMA3_SPLIT
+    return _model("llama", folder, torch.float32)
+
+
+def lora_folder(base: Path, folder: Path) -> Path:
+    """A PEFT LoRA adapter on `base`, saved by PEFT (random A and B, as after training)."""
+    from .test_adapters import peft_model
+
+    peft_model(base, "lora").save_pretrained(folder)
+    return folder
+
+
+def make(kind: str, tmp_path: Path) -> tuple[Path, Path]:
+    """(the output of `kind`, the file of it to damage) made by the engine from checkpoints real tools saved."""
+    from converters.adapters import export_adapter, export_merged
+    from converters.gguf_export import export_gguf
+    from converters.quantize.export import export_fp8
+
+    if kind in ("safetensors-file", "torch-file"):
+        source = tmp_path / "dcp"
+        dcp.save({"model": weights()}, checkpoint_id=str(source), no_dist=True)
+        out = tmp_path / ("model.safetensors" if kind == "safetensors-file" else "model.pt")
+        convert(str(source), str(out), ConvertOptions(to="safetensors" if kind == "safetensors-file" else "torch"))
+        return out, out
+    if kind in ("gguf", "fp8"):
+        source = tiny_llama(tmp_path / "llama")
+        if kind == "gguf":
+            out = tmp_path / "model.gguf"
+            export_gguf(str(source), str(out), "q8_0")
+            return out, out
+        export_fp8(str(source), str(tmp_path / "fp8"), "FP8_BLOCK")
+        return tmp_path / "fp8", tmp_path / "fp8" / "model.safetensors"
+    from .test_adapters import tiny_base
+
+    base = tiny_base(tmp_path / "base")
+    adapter = lora_folder(base, tmp_path / "adapter")
+    if kind == "adapter":
+        export_adapter(str(adapter), str(tmp_path / "peft"))
+        return tmp_path / "peft", tmp_path / "peft" / "adapter_model.safetensors"
+    export_merged(str(adapter), str(tmp_path / "merged"), str(base))
+    return tmp_path / "merged", tmp_path / "merged" / "model.safetensors"
+
+
+def manifest_doc(out: Path) -> dict:
+    where = out / MANIFEST if out.is_dir() else out.parent / f"{out.name}.{MANIFEST}"
+    return json.loads(where.read_text())
+
+
+@pytest.mark.parametrize("kind", ["safetensors-file", "torch-file", "gguf", "fp8", "adapter", "merged"])
+def test_every_output_kind_has_a_certificate_that_finds_a_flipped_bit(tmp_path: Path, kind: str) -> None:
+    out, damaged_file = make(kind, tmp_path)
+    doc = manifest_doc(out)
+    files = doc["files"]
+    assert files[damaged_file.name]["crc32"] == zlib.crc32(damaged_file.read_bytes())
+    data = damaged_file.read_bytes()
+    assert files[damaged_file.name]["blocks"] == [zlib.crc32(data[i:i + (16 << 20)])
+                                                  for i in range(0, len(data), 16 << 20)]
+    cert = doc["certificate"]
+    source = Path(cert["source"]["uri"])
+    read = cert.get("read") or {n: [p for p in pieces if "ranges" in p] for n, pieces in cert["tensors"].items()}
+    assert read and all(p["ranges"] for pieces in read.values() for p in pieces)
+    for pieces in read.values():  # what was read, as the source holds it now
+        for piece in pieces:
+            if piece["box"] is None and len(piece["ranges"]) == 1 and piece["ranges"][0][5] is None:
+                file, offset, length = piece["ranges"][0][:3]
+                raw = ((source / file) if not Path(file).is_absolute() else Path(file)).read_bytes()
+                assert piece["source_crc32"] == zlib.crc32(raw[offset:offset + length])
+    if kind in ("fp8", "adapter", "merged"):  # each output tensor's CRC-32, as safetensors reads it back
+        loaded = load_file(str(damaged_file))
+        assert cert["derived"] == {"fp8": "fp8", "adapter": "adapter", "merged": "merge"}[kind]
+        for name, tensor in loaded.items():
+            (piece,) = cert["tensors"][name]
+            assert piece["crc32"] == zlib.crc32(tensor.contiguous().view(torch.uint8).numpy().tobytes()), name
+    report = check_certificate(str(out))
+    assert report.ok, report.damaged
+    assert report.source_ranges == sum(len(p) for p in read.values())
+    code, text = ckptctl("verify", "--certificate", str(out))
+    assert code == 0, text
+    size = damaged_file.stat().st_size
+    flip(damaged_file, size - 3)
+    report = check_certificate(str(out))
+    assert not report.ok
+    assert report.damaged[0] == f"{damaged_file}: bytes 0-{size} differ from the manifest's CRC-32"
+    code, text = ckptctl("verify", "--certificate", str(out))
+    assert code == 1 and f"{damaged_file}: bytes 0-{size} differ" in text
+    assert not scrub(str(out)).ok
+    name, piece = next((n, p) for n, pieces in sorted(read.items()) for p in pieces if p["ranges"][0][2])
+    file, offset, length = piece["ranges"][0][:3]
+    path = source / file if not Path(file).is_absolute() else Path(file)
+    flip(path, offset + length // 2)  # a bit of what the export read, in the source
+    assert f"source {path} bytes {offset}-{offset + length} (tensor {name}) differ from what the conversion read" \
+        in check_certificate(str(out)).damaged

@@ -60,7 +60,8 @@ def test_merge_then_gguf_is_the_two_commands(lora: tuple[Path, Path], tmp_path: 
                            str(base), "--gguf", "q8_0", "-q")
     assert code == 0, output
     assert (tmp_path / "one" / "m.gguf").read_bytes() == (tmp_path / "two" / "m.gguf").read_bytes()
-    assert [p.name for p in (tmp_path / "one").iterdir()] == ["m.gguf"]  # the staging folder is gone
+    # the staging folder is gone; the GGUF file's manifest (its CRC-32s, certificate) is beside it
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["m.gguf", "m.gguf.ckpt-manifest.json"]
 
 
 @pytest.mark.slow

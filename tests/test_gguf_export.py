@@ -412,7 +412,7 @@ def test_refuses_unknown_family_outtype_and_pre_tokenizer(tmp_path: Path) -> Non
                               "pass tokenizer_pre=NAME (llama.cpp's name for it, e.g. llama-bpe, qwen2)")
     export_gguf(str(source), str(tmp_path / "out.gguf"), "f32", tokenizer_pre="qwen2")
     assert _fields(tmp_path / "out.gguf")["tokenizer.ggml.pre"][1] == "qwen2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out.gguf", "out.gguf.ckpt-manifest.json"]
 
 
 def test_export_gguf_option_offline_and_as_a_job(tmp_path: Path) -> None:

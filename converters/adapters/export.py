@@ -22,6 +22,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from .. import dtypes, storage
+from ..certificate import Ledger, certify_derived
 from ..copier import DEFAULT_MEMORY_LIMIT, Copier
 from ..errors import FormatError, OptionError
 from ..formats import load_index
@@ -116,11 +117,13 @@ def export_adapter(source: str, target: str, *, adapter: str | None = None, alph
                              base_model_name_or_path or settings.base_model_name_or_path)
         items = [copied(out, opened.index.tensors[name], None) for out, name in names.items()]
         copier = _copier(reader, memory_limit)
+        copier.ledger = Ledger(opened.index.uri, opened.index.format, derived="adapter")  # for the certificate
         with open_output(target, overwrite, "safetensors") as out:
             out.about["adapter_export"] = {"adapter": opened.adapter.name}
             write_file(out, ADAPTER_WEIGHTS, items, copier)
             with out.open(ADAPTER_CONFIG) as fh:
                 fh.write(config_bytes(doc))
+            certify_derived(out, copier.ledger)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         report = [f"adapter {opened.adapter.name!r}: {len(opened.adapter.modules)} LoRA modules, "
                   f"{len(opened.adapter.replaced)} modules_to_save tensors", *reader.fetch_note()]
@@ -155,6 +158,7 @@ class _Merger:
         self.spaces: list[merge.Workspace] = []
         self.turn = 0
         self.threads: int | None = None  # torch's intra-op threads before the merge set them to one
+        self.ledger: Ledger | None = None  # the certificate's record of what is read
 
     def _space(self) -> merge.Workspace:
         """The next workspace. The first call sets torch to one intra-op thread: the slabs are small, the writes
@@ -188,10 +192,17 @@ class _Merger:
             tensor = space.get("out", tuple(tensor.shape), target).copy_(tensor) if space else tensor.to(target)
         return _bytes(tensor)
 
-    def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def _read(self, name: str) -> torch.Tensor:
+        return self._whole(self.lora.tensors[name])
+
+    def _whole(self, entry: TensorEntry) -> torch.Tensor:
+        """`entry` read whole (its bytes handed to the ledger)."""
         from . import merge
 
-        return merge.read_tensor(self.reader, self.lora.tensors[name], rows)
+        tensor = merge.read_tensor(self.reader, entry)
+        if self.ledger is not None:
+            self.ledger.read_whole(entry, _bytes(tensor))
+        return tensor
 
     def weight(self, module: LoraModule, base: TensorEntry) -> Callable[[], Iterator[memoryview]]:
         scaling = self.settings.scaling(module.name, module.rank)
@@ -203,7 +214,7 @@ class _Merger:
             a = self._read(module.a)
             magnitude = self._read(module.magnitude) if module.magnitude else None
             if module.kind == "embedding" or fifo:
-                weight = merge.read_tensor(self.reader, base)
+                weight = self._whole(base)
                 delta = merge.delta_weight(a, self._read(module.b), scaling, fifo, module.kind == "embedding")
                 yield self._out(merge.merge_dora(weight, delta, magnitude, fifo) if magnitude is not None
                                 else merge.merge_lora(weight, delta))
@@ -211,16 +222,22 @@ class _Merger:
             rows_out, cols = base.shape
             row_bytes = max(cols * 4, 1)
             step = max(1, self.budget // row_bytes)
+            b_entry = self.lora.tensors[module.b]
+            tallies = [self.ledger.reading(e) for e in (base, b_entry)] if self.ledger is not None else []
             for start in range(0, rows_out, step):
                 n = min(step, rows_out - start)
                 space = self._space()
                 weight = space.read("weight", self.reader, base, (start, n))
-                b = space.read("b", self.reader, self.lora.tensors[module.b], (start, n))
+                b = space.read("b", self.reader, b_entry, (start, n))
+                for tally, tensor in zip(tallies, (weight, b)):
+                    tally.add(_bytes(tensor), _bytes(tensor))
                 delta = merge.delta_rows(a, b, scaling, space)
                 if magnitude is not None:
                     yield self._out(merge.merge_dora(weight, delta, magnitude[start: start + n], False), space)
                 else:
                     yield self._out(merge.merge_lora(weight, delta), space)
+            for tally in tallies:
+                tally.close()
             merge.release()  # DoRA's temporaries
         return blocks
 
@@ -231,8 +248,7 @@ class _Merger:
             from . import merge
 
             assert module.b_bias
-            yield self._out(merge.merge_bias(merge.read_tensor(self.reader, base), self._read(module.b_bias),
-                                             scaling))
+            yield self._out(merge.merge_bias(self._whole(base), self._read(module.b_bias), scaling))
         return blocks
 
 
@@ -327,7 +343,9 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
         with open_output(target, overwrite, "safetensors") as out:
             out.about["adapter_merge"] = {"adapter": opened.adapter.name, "dtype": cast_to}
             copier = _copier(reader, memory_limit)
+            copier.ledger = merger.ledger = Ledger(opened.index.uri, opened.index.format, derived="merge")
             write_shards(out, items, max_shard_size, lambda o, n, i: write_file(o, n, i, copier), side.data)
+            certify_derived(out, copier.ledger)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         variants = ", ".join(sorted(opened.adapter.variants))
         report = [f"merged adapter {opened.adapter.name!r} ({variants}) into {len(opened.adapter.modules)} modules, "

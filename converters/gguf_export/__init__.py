@@ -22,6 +22,7 @@ import gguf
 import numpy as np
 
 from .. import storage
+from ..certificate import Ledger, certify_derived, write_sidecar
 from ..copier import DEFAULT_MEMORY_LIMIT
 from ..errors import FormatError, OptionError
 from ..modelview import model_view
@@ -139,12 +140,15 @@ def export_gguf(source: str, target: str, outtype: str = "f16", *, overwrite: bo
         tokenizer.add_vocab(writer, side.data, config, source, embedding.shape[0], tokenizer_pre,
                             add_space_prefix=fam.arch == gguf.MODEL_ARCH.LLAMA)
         header = writer.header()
-        source_reader = Reader(reader, max(memory_limit // 32, 1024 * 1024))
+        ledger = Ledger(view.uri, view.format, derived="gguf")  # what is read, for the certificate
+        source_reader = Reader(reader, max(memory_limit // 32, 1024 * 1024), ledger)
         with open_output(target, overwrite, "gguf", single_file=True) as out:
             with out.open() as fh:
                 fh.write(header)
                 write_data(fh, planned, types, source_reader)
             size = sum(f["bytes"] for f in out.files.values()) if out.files else 0
+            certify_derived(out, ledger)
+        write_sidecar(out, "gguf")  # its manifest and certificate, beside it
         counts: dict[str, int] = {}
         for qtype in types:
             counts[qtype.name] = counts.get(qtype.name, 0) + 1

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .. import dtypes, heap, storage
+from ..certificate import Ledger, Tally
 from ..tensorio import read_box, slabs
 from .names import Part, Planned
 from .quant import converted
@@ -45,9 +46,10 @@ def _torch_dtype(name: str) -> torch.dtype:
 class Reader:
     """Source slabs as torch tensors, through one reused buffer of about `budget` bytes."""
 
-    def __init__(self, reader: storage.RangeReader, budget: int) -> None:
-        self.reader, self.budget = reader, budget
+    def __init__(self, reader: storage.RangeReader, budget: int, ledger: Ledger | None = None) -> None:
+        self.reader, self.budget, self.ledger = reader, budget, ledger  # ledger: the certificate's record of reads
         self._buffer = bytearray(0)
+        self._tally: Tally | None = None  # the part being read, for the certificate
 
     def _read(self, part: Part, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         nbytes = dtypes.numel(sizes) * dtypes.itemsize(part.entry.dtype)
@@ -57,11 +59,23 @@ class Reader:
         view = memoryview(self._buffer)[:nbytes]
         if nbytes:
             read_box(self.reader, part.entry, (offsets, sizes), view)
+            if self._tally is not None:
+                self._tally.add(view, view)
         return torch.frombuffer(view, dtype=_torch_dtype(part.entry.dtype)).reshape(sizes) if nbytes else \
             torch.empty(sizes, dtype=_torch_dtype(part.entry.dtype))
 
     def slabs(self, part: Part) -> Iterator[torch.Tensor]:
-        """`part` in whole rows (the last dimension is never split), permuted where it asks to be."""
+        """`part` in whole rows (the last dimension is never split), permuted where it asks to be; each read is
+        handed to the ledger (row-major order within the part) while it is in memory."""
+        whole = part.sizes == part.entry.shape and not any(part.offsets)
+        self._tally = self.ledger.reading(part.entry, None if whole else (part.offsets, part.sizes)) \
+            if self.ledger is not None else None
+        yield from self._slabs(part)
+        if self._tally is not None:
+            self._tally.close()
+            self._tally = None
+
+    def _slabs(self, part: Part) -> Iterator[torch.Tensor]:
         item = dtypes.itemsize(part.entry.dtype)
         row = (part.sizes[-1] if part.sizes else 1) * item
         if part.heads:

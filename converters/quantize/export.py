@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import dtypes, heap, storage
+from ..certificate import Ledger, certify_derived
 from ..copier import DEFAULT_MEMORY_LIMIT
 from ..errors import FormatError, OptionError
 from ..index import TensorEntry
@@ -73,8 +74,9 @@ def _torch_dtype(name: str) -> torch.dtype:
 class _Quantizer:
     """Scales and FP8 slabs of the quantized weights, read through `reader` in slabs of about `budget` bytes."""
 
-    def __init__(self, reader: storage.RangeReader, chosen: Scheme, budget: int) -> None:
+    def __init__(self, reader: storage.RangeReader, chosen: Scheme, budget: int, ledger: Ledger | None = None) -> None:
         self.reader, self.chosen, self.budget = reader, chosen, budget
+        self.ledger = ledger  # the certificate's record of what is read
         self.scales: dict[str, torch.Tensor] = {}
         self._buffer = bytearray(0)  # one read buffer for every slab, grown to the largest
 
@@ -92,13 +94,18 @@ class _Quantizer:
         rows, cols = entry.shape
         row_bytes = max(cols * dtypes.itemsize(entry.dtype), 1)
         step = max(BLOCK[0], self.budget // row_bytes // BLOCK[0] * BLOCK[0])
+        tally = self.ledger.reading(entry) if self.ledger is not None else None
         for start in range(0, rows, step):
             n = min(step, rows - start)
             if not n * row_bytes:
                 yield torch.empty((n, cols), dtype=_torch_dtype(entry.dtype))
                 continue
             view = self.read(entry, ((start, 0), (n, cols)))
+            if tally is not None:
+                tally.add(view, view)
             yield torch.frombuffer(view, dtype=_torch_dtype(entry.dtype)).reshape(n, cols)  # until the next slab
+        if tally is not None:
+            tally.close()
 
     def scale(self, entry: TensorEntry) -> torch.Tensor:
         found = self.scales.get(entry.name)
@@ -132,10 +139,16 @@ class _Quantizer:
 
 def _copy_blocks(quantizer: _Quantizer, entry: TensorEntry) -> Iterator[memoryview]:
     """The bytes of a tensor kept as it is, slab by slab through the quantizer's read buffer."""
+    tally = quantizer.ledger.reading(entry) if quantizer.ledger is not None else None
     for box in slabs(entry.shape, dtypes.itemsize(entry.dtype), quantizer.budget):
         nbytes = dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype)
         if nbytes:
-            yield quantizer.read(entry, box)
+            view = quantizer.read(entry, box)
+            if tally is not None:
+                tally.add(view, view)
+            yield view
+    if tally is not None:
+        tally.close()
 
 
 def _plan(tensors: dict[str, TensorEntry], quantized: set[str], chosen: Scheme) -> list[_Item]:
@@ -230,7 +243,8 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
         config_bytes = _config(side.data, source, chosen, chosen_modules.ignored)
         items = _plan(view.tensors, set(chosen_modules.quantized), chosen)
         # a slab of the source, its quotient (same size) and FP8 copy (half) at once
-        quantizer = _Quantizer(reader, chosen, max(memory_limit // 8, 1024 * 1024))
+        ledger = Ledger(view.uri, view.format, derived="fp8")  # what is read, for the certificate
+        quantizer = _Quantizer(reader, chosen, max(memory_limit // 8, 1024 * 1024), ledger)
         report = [f"{chosen.name}: {len(chosen_modules.quantized)} Linear weights to FP8; kept: "
                   + (", ".join(chosen_modules.ignored) or "none"), side.report()]
         if chosen.strategy == "block":
@@ -243,6 +257,7 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
             out.about["quantization"] = {"scheme": chosen.name, "ignore": checked}
             write_shards(out, items, max_shard_size, lambda o, name, shard: _write_shard(o, name, shard, quantizer),
                          {name: config_bytes if name == CONFIG else data for name, data in side.data.items()})
+            certify_derived(out, ledger)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         report.extend(reader.fetch_note())
         return Fp8Result(target, chosen.name, chosen_modules.quantized, chosen_modules.ignored, outputs, report)
