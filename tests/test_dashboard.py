@@ -646,6 +646,119 @@ def test_run_page_plots_its_scanned_steps(tab: Tab, site: Site) -> None:
     assert tab.errors == []
 
 
+def _torch_layer_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float | None]:
+    """Per layer (converters' grouping of keys): torch's relative L2 change ||a-b|| / ||b|| of its tensors together
+    in float64, None for a layer none of whose tensors changed at all."""
+    from converters.stats.diffs import layer_of
+
+    diff_sq: dict[str, float] = {}
+    sq: dict[str, float] = {}
+    moved: set[str] = set()
+    for name in sorted(set(a) & set(b)):
+        x, y = a[name].double(), b[name].double()
+        layer = layer_of(name)
+        diff_sq[layer] = diff_sq.get(layer, 0.0) + float(((x - y) ** 2).sum())
+        sq[layer] = sq.get(layer, 0.0) + float((y**2).sum())
+        if not torch.equal(x, y):
+            moved.add(layer)
+    return {layer: (diff_sq[layer] ** 0.5 / sq[layer] ** 0.5 if layer in moved else None) for layer in diff_sq}
+
+
+@pytest.mark.slow
+def test_the_diff_view_names_the_changed_layers(tab: Tab, site: Site) -> None:
+    """Three real FSDP2 steps (tests/stats_job.py: `layers.1` frozen): from the run page the user compares steps 1
+    and 2; the diff job's view draws one bar per layer, names the layers that moved most in torch's order and the
+    frozen one as unmoved, and each layer's relative change equals torch's on the gathered tensors."""
+    from tests import stats_job
+
+    out = site.data / "fsdp2"
+    proc = subprocess.run([sys.executable, "-m", "tests.stats_job", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with site.server.client(site.tokens.write) as client:
+        for step in range(1, stats_job.STEPS + 1):
+            client.register(str(out / f"step-{step}"), metadata={"run": "fsdp2", "step": step})
+    full = {step: {n.removeprefix("model."): t
+                   for n, t in torch.load(out / f"full-{step}.pt", weights_only=True).items()} for step in (1, 2)}
+    want = _torch_layer_diff(full[1], full[2])
+    assert [layer for layer, rel in want.items() if rel is None] == [stats_job.FROZEN]
+    model = {layer: rel for layer, rel in want.items() if not layer.startswith("optim.")}
+    moved = sorted((layer for layer, rel in model.items() if rel is not None), key=lambda layer: -(model[layer] or 0))
+    assert sorted(moved) == ["embed", "head", "layers.0", "layers.2"]
+
+    page = tab.page
+    sign_in(tab, site.tokens.write, "write")
+    page.goto(f"{site.server.url}/#/runs/fsdp2")
+    page.wait_for_selector("#diff-form")
+    page.select_option("#diff-a", str(out / "step-1"))
+    page.select_option("#diff-b", str(out / "step-2"))
+    page.click("#diff-form button[type=submit]")
+    page.wait_for_selector("#diff-layers", timeout=60_000)
+    assert page.text_content("#run-diff h2") == "Diff: step 1 → step 2"
+    script = "gs => gs.map(g => [g.dataset.layer, g.classList.contains('unchanged')])"
+    bars = page.eval_on_selector_all("#diff-chart g.bar", script)
+    assert bars == [[layer, False] for layer in moved] + [[stats_job.FROZEN, True]]  # largest first, frozen last
+    optim = page.eval_on_selector_all("#diff-chart-optim g.bar", script)  # the optimizer state apart
+    assert sorted(layer for layer, _ in optim) == sorted(layer for layer in want if layer.startswith("optim."))
+    assert page.eval_on_selector_all("#diff-moved li", "ls => ls.map(l => l.dataset.name)") == moved
+    assert page.eval_on_selector_all("#diff-unchanged li", "ls => ls.map(l => l.dataset.name)") == [stats_job.FROZEN]
+    shown = dict(page.eval_on_selector_all("#diff-layers tbody tr", "rs => rs.map(r => [r.dataset.layer, "
+                                           "Number(r.dataset.rel)])"))
+    assert shown.keys() == want.keys()
+    for layer, rel in want.items():
+        assert shown[layer] == pytest.approx(rel or 0.0, rel=1e-12, abs=0.0), layer
+    assert page.text_content("#diff-only-a") == "Only in step 1None."  # the same tensors on both sides
+    tab.shot("run-diff")
+    # a read token opens the same view by its address, and has no form
+    job_id = page.evaluate("() => new URLSearchParams(location.hash.split('?')[1]).get('diff')")
+    page.click("#sign-out")
+    sign_in(tab, site.tokens.read, "read", view="run")
+    page.wait_for_selector("#diff-layers")
+    assert page.locator("#diff-form").count() == 0 and job_id in page.text_content("#diff-state")
+    assert tab.errors == []
+
+
+@pytest.mark.slow
+def test_checkpoint_page_shows_certificate_scrub_and_damage(tab: Tab, site: Site) -> None:
+    """An output of a convert job carries a certificate: its page says what it covers and that it was never
+    scrubbed; after a clean scrub it shows the scrub; after a flipped bit the next scrub fails and the page warns
+    that it is damaged, naming the file."""
+    source = _save(site.data / "integrity" / "src.pt", {f"l{i}.weight": torch.ones(16, 16) * i for i in range(3)})
+    out = site.data / "integrity" / "out"
+    with site.server.client(site.tokens.write) as client:
+        made = client.submit(job_spec("convert", source, out))["id"]
+    made = site.server.wait_job(made, ("succeeded",), token=site.tokens.read)
+    output = made["result"]["checkpoint_id"]
+    page = tab.page
+    sign_in(tab, site.tokens.read, "read")
+    page.goto(f"{site.server.url}/#/checkpoints/{output}")
+    page.wait_for_selector("#ckpt-certificate")
+    assert page.text_content("#ckpt-certificate") == ("yes: 3 tensors, 1 output file with CRC-32s, 1 source file "
+                                                      "named")
+    assert page.text_content("#ckpt-scrub") == "never scrubbed" and page.locator("#ckpt-damaged").count() == 0
+    scrubs = []
+    for flip in (False, True):
+        if flip:
+            data = out / "model.safetensors"
+            raw = bytearray(data.read_bytes())
+            raw[-1] ^= 0x10
+            data.write_bytes(bytes(raw))
+        with site.server.client(site.tokens.write) as client:
+            scrubs.append(client.submit(job_spec("scrub", out))["id"])
+        site.server.wait_job(scrubs[-1], ("succeeded", "failed"), token=site.tokens.read)
+        page.reload()
+        page.wait_for_selector(f"#ckpt-scrub a:text('{scrubs[-1]}')")
+        if not flip:
+            assert page.get_attribute("#ckpt-scrub", "data-state") == "succeeded"
+            assert page.locator("#ckpt-damaged").count() == 0
+    assert page.get_attribute("#ckpt-scrub", "data-state") == "failed"
+    warning = page.text_content("#ckpt-damaged")
+    assert warning.startswith("Damaged: a scrub found this checkpoint differs from its recorded checksums: ")
+    assert f"{out / 'model.safetensors'}: bytes 0-" in warning
+    tab.shot("checkpoint-damaged")
+    assert tab.errors == []
+
+
 @pytest.mark.slow
 def test_job_pages_show_reason_log_fields_and_files(tab: Tab, site: Site) -> None:
     source = _save(site.data / "jobpage" / "step_5.pt", {f"w{i}": torch.ones(32, 32) for i in range(2)})

@@ -113,7 +113,7 @@ async function route() {
       await showCheckpoints(params, signal);
     } else if (section === "runs" && id) {
       showView("run");
-      await showRun(id, signal);
+      await showRun(id, signal, params);
     } else if (section === "runs") {
       showView("runs");
       await showRuns(signal);

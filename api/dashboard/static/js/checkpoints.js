@@ -3,6 +3,7 @@
 import { api, query } from "./api.js";
 import { archivedSection } from "./archived.js";
 import { actionButton, bytes, clear, el, facts, jobLink, table, when } from "./dom.js";
+import { showIntegrity } from "./integrity.js";
 import { drawGraph, lineageGraph } from "./lineage.js";
 import { canWrite, pageSize } from "./session.js";
 
@@ -158,6 +159,7 @@ export async function showCheckpoint(id, signal) {
   const c = await api(`/v1/checkpoints/${encodeURIComponent(id)}`, { signal });
   document.getElementById("ckpt-title").textContent = `Checkpoint ${c.name}`;
   renderCheckpoint(c, document.getElementById("ckpt-body"));
+  await showIntegrity(id, document.getElementById("ckpt-body"), signal);
   const managed = await api(`/v1/checkpoints/${encodeURIComponent(id)}/managed`, { signal });
   const reload = () => showCheckpoint(id, signal);
   renderManage(c, managed, reload);

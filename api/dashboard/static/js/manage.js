@@ -2,9 +2,10 @@
 // (policies, the GC plan as a dry run, the deletion log). All from the public REST API.
 
 import { api } from "./api.js";
+import { compareForm, showDiff } from "./diff.js";
 import { actionButton, bytes, checkpointLink, clear, el, facts, jobLink, table, when } from "./dom.js";
 import { runPlots } from "./plots.js";
-import { session } from "./session.js";
+import { canWrite, session } from "./session.js";
 
 // Pausing a rule is for the token that added it and for admins (the API enforces the same).
 function canChange(rule) {
@@ -34,7 +35,22 @@ export async function showRuns(signal) {
   })), { id: "runs" }));
 }
 
-export async function showRun(run, signal) {
+// The diff view under the step table: a form to compare two steps (tokens that may write), and the result of
+// the diff job named by `?diff=JOB` in the address.
+async function runDiff(run, steps, params, signal) {
+  const body = document.getElementById("run-body");
+  if (canWrite() && steps.length > 1) {
+    body.append(compareForm(steps, run, (jobId) => { location.hash = `#/runs/${enc(run)}?diff=${enc(jobId)}`; }));
+  }
+  const jobId = params ? params.get("diff") : null;
+  if (!jobId) return;
+  const box = el("section", { id: "run-diff", "aria-label": "Diff between two steps" });
+  body.append(box);
+  const stepOf = (uri) => steps.find((m) => m.checkpoint.uri === uri)?.step ?? undefined;
+  await showDiff(box, jobId, stepOf, signal);
+}
+
+export async function showRun(run, signal, params) {
   document.getElementById("run-title").textContent = `Run ${run}`;
   const steps = await api(`/v1/runs/${enc(run)}`, { signal });
   clear(document.getElementById("run-body")).append(table(["Step", "Checkpoint", "Format", "Size", "Aliases",
@@ -50,10 +66,19 @@ export async function showRun(run, signal) {
   if (!points.length) {
     box.append(empty("No statistics yet: scan the steps (ckptctl submit scan URI, or a scan job from the form) "
       + "to plot each layer's weight norm, its change from step to step, and NaN/Inf counts."));
-    return;
+  } else {
+    box.append(el("h2", {}, "Across steps"), ...runPlots(points).map((plot) => el("figure", {}, plot,
+      el("figcaption", {}, plot.querySelector("desc").textContent))));
   }
-  box.append(el("h2", {}, "Across steps"),
-    ...runPlots(points).map((plot) => el("figure", {}, plot, el("figcaption", {}, plot.querySelector("desc").textContent))));
+  await runDiff(run, steps, params, signal);
+}
+
+// A rule's period (seconds) in the largest unit that divides it: 86400 -> 1d, 5400 -> 90m.
+function every(seconds) {
+  for (const [unit, size] of [["w", 604800], ["d", 86400], ["h", 3600], ["m", 60]]) {
+    if (seconds % size === 0) return `${seconds / size}${unit}`;
+  }
+  return `${seconds}s`;
 }
 
 function triggerCounts(rule) {
@@ -77,7 +102,8 @@ export async function showRules(signal, reload) {
   box.append(table(["Rule", "Pattern", "Job", "Target", "State", "Fired", ""], rules.map((r) => ({
     attrs: { "data-rule": r.id },
     cells: [el("a", { href: `#/rules/${enc(r.id)}` }, r.spec.name), el("span", { class: "path" }, r.spec.pattern),
-      r.spec.job.kind, el("span", { class: "path" }, r.spec.job.target), r.paused ? "paused" : "active",
+      r.spec.job.kind + (r.spec.every ? ` every ${every(r.spec.every)}` : ""),
+      el("span", { class: "path" }, r.spec.job.target ?? "–"), r.paused ? "paused" : "active",
       triggerCounts(r), canChange(r) ? toggle(r) : ""],
   })), { id: "rules" }));
 }
@@ -88,7 +114,8 @@ export async function showRule(id, signal) {
   document.getElementById("rule-title").textContent = `Rule ${rule.spec.name}`;
   const box = clear(document.getElementById("rule-body"));
   box.append(facts([["Id", rule.id], ["Pattern", rule.spec.pattern], ["Job", rule.spec.job.kind],
-    ["Target", rule.spec.job.target], ["State", rule.paused ? "paused" : "active"],
+    ["Target", rule.spec.job.target ?? "–"], ["Every", rule.spec.every ? every(rule.spec.every) : "once per checkpoint"],
+    ["State", rule.paused ? "paused" : "active"],
     ["Latest only", rule.spec.latest_only ? "yes" : "no"], ["Skip existing", rule.spec.skip_existing ? "yes" : "no"],
     ["At most at once", rule.spec.max_concurrent], ["Added by", rule.created_by], ["Added", when(rule.created_at)]]));
   box.append(el("h2", {}, "Fired for"));
