@@ -10,6 +10,7 @@ forward logits on the test tokens to ROOT/megatron/FAMILY/logits.pt.
 `load CKPT OUT TP EP PP PORT`: megatron-core's dist_checkpointing.load of an import at TP/EP/PP, its logits.
 `fsdp2 ROOT PORT FAMILY...`: dcp.load of `import --to dcp` outputs into FSDP2-wrapped transformers models at 2
 gloo ranks, their logits and full state.
+`extra-states CONFIG_JSON OUT PORT`: megatron-core's `_extra_state` keys for a DeepSeek-V3 config's layers.
 
 One process, gloo, world size 1, CPU; Megatron's CUDA calls are stubbed as in tests/megatron_tool.py.
 """
@@ -374,7 +375,50 @@ def _fsdp2_worker(rank: int, world: int, root: str, port: int, families: list[st
     end_rank()
 
 
+def extra_state_keys(config_json: str, out: str) -> None:
+    """megatron-core's own `_extra_state` keys for a DeepSeek-V3 config's layers (dense first k, then MoE with
+    shared experts: a per-layer block spec, so the `decoder.layers.{i}.` keys): megatron-core 0.16 builds MLA only
+    with Transformer Engine (the local spec's DotProductAttention takes no k_channels), so the attention here is
+    the local spec's standard one; its linear modules are keyed as MLA's are (Column/RowParallelLinear). Written
+    as a JSON list to OUT."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with open(config_json) as fh:
+        hf = json.load(fh)
+    args = _deepseek_args(hf)
+    config = TransformerConfig(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
+        num_attention_heads=args["num_attention_heads"], use_cpu_initialization=True, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32, num_moe_experts=args["num_experts"],
+        moe_router_topk=args["moe_router_topk"], moe_ffn_hidden_size=args["moe_ffn_hidden_size"],
+        moe_shared_expert_intermediate_size=args["moe_shared_expert_intermediate_size"],
+        moe_layer_freq=args["moe_layer_freq"], moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_spec(config, False, "RMSNorm"),
+                     vocab_size=args["padded_vocab_size"], max_sequence_length=args["max_position_embeddings"],
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    keys = sorted(v.unique_key for v in nested_values(model.sharded_state_dict()) if isinstance(v, ShardedObject))
+    with open(out, "w") as fh:
+        json.dump(keys, fh)
+
+
 def main() -> None:
+    if sys.argv[1] == "extra-states":  # extra-states CONFIG_JSON OUT PORT
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        _stub_cuda()
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        extra_state_keys(sys.argv[2], sys.argv[3])
+        dist.destroy_process_group()
+        return
     if sys.argv[1] == "fsdp2":  # fsdp2 ROOT PORT FAMILY...: 2 gloo ranks load ROOT/FAMILY (DCP) into FSDP2
         import torch.multiprocessing as mp
 

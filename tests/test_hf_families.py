@@ -350,6 +350,31 @@ def test_megatron_loads_the_import_in_parallel(models: Path, tmp_path: Path, fam
 
 
 @pytest.mark.slow
+def test_deepseek_import_has_megatrons_extra_states(hf_models: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3 is saved per layer (`decoder.layers.{i}.`): its `_extra_state` keys are megatron-core's own for
+    that layout (`shard_0_1`, per expert `shard_{e}_{E}`, the dense layer's MLP and the MoE layer's experts and
+    shared experts), from a GPTModel megatron-core builds from the same config. MLA's attention needs Transformer
+    Engine in megatron-core 0.16, so the reference attention is the local spec's: the linear_proj keys are
+    compared, and MLA's other linear modules are keyed the same way (Column/RowParallelLinear)."""
+    from converters.formats import load_index
+    from converters.hf_families.importer import import_hf
+
+    source = hf_models / "hf" / "deepseek_v3"
+    import_hf(str(source), str(tmp_path / "megatron"))
+    ours = {n for n in load_index(str(tmp_path / "megatron")).objects if "_extra_state" in n}
+    proc = subprocess.run([sys.executable, str(TOOL), "extra-states", str(source / "config.json"),
+                           str(tmp_path / "keys.json"), "29781"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = set(json.loads((tmp_path / "keys.json").read_text()))
+    attention = {n for n in theirs if ".self_attention." in n}
+    assert {n for n in ours if ".self_attention." not in n} == theirs - attention
+    assert {n for n in attention if ".linear_proj." in n} <= ours
+    mla = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+    assert {n for n in ours if ".self_attention." in n} == {
+        f"decoder.layers.{i}.self_attention.{m}._extra_state/shard_0_1" for i in range(2) for m in mla}
+
+
+@pytest.mark.slow
 def test_fsdp2_loads_the_dcp_import(hf_models: Path, tmp_path: Path) -> None:
     """`import --to dcp` of every family, dcp.load into FSDP2-wrapped transformers models built from the config.json
     it carried, at 2 gloo ranks: each model's full state_dict equals from_pretrained's of the HF folder (the tied

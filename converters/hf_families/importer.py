@@ -29,7 +29,7 @@ from ..plan import Execution, Plan, execute
 from ..sidefiles import CONFIG, collect
 from ..writers.dcp import Piece, plan_dcp
 from ..writers.torchsave import TorchPart
-from .config import megatron_args, read_megatron
+from .config import ModelConfig, megatron_args, read_megatron
 from .mapping import AUTO, applies, check
 from .table import FAMILIES, TOP, Family, Rule
 from .to_dcp import write_fsdp2
@@ -117,7 +117,7 @@ def megatron_view(hf: CheckpointIndex, family: Family, cfg: dict[str, Any], wher
                 layers.append(entry)
         if layers:
             tensors[layers[0].name] = stack(layers[0].name, layers)
-    objects = {name: ObjectEntry(name, value=[None], path=(name,)) for name in extra_states(family, shape)}
+    objects = {name: ObjectEntry(name, value=[None], path=(name,)) for name in extra_states(family, mc)}
     left = [n for n in hf.tensors if n not in used and not (mc.tied and n == "lm_head.weight")]
     if left:
         raise FormatError(f"{hf.uri}: tensors with no Megatron counterpart in the {family.name} table: "
@@ -125,21 +125,26 @@ def megatron_view(hf: CheckpointIndex, family: Family, cfg: dict[str, Any], wher
     return CheckpointIndex(uri=hf.uri, format="megatron", tensors=tensors, objects=objects)
 
 
-def extra_states(family: Family, shape: Shape) -> list[str]:
+def extra_states(family: Family, mc: ModelConfig) -> list[str]:
     """The `_extra_state` entries megatron-core saves beside each layer's linear modules (None for the local
     spec's layers, which Transformer Engine's layers also accept): a full model `dist_checkpointing.load`, as
-    Megatron-LM does, asks for every one. Keyed per layer (`shard_{i}_{L}`), per layer and expert
-    (`shard_{i}.{e}_{L}.{E}`). None for a family saved per layer (not written: a strict load of its import
-    needs them added)."""
+    Megatron-LM does, asks for every one. Layer-stacked: keyed per layer (`shard_{i}_{L}`), per layer and expert
+    (`shard_{i}.{e}_{L}.{E}`). A family saved per layer (DeepSeek-V3: `decoder.layers.{i}.`, no layer axis):
+    `shard_0_1`, and per expert `shard_{e}_{E}`, for the modules that layer has (dense or MoE)."""
+    shape = mc.shape
     names: list[str] = []
-    if family.per_layer_keys:
-        return names
     for r in family.layer:
         module = _megatron_name(r).rsplit(".", 1)[0]
         if not module.rsplit(".", 1)[-1].startswith("linear_") or not _megatron_name(r).endswith(".weight"):
             continue
         for i in range(shape.layers):
-            if r.per_expert:
+            if family.per_layer_keys:
+                if not applies(r, mc, i):
+                    continue
+                key = f"decoder.layers.{i}.{module}._extra_state/shard_"
+                names += ([f"{key}{e}_{shape.experts}" for e in range(shape.experts)] if r.per_expert
+                          else [f"{key}0_1"])
+            elif r.per_expert:
                 names += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{shape.layers}.{shape.experts}"
                           for e in range(shape.experts)]
             else:
