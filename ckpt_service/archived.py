@@ -143,9 +143,12 @@ def archive_job_recorder(store: JobStore, spec: JobSpec, job_id: str,
 def restore_job_recorder(store: JobStore, spec: JobSpec, job_id: str,
                          result: dict[str, Any]) -> Callable[[Any], None]:
     """What a succeeded restore job records besides its output (the executor registers that): lineage from the
-    archived checkpoint, and metadata `restored_from` (archive id and store)."""
+    archived checkpoint, and metadata `restored_from` (archive id and store). Restored to the archived checkpoint's
+    own place, the entry is live again with its lineage as it was."""
     archive_id = str(getattr(spec.options, "archive_id", "") or "")
     original = archived_checkpoint(store, spec.source.rstrip("/"), archive_id)
+    parents = [] if original is None else store.query(
+        "SELECT parent_id, job_id, created_at FROM lineage WHERE child_id = ?", (original,))
 
     def write(conn: Any) -> None:
         child = result.get("checkpoint_id")
@@ -154,9 +157,17 @@ def restore_job_recorder(store: JobStore, spec: JobSpec, job_id: str,
         row = conn.execute("SELECT metadata FROM checkpoints WHERE id = ?", (child,)).fetchone()
         metadata = {**json.loads(row["metadata"]), "restored_from": f"archive {archive_id} in {spec.source}"}
         conn.execute("UPDATE checkpoints SET metadata = ? WHERE id = ?", (json.dumps(metadata), child))
-        if original is not None and original != child:
-            conn.execute("INSERT INTO lineage (child_id, parent_id, job_id, created_at) VALUES (?, ?, ?, ?) "
-                         "ON CONFLICT (child_id, parent_id) DO UPDATE SET job_id = excluded.job_id, "
-                         "created_at = excluded.created_at", (child, original, job_id, time.time()))
-            result["restored_from_checkpoint"] = original
+        if original is None:
+            return
+        result["restored_from_checkpoint"] = original
+        if original == child:  # back in its own place: live again, its parents kept (the output's refresh cut them)
+            conn.execute("UPDATE checkpoint_runs SET deleted_at = NULL WHERE checkpoint_id = ?", (child,))
+            for edge in parents:
+                conn.execute("INSERT INTO lineage (child_id, parent_id, job_id, created_at) VALUES (?, ?, ?, ?) "
+                             "ON CONFLICT (child_id, parent_id) DO NOTHING",
+                             (child, edge["parent_id"], edge["job_id"], edge["created_at"]))
+            return
+        conn.execute("INSERT INTO lineage (child_id, parent_id, job_id, created_at) VALUES (?, ?, ?, ?) "
+                     "ON CONFLICT (child_id, parent_id) DO UPDATE SET job_id = excluded.job_id, "
+                     "created_at = excluded.created_at", (child, original, job_id, time.time()))
     return write

@@ -159,3 +159,14 @@ def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_arch
                             "options": {"archive_id": archive_id}})
     assert files(back) == originals[0]
     assert restored["result"]["restored_from_checkpoint"] == ids[0]
+
+    # restored to its own place, the archived entry is live again (same id, still archived)
+    second = client.get(f"/v1/checkpoints/{ids[1]}").json()["archives"][0]
+    again = job(client, {"kind": "restore", "source": second["store"], "target": str(steps[1]),
+                         "options": {"archive_id": second["archive_id"]}})
+    assert (again["result"]["checkpoint_id"], again["result"]["restored_from_checkpoint"]) == (ids[1], ids[1])
+    assert files(steps[1]) == originals[1]
+    page = client.get(f"/v1/checkpoints/{ids[1]}").json()
+    assert page["deleted_at"] is None and page["made_by_job"] == again["id"] and len(page["archives"]) == 1
+    listed = [c["id"] for c in client.get("/v1/checkpoints").json()["items"]]
+    assert listed == sorted([*ids[1:], restored["result"]["checkpoint_id"]])
