@@ -99,8 +99,9 @@ def _notified(params: Params, after: Any, before: Any) -> str:
 
 
 #: routes that change nothing of the service's state and answer secrets: never audited
-#: (session_handoff trades the dashboard's one-time sign-in handoff for an access token)
-UNAUDITED = {"session_handoff"}
+#: (session_handoff trades the dashboard's one-time sign-in handoff for an access token; session_logout builds
+#: the issuer's sign-out address around the ID token)
+UNAUDITED = {"session_handoff", "session_logout"}
 
 #: route name (the endpoint function's name) -> what the audit log calls it
 ACTIONS: dict[str, Action] = {

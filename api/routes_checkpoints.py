@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
+from pydantic import Field
 
 from ckpt_service.auth import Principal, Scope
 from ckpt_service.integrity import IntegrityView, integrity
 from ckpt_service.registry import CheckpointView, LineageView, RegisterRequest
+from ckpt_service.service_errors import NotFound
 
 from .schemas import CheckpointPage, errors
-from .security import Reader, Writer
+from .security import Reader, Writer, may_job, visible_lineage
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 # an id, or a name, NAME@RUN, ALIAS@RUN (`CkptService.checkpoint` resolves them)
@@ -79,12 +81,28 @@ def integrity_status(checkpoint_id: CheckpointId, request: Request, principal: R
     return integrity(request.app.state.service, checkpoint_id)
 
 
-@router.get("/{checkpoint_id}/lineage", response_model=LineageView, responses=errors(401, 403, 404, 422, 503),
+class ScopedLineage(LineageView):
+    hidden: int = Field(0, description="Ancestors and descendants left out: they lie under roots the caller may "
+                                       "not read (CKPT_OIDC_GROUP_ROLES); never named.")
+
+
+@router.get("/{checkpoint_id}/lineage", response_model=ScopedLineage, responses=errors(401, 403, 404, 422, 503),
             summary="Walk a checkpoint's lineage")
-def lineage(checkpoint_id: CheckpointId, request: Request, principal: Reader) -> LineageView:
-    """Ancestors (what it was derived from, recursively) and descendants, each with the job that made it."""
+def lineage(checkpoint_id: CheckpointId, request: Request, principal: Reader) -> ScopedLineage:
+    """Ancestors (what it was derived from, recursively) and descendants, each with the job that made it. Only
+    checkpoints the caller may read are shown (`hidden` counts the others; the walk goes through them), and an
+    edge's job id only when the caller may read that job."""
     _check(request, principal, checkpoint_id, "read")
-    return request.app.state.service.lineage(checkpoint_id)
+    service = request.app.state.service
+
+    def may_read_job(job_id: str) -> bool:
+        try:
+            return may_job(principal, service.job(job_id).view())
+        except NotFound:
+            return False
+
+    shown, hidden = visible_lineage(principal, service.lineage(checkpoint_id), may_read_job)
+    return ScopedLineage(**dict(shown), hidden=hidden)
 
 
 @router.delete("/{checkpoint_id}", response_model=CheckpointView, responses=errors(401, 403, 404, 409, 422, 503),

@@ -12,7 +12,7 @@ from ckpt_service.auth import Principal, Scope
 from ckpt_service.catalog import AliasChange, ManagedView, RunView
 from ckpt_service.retention import DeletionView, GcReport, PolicySpec, PolicyView, Retention
 from ckpt_service.rules import NotifyResult, Rules, RuleSpec, RuleView, Scheduler, TriggerView
-from ckpt_service.service_errors import Forbidden
+from ckpt_service.service_errors import Forbidden, NotFound
 
 from .schemas import errors
 from .security import Reader, Writer, check_rule, may_rule
@@ -145,9 +145,25 @@ def delete_alias(namespace: Id, name: Id, request: Request, principal: Writer) -
 @router.get("/aliases/{namespace}/{name}/history", response_model=list[AliasChange],
             responses=errors(401, 403, 404, 422, 503), summary="Every move of an alias")
 def alias_history(namespace: Id, name: Id, request: Request, principal: Reader) -> list[AliasChange]:
-    if principal.roots is not None:
-        _checkpoint(request, principal, request.app.state.service.catalog.resolve(namespace, name), "read")
-    return request.app.state.service.catalog.history(namespace, name)
+    """Every move; a move to or from a checkpoint under a root the caller may not read is left out."""
+    service = request.app.state.service
+    changes: list[AliasChange] = service.catalog.history(namespace, name)
+    if principal.roots is None:
+        return changes
+    _checkpoint(request, principal, service.catalog.resolve(namespace, name), "read")
+    readable: dict[str, bool] = {}
+
+    def may(checkpoint_id: str | None) -> bool:
+        if checkpoint_id is None:
+            return True
+        if checkpoint_id not in readable:
+            try:
+                readable[checkpoint_id] = principal.may(service.registry.get(checkpoint_id).uri, "read")
+            except NotFound:  # unregistered since: nothing left to show
+                readable[checkpoint_id] = True
+        return readable[checkpoint_id]
+
+    return [change for change in changes if may(change.checkpoint_id) and may(change.previous_id)]
 
 
 @router.get("/runs", response_model=list[RunView], responses=errors(401, 403, 503), summary="List runs")

@@ -10,6 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ckpt_service.auth import Principal, Scope
 from ckpt_service.jobs import JobView
+from ckpt_service.registry import LineageEdge, LineageView
 from ckpt_service.rules import RuleSpec, _fixed_part, render
 
 bearer = HTTPBearer(auto_error=False, description="A token from `ckptctl token create`.")
@@ -48,21 +49,49 @@ def check_job(principal: Principal, job: JobView, needed: Scope) -> None:
         principal.check(uri, needed, f"job {job.id}")
 
 
+def visible_lineage(principal: Principal, view: LineageView, may_read_job: Callable[[str], bool]
+                    ) -> tuple[LineageView, int]:
+    """A readable checkpoint's lineage as `principal` may see it, and how many checkpoints were left out.
+
+    Ancestors and descendants under roots the caller may not read are dropped (not named, not counted by id):
+    the walk itself goes through them, so a readable grandparent still shows at depth 2, and the count tells
+    that something was left out. An edge's job id is kept only when the caller may read that job."""
+    if principal.roots is None:
+        return view, 0
+    hidden = 0
+
+    def keep(edges: list[LineageEdge]) -> list[LineageEdge]:
+        nonlocal hidden
+        kept = []
+        for edge in edges:
+            if not principal.may(edge.checkpoint.uri, "read"):
+                hidden += 1
+                continue
+            if edge.job_id is not None and not may_read_job(edge.job_id):
+                edge = edge.model_copy(update={"job_id": None})
+            kept.append(edge)
+        return kept
+
+    shown = LineageView(checkpoint=view.checkpoint, ancestors=keep(view.ancestors), descendants=keep(view.descendants))
+    return shown, hidden
+
+
 def rule_uris(spec: RuleSpec) -> tuple[str, str]:
     """A rule's pattern folder (read) and a target it would write."""
     return _fixed_part(spec.pattern), render(spec.job.target, "run", 1, "name")
 
 
 def check_rule(principal: Principal, spec: RuleSpec, needed: Scope) -> None:
+    """To see a rule, read its pattern folder and where its jobs write (its target template names that root);
+    to change it, also `needed` over that target."""
     if principal.roots is None:
         return
     pattern, target = rule_uris(spec)
     principal.check(pattern, "read", f"rule {spec.name} pattern")
-    if needed != "read":
-        principal.check(target, needed, f"rule {spec.name} job.target")
+    principal.check(target, "read" if needed == "read" else needed, f"rule {spec.name} job.target")
 
 
 def may_rule(principal: Principal, spec: RuleSpec) -> bool:
     if principal.roots is None:
         return True
-    return principal.may(rule_uris(spec)[0], "read")
+    return all(principal.may(uri, "read") for uri in rule_uris(spec))

@@ -6,7 +6,10 @@ send the browser to; the issuer sends the browser back with a code, `finish` exc
 for an access token, checks that token like any other bearer token, and keeps it under a one-time handoff id
 for `HANDOFF_SECONDS`. The browser comes back to `/#/sso/HANDOFF`: the fragment never reaches a server or a
 Referer, and the page trades the id once (`take`) for the token, which it keeps in sessionStorage as it does a
-pasted token. So no token is ever in a URL. State is per API process: behind several replicas, route a
+pasted token. So no access token is ever in a URL. Signing out ends the issuer's session too where it offers
+an `end_session_endpoint` (`end_session`): the page sends the browser there with the ID token as
+`id_token_hint` (the one token RP-initiated logout puts in a URL, as the standard has it), and the issuer sends
+it back to the dashboard. State is per API process: behind several replicas, route a
 browser's sign-in to one replica (sticky sessions) or sign in with a pasted token.
 """
 
@@ -37,6 +40,7 @@ class Handoff:
     token: str
     expires_in: int
     principal: Principal
+    id_token: str | None = None  # for signing out at the issuer too (id_token_hint)
 
 
 def _challenge(verifier: str) -> str:
@@ -101,7 +105,9 @@ class LoginFlows:
         principal = self.verifier.principal(token)  # the token this page will send is checked now, once
         handoff = secrets.token_urlsafe(32)
         with self._lock:
-            self._handoffs[handoff] = (Handoff(token, int(body.get("expires_in") or 0), principal), time.monotonic())
+            id_token = body.get("id_token")
+            self._handoffs[handoff] = (Handoff(token, int(body.get("expires_in") or 0), principal,
+                                               id_token if isinstance(id_token, str) else None), time.monotonic())
         return handoff
 
     def take(self, handoff: str) -> Handoff:
@@ -111,3 +117,15 @@ class LoginFlows:
         if found is None:
             raise Unauthorized("sign-in handoff unknown, used or expired (60 s): sign in again")
         return found[0]
+
+    def end_session(self, id_token_hint: str | None, post_logout_redirect_uri: str) -> str | None:
+        """Where to send the browser to end its session at the issuer too (OpenID Connect RP-initiated logout:
+        the issuer's `end_session_endpoint` with the id token as hint, back to `post_logout_redirect_uri`, which
+        the issuer must list for this client); None when the issuer offers no such endpoint."""
+        endpoint = self.verifier.document().get("end_session_endpoint")
+        if not isinstance(endpoint, str) or not endpoint.startswith(("https://", "http://")):
+            return None
+        query = {"client_id": self.client_id, "post_logout_redirect_uri": post_logout_redirect_uri}
+        if id_token_hint:
+            query["id_token_hint"] = id_token_hint
+        return f"{endpoint}{'&' if '?' in endpoint else '?'}{urlencode(query)}"

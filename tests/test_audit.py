@@ -180,18 +180,22 @@ def test_audit_table_in_each_store(store_location: str) -> None:
 
 
 def test_secrets_in_answers_stay_out_of_the_log(api: tuple[TestClient, dict[str, dict[str, str]], Path]) -> None:
-    """The dashboard's sign-in handoff (its answer is an access token) is never audited, and a change route the
-    audit table does not know is a row without the answer."""
+    """The dashboard's sign-in handoff (its answer is an access token) and sign-out (its answer holds the ID
+    token) are never audited, and a change route the audit table does not know is a row without the answer."""
     from types import SimpleNamespace
 
     from ckpt_service.auth import Principal
+    from ckpt_service.oidc_login import Handoff
 
     client, h, _ = api
     app: Any = client.app
-    handed = SimpleNamespace(token="eyJ.secret.token", expires_in=60, principal=Principal("oidc:alice", "write"))
-    app.state.login_flows = SimpleNamespace(take=lambda handoff: handed)
+    handed = Handoff("eyJ.secret.token", 60, Principal("oidc:alice", "write"), "eyJ.id.token")
+    app.state.login_flows = SimpleNamespace(take=lambda handoff: handed,
+                                            end_session=lambda hint, back: f"https://issuer/end?hint={hint}&to={back}")
     answer = client.post("/v1/session/handoff", json={"handoff": "h1"})
-    assert answer.json()["access_token"] == "eyJ.secret.token"
+    assert (answer.json()["access_token"], answer.json()["id_token"]) == ("eyJ.secret.token", "eyJ.id.token")
+    out = client.post("/v1/session/logout", json={"id_token_hint": "eyJ.id.token"})
+    assert out.json() == {"url": "https://issuer/end?hint=eyJ.id.token&to=http://testserver/v1/session/ended"}
 
     def rotate() -> dict[str, str]:
         return {"new_secret": "s3cr3t"}

@@ -62,7 +62,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     tokens = Tokens.make()
     server = make_server(root / "data", read_roots=[source.parent], write_roots=[root / "data"], workers=1,
                          tokens=tokens.entries)
-    dashboard = Client("dashboard", "", [], [f"{server.url}/v1/session/callback"])
+    dashboard = Client("dashboard", "", [], [f"{server.url}/v1/session/callback"],
+                       [f"{server.url}/v1/session/ended"])
     # provider 1 signs with the same keys under another issuer URL: its tokens differ only in `iss`
     provider = Provider(root, AUDIENCE, [PIPELINE, STRANGER, TEAM_A, TEAM_B, ADMIN, dashboard],
                         users={"alice": ["ml-writers"], "mallory": ["marketing"]}).start([keys, keys])
@@ -154,6 +155,18 @@ def test_a_person_signs_in_with_the_authorization_code_flow_and_pkce(site: Site)
             token = first.json()["access_token"]
             me = http.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"}).json()
             assert (me["name"], me["scope"]) == ("oidc:alice", "write")
+            assert (me["groups"], me["roots"]) == (["ml-writers"], [
+                {"root": "*", "role": "write", "groups": ["ml-writers"]}])
+            # signing out: the issuer's end_session_endpoint with the ID token as hint, back to the dashboard
+            id_token = first.json()["id_token"]
+            assert jwt.decode(id_token, options={"verify_signature": False})["sub"] == "alice"
+            logout = http.post("/v1/session/logout", json={"id_token_hint": id_token}).json()["url"]
+            end = httpx.URL(logout)
+            assert str(end.copy_with(query=None)) == f"{site.provider.issuer(0)}/session/end"
+            assert dict(end.params) == {"client_id": "dashboard", "id_token_hint": id_token,
+                                        "post_logout_redirect_uri": f"{site.server.url}/v1/session/ended"}
+            back = http.get("/v1/session/ended")
+            assert (back.status_code, back.headers["location"]) == (303, "/#/jobs")
         # a person whose groups map to no role is refused at the callback, in one line (a fresh browser: the
         # provider remembers alice's session)
         with httpx.Client(timeout=15.0) as browser:
@@ -319,6 +332,85 @@ def test_two_teams_see_and_change_only_their_roots_and_an_admin_sees_all(site: S
             client.close()
 
 
+def test_whoami_lineage_alias_history_rules_and_pages_show_only_readable_roots(site: Site, teams: Teams) -> None:
+    """Responses that embed other checkpoints and jobs leave out those under roots the caller may not read;
+    listings are filtered in the store query, so every page is full."""
+    http = {c.client_id: teams.server.http(site.provider.token(c)) for c in (TEAM_A, TEAM_B, ADMIN)}
+    a, b, admin = http["team-a-ci"], http["team-b-ci"], http["platform"]
+    try:
+        # whoami: the groups and, per root, the strongest role and the groups that give it
+        me = a.get("/v1/whoami").json()
+        assert (me["name"], me["scope"], me["groups"]) == ("oidc:team-a-ci", "admin", ["team-a", "team-a-leads"])
+        assert me["roots"] == [{"root": str(teams.a), "role": "admin", "groups": ["team-a-leads"]},
+                               {"root": str(teams.shared), "role": "read", "groups": ["team-a"]}]
+        assert admin.get("/v1/whoami").json()["roots"] == [{"root": "*", "role": "admin",
+                                                            "groups": ["platform-admins"]}]
+        with site.server.http(site.tokens.read) as static:
+            mine = static.get("/v1/whoami").json()
+            assert (mine["groups"], mine["roots"]) == ([], [{"root": "*", "role": "read", "groups": []}])
+        # one shared checkpoint, converted by each team into its own root
+        source = teams.shared / "lineage.safetensors"
+        save_file({"w": torch.arange(4, dtype=torch.float32)}, str(source))
+        shared = admin.post("/v1/checkpoints", json={"uri": str(source), "name": "lineage-src"})
+        assert shared.status_code == 201, shared.text
+        made = {}
+        for name, client, folder in (("a", a, teams.a), ("b", b, teams.b)):
+            job = client.post("/v1/jobs", json=job_spec("convert", source, folder / "lineage-out.safetensors"))
+            assert job.status_code == 202, job.text
+            made[name] = teams.server.wait_job(job.json()["id"], ("succeeded",), token=site.provider.token(ADMIN))
+        out = {name: str(folder / "lineage-out.safetensors") for name, folder in (("a", teams.a), ("b", teams.b))}
+
+        def lineage(client: httpx.Client) -> tuple[list[tuple[str, str | None]], int]:
+            found = client.get(f"/v1/checkpoints/{shared.json()['id']}/lineage").json()
+            assert found["ancestors"] == []
+            return sorted((e["checkpoint"]["uri"], e["job_id"]) for e in found["descendants"]), found["hidden"]
+
+        assert lineage(a) == ([(out["a"], made["a"]["id"])], 1)
+        assert lineage(b) == ([(out["b"], made["b"]["id"])], 1)
+        assert lineage(admin) == (sorted([(out["a"], made["a"]["id"]), (out["b"], made["b"]["id"])]), 0)
+        ids = {name: admin.get("/v1/checkpoints", params={"limit": 200}).json()["items"] for name in ("all",)}["all"]
+        by_uri = {c["uri"]: c["id"] for c in ids}
+        child = b.get(f"/v1/checkpoints/{by_uri[out['b']]}/lineage").json()
+        assert ([e["checkpoint"]["uri"] for e in child["ancestors"]], child["hidden"]) == ([str(source)], 0)
+        # alias history: a move to or from another team's checkpoint is left out
+        assert a.put("/v1/aliases/team-a/lineage", json={"checkpoint_id": by_uri[out["a"]]}).status_code == 200
+        for target in (out["b"], out["a"]):
+            moved = admin.put("/v1/aliases/team-a/lineage", json={"checkpoint_id": by_uri[target]})
+            assert moved.status_code == 200, moved.text
+        moves = [(m["previous_id"], m["checkpoint_id"]) for m in admin.get("/v1/aliases/team-a/lineage/history").json()]
+        assert moves == [(None, by_uri[out["a"]]), (by_uri[out["a"]], by_uri[out["b"]]),
+                         (by_uri[out["b"]], by_uri[out["a"]])]
+        assert [(m["previous_id"], m["checkpoint_id"]) for m in a.get("/v1/aliases/team-a/lineage/history").json()
+                ] == moves[:1]
+        # a rule watching the shared root but writing into team A's is team A's alone
+        rule = {"name": "shared-to-a", "pattern": f"{teams.shared}/runs/*/step_*",
+                "job": {"kind": "convert", "target": f"{teams.a}/from-shared/{{run}}/{{step}}"}}
+        assert a.post("/v1/rules", json=rule).status_code == 201
+        assert "shared-to-a" in [r["spec"]["name"] for r in a.get("/v1/rules").json()]
+        assert "shared-to-a" not in [r["spec"]["name"] for r in b.get("/v1/rules").json()]
+        refused = b.get("/v1/rules/shared-to-a")
+        assert refused.status_code == 403 and refused.json()["error"]["message"] == (
+            f"rule shared-to-a job.target: oidc:team-b-ci may not read {teams.a}/from-shared/run/1 (its groups give "
+            "no role there; CKPT_OIDC_GROUP_ROLES maps groups to roots)")
+        # pages of one: each holds one of the caller's checkpoints (and jobs), none comes back empty
+        for client in (a, b):
+            assert client.post("/v1/jobs", json=job_spec("inspect", source)).status_code == 202
+            for path, key in (("/v1/checkpoints", "uri"), ("/v1/jobs", "id")):
+                everything = [item[key] for item in client.get(path, params={"limit": 200}).json()["items"]]
+                paged, cursor = [], None
+                while True:
+                    page = client.get(path, params={"limit": 1, **({"cursor": cursor} if cursor else {})}).json()
+                    assert len(page["items"]) == 1, (path, page)
+                    paged.append(page["items"][0][key])
+                    cursor = page["next_cursor"]
+                    if cursor is None:
+                        break
+                assert paged == everything and len(everything) >= 2
+    finally:
+        for client in http.values():
+            client.close()
+
+
 def test_the_dashboard_signs_in_through_the_issuer_in_a_real_browser(site: Site) -> None:
     chromium_path = Path("/usr/bin/chromium")
     if not chromium_path.exists():
@@ -349,9 +441,19 @@ def test_the_dashboard_signs_in_through_the_issuer_in_a_real_browser(site: Site)
             stored = page.evaluate("() => [sessionStorage.getItem('ckpt-token'), localStorage.length]")
             assert stored[1] == 0 and stored[0].count(".") == 2  # the JWT, in this tab's session storage only
             assert jwt.decode(stored[0], options={"verify_signature": False})["sub"] == "alice"
+            assert page.evaluate("() => sessionStorage.getItem('ckpt-id-token')").count(".") == 2
+            # signing out ends the issuer's session too (RP-initiated logout), then returns to the dashboard
             page.click("#sign-out")
+            page.wait_for_url(f"{site.provider.issuer(0)}/session/end**")
+            page.click("button[name=logout][value=yes]")  # the issuer's own confirmation
+            page.wait_for_url(f"{site.server.url}/#/jobs")
             page.wait_for_selector("#view-signin:not([hidden])")
-            assert page.evaluate("() => sessionStorage.getItem('ckpt-token')") is None
+            assert page.evaluate("() => [sessionStorage.getItem('ckpt-token'), sessionStorage.getItem("
+                                 "'ckpt-id-token')]") == [None, None]
+            # the issuer forgot alice: signing in again asks for the login, not straight back with a token
+            page.click("#sso-link")
+            page.wait_for_selector("input[name=login]")
+            assert page.url.startswith(f"{site.provider.issuer(0)}/interaction/")
             assert errors == []
         finally:
             chromium.close()

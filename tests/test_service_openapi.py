@@ -74,7 +74,8 @@ def test_openapi_document_is_valid(served: tuple[Server, Tokens]) -> None:
             "/v1/checkpoints", "/v1/checkpoints/{checkpoint_id}", "/v1/checkpoints/{checkpoint_id}/lineage",
             "/v1/checkpoints/{checkpoint_id}/stats", "/v1/checkpoints/{checkpoint_id}/integrity",
             "/healthz", "/readyz", "/metrics", "/v1/whoami", "/v1/audit", "/v1/session/config", "/v1/session/login",
-            "/v1/session/callback", "/v1/session/handoff"} | MANAGE == set(document["paths"])
+            "/v1/session/callback", "/v1/session/handoff", "/v1/session/logout",
+            "/v1/session/ended"} | MANAGE == set(document["paths"])
     post = document["paths"]["/v1/jobs"]["post"]
     assert {"202", "401", "403", "409", "422", "429"} <= set(post["responses"])
     assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"

@@ -22,6 +22,7 @@ for (const spec of config.providers) {
     clients: config.clients.map((c) => (c.redirect_uris ? {
       client_id: c.client_id, token_endpoint_auth_method: 'none', grant_types: ['authorization_code'],
       response_types: ['code'], redirect_uris: c.redirect_uris,
+      post_logout_redirect_uris: c.post_logout_redirect_uris || [],
     } : {
       client_id: c.client_id, client_secret: c.client_secret, grant_types: ['client_credentials'],
       response_types: [], redirect_uris: [],

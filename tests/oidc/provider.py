@@ -44,6 +44,7 @@ def private_jwk(kind: str, kid: str) -> dict[str, Any]:
         jwk = json.loads(RSAAlgorithm.to_jwk(rsa.generate_private_key(65537, 2048)))
     else:
         jwk = json.loads(ECAlgorithm.to_jwk(ec.generate_private_key(ec.SECP256R1())))
+    jwk.pop("key_ops", None)  # PyJWT writes ["sign"]: the provider would then not verify with it (id_token_hint)
     return {**jwk, "kid": kid, "use": "sig", "alg": kind}
 
 
@@ -53,6 +54,7 @@ class Client:
     client_secret: str
     groups: list[str]
     redirect_uris: list[str] | None = None  # a public authorization-code client (PKCE) when given
+    post_logout_redirect_uris: list[str] | None = None  # where RP-initiated logout may send the browser back
 
 
 @dataclass

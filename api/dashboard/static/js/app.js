@@ -13,6 +13,7 @@ import { setupForm } from "./newjob.js";
 import { canWrite, session } from "./session.js";
 
 let current = new AbortController();
+const ID_TOKEN = "ckpt-id-token";  // the issuer's ID token after an issuer sign-in (sessionStorage, this tab)
 
 function notify(message) {
   const notice = document.getElementById("notice");
@@ -71,9 +72,31 @@ async function finishSso() {
   try {
     const found = await api("/v1/session/handoff", { method: "POST", body: { handoff: match[1] } });
     setToken(found.access_token);
+    // kept beside the token, for this tab only: signing out hands it to the issuer as id_token_hint
+    if (found.id_token) sessionStorage.setItem(ID_TOKEN, found.id_token);
   } catch (error) {
     notify(`Sign-in did not complete: ${error.message}`);
   }
+}
+
+// Sign out: forget the tokens here; after an issuer sign-in, also end the issuer's session (RP-initiated
+// logout) where it offers that: the browser goes to the issuer, which sends it back to the dashboard.
+async function signOut() {
+  const idToken = sessionStorage.getItem(ID_TOKEN);
+  sessionStorage.removeItem(ID_TOKEN);
+  setToken("");
+  if (idToken) {
+    try {
+      const { url } = await api("/v1/session/logout", { method: "POST", body: { id_token_hint: idToken } });
+      if (url) {
+        location.assign(url);
+        return;
+      }
+    } catch (error) {
+      notify(`Signed out here; the issuer's session may remain: ${error.message}`);
+    }
+  }
+  signIn();
 }
 
 async function offerSso() {
@@ -197,8 +220,7 @@ function setup() {
     }
   });
   document.getElementById("sign-out").addEventListener("click", () => {
-    setToken("");
-    signIn();
+    signOut().catch((error) => signIn(error.message));
   });
   setupForm();
   window.addEventListener("hashchange", route);
