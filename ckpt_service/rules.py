@@ -204,7 +204,8 @@ class Rules:
                 raise InvalidRequest("job.target: outputs would land where the pattern looks; write them elsewhere",
                                      "job.target")
         example = re.sub(r"\[[^\]/]*\]|[*?]", "x", spec.pattern)  # a path the pattern would match
-        options = spec.job.options.model_copy(update={"overwrite": True}) if probe is not None else spec.job.options
+        writes = probe is not None and spec.job.kind in WRITING_KINDS  # an archive store takes no overwrite
+        options = spec.job.options.model_copy(update={"overwrite": True}) if writes else spec.job.options
         self.service.normalise(JobSpec(kind=spec.job.kind, source=example, target=probe, options=options,
                                        callback_url=None))
         rule_id, now = new_id("rule"), time.time()

@@ -170,3 +170,23 @@ def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_arch
     assert page["deleted_at"] is None and page["made_by_job"] == again["id"] and len(page["archives"]) == 1
     listed = [c["id"] for c in client.get("/v1/checkpoints").json()["items"]]
     assert listed == sorted([*ids[1:], restored["result"]["checkpoint_id"]])
+
+
+def test_a_rule_archives_each_new_step_into_one_store(api: tuple[TestClient, dict[str, str], Path]) -> None:
+    from ckpt_service.executor import run_job
+
+    client, _, root = api
+    store = root / "archive" / "rules"
+    rule = {"name": "keep-all", "pattern": f"{root}/runs/*/step_*", "job": {"kind": "archive", "target": str(store)}}
+    assert client.post("/v1/rules", json=rule).status_code == 201
+    jobs = client.app.state.service.store
+    for n in (1, 2):  # the store exists after the first: the second step is archived into it all the same
+        step = dcp_step(root / "runs" / "r" / f"step_{n}", n)
+        (trigger,) = client.post("/v1/notify", json={"uri": str(step)}).json()["triggers"]
+        assert trigger["state"] == "submitted", trigger
+        claimed = jobs.claim("test-worker", 60.0)
+        assert claimed is not None and run_job(jobs, claimed.id, claimed.attempt) == 0
+        done = client.get(f"/v1/jobs/{trigger['job_id']}").json()
+        assert (done["state"], done["kind"], done["submitted_by"]) == ("succeeded", "archive", "rule:keep-all")
+        page = client.get(f"/v1/checkpoints/{done['result']['checkpoint_id']}").json()
+        assert (page["uri"], [a["archive_id"] for a in page["archives"]]) == (str(step), [done["result"]["archive_id"]])
