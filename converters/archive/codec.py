@@ -96,13 +96,13 @@ def _some_planes(data: bytes | memoryview, itemsize: int, packed: list[int]) -> 
     return parts if sum(len(p) for p in parts) < len(data) + 1 else [bytes([RAW]), data]
 
 
-def _join_some(stored: bytes | memoryview, length: int) -> memoryview:
+def _join_some(stored: bytes | memoryview, length: int, out: np.ndarray | None) -> memoryview:
     itemsize, mask = stored[1], stored[2]
     if itemsize not in (2, 4, 8):
         raise ValueError("bad itemsize")
     view = memoryview(stored)
     count = length // itemsize
-    out = np.empty(length, np.uint8)
+    out = np.empty(length, np.uint8) if out is None else out[:length]
     elements = out[:count * itemsize].reshape(count, itemsize)
     decompressor = zstandard.ZstdDecompressor()
     at = 3
@@ -123,8 +123,9 @@ def _join_some(stored: bytes | memoryview, length: int) -> memoryview:
     return memoryview(out.data)
 
 
-def decode(stored: bytes, length: int) -> bytes | memoryview:
-    """The raw bytes of a stored chunk of `length` bytes; ValueError when it is not a chunk this module wrote."""
+def decode(stored: bytes | memoryview, length: int, out: np.ndarray | None = None) -> bytes | memoryview:
+    """The raw bytes of a stored chunk of `length` bytes (split planes joined into `out`, a uint8 array of at least
+    `length` bytes, when given); ValueError when it is not a chunk this module wrote."""
     if not stored:
         raise ValueError("empty")
     tag = stored[0]
@@ -138,5 +139,5 @@ def decode(stored: bytes, length: int) -> bytes | memoryview:
             raise ValueError("wrong length")
         return join_planes(planes, stored[1])
     if tag == SOME_PLANES and len(stored) > 2:
-        return _join_some(stored, length)
+        return _join_some(stored, length, out if out is not None and len(out) >= length else None)
     raise ValueError(f"unknown encoding {tag}")

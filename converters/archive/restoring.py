@@ -7,15 +7,19 @@ import contextlib
 import mmap
 import os
 import shutil
+import threading
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
+import numpy as np
+
 from ..errors import FormatError, TargetError
 from ..remote import filesystem, remote_call, translate_errors
 from ..uris import is_local, join, local_path
 from . import codec
+from .chunking import PIECE
 from .hashing import HASHES
 from .manifest import hash_name, ids, read
 from .store import Store, chunk_key
@@ -75,42 +79,77 @@ def _chunk(store: Store, digest: str, length: int, hashed: str) -> bytes | memor
     return data
 
 
-def _copied_raw(store: Store, digest: str, length: int, hashed: str, fd: int, offset: int) -> bool:
-    """A raw chunk of a local store copied into `fd` at `offset` in the kernel (copy_file_range), its hash
-    checked through a memory map of the same open file; False when the chunk is not a raw one (decode it)."""
-    try:
-        src = os.open(store.where(chunk_key(digest)), os.O_RDONLY)
-    except FileNotFoundError:
-        raise _damaged(store, digest, "is missing") from None
-    try:
-        if length == 0 or os.fstat(src).st_size != length + 1 or os.pread(src, 1, 0) != bytes([codec.RAW]):
-            return False
-        with mmap.mmap(src, 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            same = HASHES[hashed](view[1:]) == digest
-        if not same:
-            raise _damaged(store, digest, "does not match its hash")
-        done = 0
-        while done < length:
-            n = os.copy_file_range(src, fd, min(COPY, length - done), 1 + done, offset + done)
-            if n <= 0:
-                raise OSError(f"copy_file_range copied {n} bytes")
-            done += n
-        return True
-    finally:
-        os.close(src)
+_buffers = threading.local()
+
+
+def _buffer(length: int) -> np.ndarray:
+    """This worker thread's buffer for decoded chunks (reused: no fresh pages to fault in for every chunk)."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < length:
+        buf = _buffers.buf = np.empty(max(length, PIECE), np.uint8)
+    return buf
 
 
 def _put(store: Store, digest: str, length: int, hashed: str, fd: int, offset: int, where: str) -> None:
-    """Chunk `digest` verified and written at `offset` of the target file open as `fd`."""
+    """Chunk `digest` verified and written at `offset` of the target file open as `fd` (a worker's whole share).
+    A local store's chunk is read through a memory map (no copy); a raw one is then copied by the kernel
+    (copy_file_range) from the file whose bytes were hashed."""
     try:
-        if store.local and _copied_raw(store, digest, length, hashed, fd, offset):
+        if not store.local:
+            _pwrite(fd, _chunk(store, digest, length, hashed), offset)
             return
-        data = memoryview(_chunk(store, digest, length, hashed))
-        done = 0
-        while done < length:
-            done += os.pwrite(fd, data[done:], offset + done)
+        try:
+            src = os.open(store.where(chunk_key(digest)), os.O_RDONLY)
+        except FileNotFoundError:
+            raise _damaged(store, digest, "is missing") from None
+        try:
+            if os.fstat(src).st_size == 0:
+                raise _damaged(store, digest, "does not decode")
+            with mmap.mmap(src, 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+                if view[0] == codec.RAW and len(view) == length + 1:
+                    with view[1:] as payload:
+                        same = HASHES[hashed](payload) == digest
+                    if not same:
+                        raise _damaged(store, digest, "does not match its hash")
+                    _copy(src, fd, length, offset)
+                    return
+                why = _decoded_to(view, digest, length, hashed, fd, offset)
+            if why:
+                raise _damaged(store, digest, why)
+        finally:
+            os.close(src)
     except OSError as e:
         raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
+
+
+def _decoded_to(view: memoryview, digest: str, length: int, hashed: str, fd: int, offset: int) -> str | None:
+    """Decodes a stored chunk, checks it and writes it at `offset` of `fd`; why it is damaged, else None."""
+    if view[0] == codec.RAW:
+        return "does not match its hash"  # a raw chunk of the wrong length
+    try:
+        data = codec.decode(view, length, _buffer(length))
+    except Exception:  # zstd's own errors, a bad tag: the chunk is damaged
+        return "does not decode"
+    if len(data) != length or HASHES[hashed](data) != digest:
+        return "does not match its hash"
+    _pwrite(fd, data, offset)
+    return None
+
+
+def _copy(src: int, fd: int, length: int, offset: int) -> None:
+    done = 0
+    while done < length:
+        n = os.copy_file_range(src, fd, min(COPY, length - done), 1 + done, offset + done)
+        if n <= 0:
+            raise OSError(f"copy_file_range copied {n} bytes")
+        done += n
+
+
+def _pwrite(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def restore(store: str, archive_id: str, target: str) -> list[str]:
@@ -161,8 +200,8 @@ def _check_target(target: str) -> None:
 
 
 def _write_local(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: str, hashed: str) -> None:
-    """The file's chunks verified and written in place by the workers (pwrite at each chunk's offset, a raw
-    chunk of a local store copied by the kernel), at most AHEAD at once."""
+    """The file's chunks fetched, verified and written in place by the workers (each at its offset), at most
+    AHEAD at once."""
     try:
         os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
         fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -170,10 +209,6 @@ def _write_local(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], whe
         raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
     queue: deque[Future[None]] = deque()
     try:
-        try:
-            os.ftruncate(fd, entry["size"])
-        except OSError as e:
-            raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
         offset = 0
         for digest, length, _ in entry["chunks"]:
             queue.append(pool.submit(_put, st, digest, length, hashed, fd, offset, where))
