@@ -51,7 +51,7 @@ def is_option(name: str) -> bool:
 
 
 #: how many of the newest succeeded scans `CkptService.stats` looks through for a checkpoint's URI
-SCANS_LOOKED_AT = 1000
+SCANS_PER_QUERY = 500  # URIs whose newest scan one query looks up (SQLite allows 32766 parameters)
 
 
 class CkptService:
@@ -191,22 +191,28 @@ class CkptService:
                     within: list[str] | None = None) -> tuple[list[CheckpointView], str | None, list[str]]:
         return self.registry.list(name, tag, format, limit, cursor, within)
 
-    def _scans(self) -> dict[str, JobRecord]:
-        """The newest succeeded `scan` job of each URI, among the last SCANS_LOOKED_AT scans."""
-        rows = self.store.query("SELECT * FROM jobs WHERE kind = ? AND state = ? ORDER BY seq DESC LIMIT ?",
-                                ("scan", "succeeded", SCANS_LOOKED_AT))
+    def _scans(self, uris: list[str]) -> dict[str, JobRecord]:
+        """The newest succeeded `scan` job of each of `uris` (those scanned): one query per SCANS_PER_QUERY URIs
+        that picks each URI's newest row in the database, so only those rows' results are decoded."""
         newest: dict[str, JobRecord] = {}
-        for row in rows:
-            job = JobRecord.from_row(row)
-            if job.result is not None:
-                newest.setdefault(str(job.spec.get("source")), job)
+        for start in range(0, len(uris), SCANS_PER_QUERY):
+            chunk = uris[start:start + SCANS_PER_QUERY]
+            marks = ", ".join("?" * len(chunk))
+            rows = self.store.query(
+                "SELECT * FROM jobs WHERE seq IN (SELECT MAX(seq) FROM jobs WHERE kind = 'scan' AND state = "
+                f"'succeeded' AND json_extract(spec, '$.source') IN ({marks}) GROUP BY json_extract(spec, '$.source'))",
+                tuple(chunk))
+            for row in rows:
+                job = JobRecord.from_row(row)
+                if job.result is not None:
+                    newest[str(job.spec.get("source"))] = job
         return newest
 
     def stats(self, checkpoint_id: str) -> dict[str, Any]:
         """A checkpoint's per-tensor statistics: the result of the newest succeeded `scan` job of its URI, with
         that job's id and time."""
         view = self.registry.get(self.catalog.checkpoint_id(checkpoint_id))
-        job = self._scans().get(view.uri)
+        job = self._scans([view.uri]).get(view.uri)
         if job is None or job.result is None:
             raise NotFound(f"checkpoint {checkpoint_id} has no statistics yet; submit a scan job of {view.uri} "
                            "(ckptctl submit scan)")
@@ -219,9 +225,10 @@ class CkptService:
         the run page plots. Steps without a scan are left out."""
         from converters import layer_of
 
-        scans = self._scans()
+        steps = self.catalog.steps(run)
+        scans = self._scans(sorted({m.checkpoint.uri for m in steps}))
         points: list[dict[str, Any]] = []
-        for managed in self.catalog.steps(run):
+        for managed in steps:
             job = scans.get(managed.checkpoint.uri)
             if job is None or job.result is None or managed.step is None:
                 continue

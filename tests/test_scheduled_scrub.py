@@ -24,10 +24,13 @@ DAY = 86400.0
 
 
 @pytest.fixture()
-def client(tmp_path: Path) -> Iterator[TestClient]:
+def client(tmp_path: Path, store_location: str) -> Iterator[TestClient]:
+    """The app on a SQLite store and on a real PostgreSQL one (the rule's queries in both spellings)."""
     (tmp_path / "src").mkdir()
     (tmp_path / "out").mkdir()
-    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path / "out")])
+    database = store_location if store_location.startswith("postgresql") else None
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path / "out")],
+                        database_url=database)
     settings.prepare()
     with TestClient(create_app(settings)) as test_client:
         yield test_client

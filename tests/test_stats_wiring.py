@@ -199,3 +199,40 @@ def test_a_guarded_alias_moves_only_to_a_clean_scan(steps: tuple[Path, Path], tm
         assert blocked.json()["error"]["message"].startswith("alias prod@default not moved: scan ")
         assert blocked.json()["error"]["message"].endswith("found NaN or Inf in 1 tensor(s) (layers.0.weight)")
         assert client.get("/v1/aliases/default/prod").json()["checkpoint"]["id"] == ids["good"]
+
+
+def test_stats_are_the_newest_scan_of_each_step(tmp_path: Path, store_location: str) -> None:
+    """GET .../stats and the run's plot points take each URI's newest succeeded scan (looked up per URI, on
+    SQLite and PostgreSQL): a step scanned again after it changed shows the second scan."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from ckpt_service.settings import Settings
+
+    from .service_harness import run_here
+
+    run = tmp_path / "runs" / "r"
+    for step in (1, 2):
+        (run / f"step{step}").mkdir(parents=True)
+        save_file(weights(step), str(run / f"step{step}" / "model.safetensors"))
+    database = store_location if store_location.startswith("postgresql") else None
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)],
+                        database_url=database)
+    settings.prepare()
+    with TestClient(create_app(settings)) as client:
+        for step in (1, 2):
+            body = {"uri": str(run / f"step{step}"), "name": f"s{step}", "metadata": {"run": "r", "step": step}}
+            assert client.post("/v1/checkpoints", json=body).status_code == 201
+        first = run_here(client, {"kind": "scan", "source": str(run / "step1")})
+        second = run_here(client, {"kind": "scan", "source": str(run / "step2")})
+        changed = weights(1)
+        changed["layers.1.bias"] = torch.full((16,), 2.0)
+        save_file(changed, str(run / "step1" / "model.safetensors"))
+        again = run_here(client, {"kind": "scan", "source": str(run / "step1")})
+        stats = client.get("/v1/checkpoints/s1@r/stats").json()
+        points = client.get("/v1/runs/r/stats").json()
+    assert {first["state"], second["state"], again["state"]} == {"succeeded"}
+    assert stats["job_id"] == again["id"] and stats["tensors"] == again["result"]["tensors"]
+    bias = next(t for t in stats["tensors"] if t["name"] == "layers.1.bias")
+    assert (bias["min"], bias["max"], bias["l2"]) == (2.0, 2.0, 8.0)
+    assert [(p["step"], p["job_id"]) for p in points] == [(1, again["id"]), (2, second["id"])]
