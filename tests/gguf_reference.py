@@ -11,6 +11,9 @@ llama.cpp does not know (its chkhsh: the sha256 of its token ids for llama.cpp's
 pre-tokenizer name given, which is what llama.cpp's convert_hf_to_gguf_update.py does for every model it knows. A
 tiny tokenizer trained for a test has ids of its own, so its hash is in no table; everything else runs as llama.cpp
 wrote it.
+
+`tiny_model()` makes the tiny random models (transformers' own classes) with a BPE tokenizer trained here that both
+test_gguf_export (same file as the converter's) and test_gguf_runtime (llama.cpp's logits) export.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
@@ -75,6 +82,70 @@ def convert(model: Path, out: Path, outtype: str, pre: str | None = None) -> Non
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=root, timeout=600)
     if done.returncode:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+
+
+# ---------------------------------------------------------------- tiny models (test_gguf_export, test_gguf_runtime)
+
+#: The pre-tokenizer regexes of Llama 3 and Qwen2 as their tokenizer.json files hold them.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+TEXT = ["The quick brown fox jumps over the lazy dog. " * 3, "Llamas and qwens write 1234 tokens, don't they?",
+        "def main():\n    return 42\n", "Überall café naïve — 😀 emojis too."] * 20
+#: llama.cpp's pre-tokenizer name for each family's tokenizer
+PRE = {"llama": "llama-bpe", "mixtral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2"}
+
+
+def train_tokenizer(folder: Path, split: str, vocab: int = 300) -> None:
+    """A byte-level BPE tokenizer trained here on TEXT, saved as tokenizer.json + tokenizer_config.json."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|im_end|>")
+    fast.save_pretrained(folder)
+
+
+def tiny_model(family: str, folder: Path, dtype: torch.dtype | None = None) -> Path:
+    """A random tiny model of `family` (a key of PRE) saved by transformers itself (bfloat16 unless `dtype`), with
+    a tokenizer trained here."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common: dict[str, Any] = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=False, rms_norm_eps=1e-5)
+    model: Any  # transformers' class for the family
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
+    elif family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    else:  # norm_topk_prob as every released Qwen3-MoE sets it (and llama.cpp's qwen3moe graph assumes)
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=32, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True))
+    with torch.no_grad():  # norms away from 1.0 so that their bytes say something
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.uniform_(0.5, 1.5)
+    model.to(dtype or torch.bfloat16).save_pretrained(folder)
+    train_tokenizer(folder, LLAMA3_SPLIT if family in ("llama", "mixtral") else QWEN2_SPLIT)
+    return folder
 
 
 def _main(pre: str, args: list[str]) -> None:

@@ -19,6 +19,9 @@ import torch
 from converters.errors import FormatError, OptionError
 
 from . import gguf_reference
+from .gguf_reference import LLAMA3_SPLIT, PRE, QWEN2_SPLIT, TEXT  # the tiny models (shared with
+from .gguf_reference import tiny_model as _model  # test_gguf_runtime, which loads them in llama.cpp)
+from .gguf_reference import train_tokenizer as _tokenizer
 
 gguf = pytest.importorskip("gguf")  # gguf-py, which converters.gguf_export writes with
 transformers = pytest.importorskip("transformers")
@@ -26,60 +29,6 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from converters.gguf_export import export_gguf  # noqa: E402  (after the skip: it imports gguf)
 
-#: The pre-tokenizer regexes of Llama 3 and Qwen2 as their tokenizer.json files hold them.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
-TEXT = ["The quick brown fox jumps over the lazy dog. " * 3, "Llamas and qwens write 1234 tokens, don't they?",
-        "def main():\n    return 42\n", "Überall café naïve — 😀 emojis too."] * 20
-
-
-def _tokenizer(folder: Path, split: str, vocab: int = 300) -> None:
-    """A byte-level BPE tokenizer trained here on TEXT, saved as tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                                eos_token="<|im_end|>")
-    fast.save_pretrained(folder)
-
-
-def _model(family: str, folder: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A random tiny model saved by transformers itself, with a tokenizer trained here."""
-    torch.manual_seed(0)
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  tie_word_embeddings=False, rms_norm_eps=1e-5)
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    elif family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    elif family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
-    elif family == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2))
-    else:
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, head_dim=32, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2))
-    with torch.no_grad():  # norms away from 1.0 so that their bytes say something
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.uniform_(0.5, 1.5)
-    model.to(dtype).save_pretrained(folder)
-    _tokenizer(folder, LLAMA3_SPLIT if family in ("llama", "mixtral") else QWEN2_SPLIT)
-    return folder
-
-
-PRE = {"llama": "llama-bpe", "mixtral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2"}
 ARCH = {"mixtral": "llama"}
 #: every type for a dense model of each rope style; f16 and q8_0 for the rest
 CASES = [(family, outtype) for family in ("llama", "qwen3") for outtype in ("f32", "f16", "bf16", "q8_0")] + \
