@@ -232,12 +232,17 @@ class Catalog:
                   principal: Principal | None = None) -> ManagedView:
         """Point `name@namespace` (default: the checkpoint's run) at a checkpoint, atomically."""
         check_name(name, "alias")
-        self.registry.get(checkpoint_id)
+        view = self.registry.get(checkpoint_id)
         namespace = check_name(namespace, "namespace") if namespace else self.namespace_of(checkpoint_id)
         with self.store.transaction() as conn:
             gone = conn.execute("SELECT deleted_at FROM checkpoint_runs WHERE checkpoint_id = ?",
                                 (checkpoint_id,)).fetchone()
             if gone is not None and gone["deleted_at"] is not None:
+                if view.archives:  # retention archived it first: restoring it in place makes it live again
+                    a = view.archives[0]
+                    raise InvalidRequest(f"checkpoint {checkpoint_id} was archived in {a.store} as {a.archive_id} and "
+                                         "its files deleted; restore it to its own place (a restore job of that "
+                                         "archive id), then set the alias", "checkpoint_id")
                 raise InvalidRequest(f"checkpoint {checkpoint_id} was deleted by garbage collection", "checkpoint_id")
             self._move(conn, namespace, name, checkpoint_id, by, principal)
         return self.managed(checkpoint_id)

@@ -154,6 +154,10 @@ def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_arch
         ("checkpoint.archive", "done")] * 2 + [("checkpoint.delete", "done")] * 2  # archived, then deleted
 
     archive_id = client.get(f"/v1/checkpoints/{ids[0]}").json()["archives"][0]["archive_id"]
+    alias = client.put("/v1/aliases/r/old", json={"checkpoint_id": ids[0]})
+    assert alias.status_code == 422 and alias.json()["error"]["message"] == (
+        f"checkpoint {ids[0]} was archived in {store} as {archive_id} and its files deleted; restore it to its own "
+        "place (a restore job of that archive id), then set the alias")
     back = root / "back" / "step_1"
     restored = job(client, {"kind": "restore", "source": str(store), "target": str(back),
                             "options": {"archive_id": archive_id}})
@@ -168,6 +172,7 @@ def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_arch
     assert files(steps[1]) == originals[1]
     page = client.get(f"/v1/checkpoints/{ids[1]}").json()
     assert page["deleted_at"] is None and page["made_by_job"] == again["id"] and len(page["archives"]) == 1
+    assert client.put("/v1/aliases/r/back", json={"checkpoint_id": ids[1]}).status_code == 200  # live again
     listed = [c["id"] for c in client.get("/v1/checkpoints").json()["items"]]
     assert listed == sorted([*ids[1:], restored["result"]["checkpoint_id"]])
 
