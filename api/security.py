@@ -76,8 +76,10 @@ def visible_lineage(principal: Principal, view: LineageView, may_read_job: Calla
     return shown, hidden
 
 
-def rule_uris(spec: RuleSpec) -> tuple[str, str]:
-    """A rule's pattern folder (read) and a target it would write."""
+def rule_uris(spec: RuleSpec) -> tuple[str, ...]:
+    """A rule's pattern folder (read) and a target it would write (none for a scan or scrub rule)."""
+    if spec.job.target is None:
+        return (_fixed_part(spec.pattern),)
     return _fixed_part(spec.pattern), render(spec.job.target, "run", 1, "name")
 
 
@@ -86,9 +88,12 @@ def check_rule(principal: Principal, spec: RuleSpec, needed: Scope) -> None:
     to change it, also `needed` over that target."""
     if principal.roots is None:
         return
-    pattern, target = rule_uris(spec)
+    pattern, *target = rule_uris(spec)
     principal.check(pattern, "read", f"rule {spec.name} pattern")
-    principal.check(target, "read" if needed == "read" else needed, f"rule {spec.name} job.target")
+    if target:
+        principal.check(target[0], "read" if needed == "read" else needed, f"rule {spec.name} job.target")
+    elif needed != "read":  # a scan or scrub rule writes nothing: changing it is `needed` over what it reads
+        principal.check(pattern, needed, f"rule {spec.name} pattern")
 
 
 def may_rule(principal: Principal, spec: RuleSpec) -> bool:
