@@ -233,24 +233,29 @@ app.add_typer(rules_app, name="rules")
 
 @rules_app.command("add")
 def rules_add(name: str, pattern: Annotated[str, typer.Argument(help="e.g. '/data/runs/*/step_*' (quote it).")],
-              kind: Annotated[str, typer.Option("--kind", help=f"{', '.join(names(writes=True))}.")],
-              target: Annotated[str, typer.Option("--target", help="With {run}, {step}, {name}.")],
+              kind: Annotated[str, typer.Option("--kind", help=f"{', '.join(names(writes=True))}; or scan, scrub "
+                                                "(no --target).")],
+              target: Annotated[str | None, typer.Option("--target", help="With {run}, {step}, {name}.")] = None,
               option: Annotated[list[str] | None, typer.Option("--option", help="KEY=VALUE job option, e.g. "
                                                                "dtype=bfloat16 (repeatable; JSON values).")] = None,
               latest_only: Annotated[bool, typer.Option("--latest-only")] = False,
               skip_existing: Annotated[bool, typer.Option("--skip-existing/--no-skip-existing")] = True,
               max_concurrent: Annotated[int, typer.Option("--max-concurrent")] = 2,
+              every: Annotated[str | None, typer.Option("--every", help="scan/scrub again once the last one is "
+                                                        "older than this, e.g. 24h (a scheduled scrub).")] = None,
               as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
-    """Add a rule: each new complete checkpoint matching PATTERN gets one job."""
+    """Add a rule: each new complete checkpoint matching PATTERN gets one job (with --every, one a period)."""
     options = {}
     for key, value in _pairs(option, "--option").items():
         try:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
-    body = {"name": name, "pattern": as_uri(pattern), "job": {"kind": kind, "target": as_uri(target),
-                                                               "options": options},
-            "latest_only": latest_only, "skip_existing": skip_existing, "max_concurrent": max_concurrent}
+    job = {"kind": kind, "target": as_uri(target) if target else None, "options": options}
+    body: dict[str, object] = {"name": name, "pattern": as_uri(pattern), "job": job, "latest_only": latest_only,
+                               "skip_existing": skip_existing, "max_concurrent": max_concurrent}
+    if every is not None:
+        body["every"] = every
     add(server, token, "/v1/rules", body, "rule", as_json)
 
 
