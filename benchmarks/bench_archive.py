@@ -8,7 +8,7 @@ Without --source, `ckptctl sample DIR --size SIZE --world-size 2 --no-train` mak
 DCP folder). Each operation runs --repeat times in a fresh child process (its peak RSS from wait4, including
 the interpreter); its time is measured inside the child around the call, the best run kept. CPU seconds (user +
 system, the child's whole life, imports included) depend less on the machine's load than wall seconds. Page
-cache stays warm for all three (cp runs first, once unmeasured). Archive runs into an empty store each time;
+cache stays warm for all three (cp runs first, once unmeasured); each operation starts after a sync. Archive runs into an empty store each time;
 a second archive of the same checkpoint into the filled store (everything deduplicated) is reported too.
 Prints a table and writes the numbers as JSON.
 """
@@ -47,7 +47,9 @@ print(json.dumps(out))
 
 def timed(argv: list[str]) -> tuple[float, int, float]:
     """(wall seconds, peak RSS bytes, CPU seconds) of the command `argv` in a child process (rusage from
-    wait4). CPU seconds do not depend on what else runs on the machine; wall seconds do."""
+    wait4). CPU seconds do not depend on what else runs on the machine; wall seconds do. Every operation starts
+    after a sync (untimed), so none pays for the writeback of the one before it."""
+    os.sync()
     began = time.perf_counter()
     pid = os.fork()
     if pid == 0:

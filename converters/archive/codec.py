@@ -16,6 +16,10 @@ RAW, ZSTD, PLANES, SOME_PLANES = 0, 1, 2, 3
 LEVEL = 1  # zstd's fastest regular level: ~850 MB/s a core, within 1-2% of level 3 on weights
 TRIAL = 64 << 10  # bytes of the chunk tried
 KEEP = 0.97  # compressed must be under this share of raw to be kept
+# A byte plane (exponent bytes) is mostly literals: a small match finder that takes only long matches (7+ bytes)
+# compresses it 2-3x faster than level 1 and a little smaller (0.34 against 0.37 of raw on fp32 and bf16 weights).
+PLANE_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
+                                                   target_length=0, strategy=zstandard.STRATEGY_FAST)
 
 
 def split_planes(data: bytes | memoryview, itemsize: int) -> bytes:
@@ -69,7 +73,8 @@ def encode_parts(data: bytes | memoryview, itemsize: int) -> Parts:
     whole = len(compressor.compress(sample))
     if itemsize in (2, 4, 8) and len(sample) >= 4 * itemsize:
         trial = _planes(sample, itemsize)
-        sizes = [len(compressor.compress(plane)) for plane in trial]
+        planar = zstandard.ZstdCompressor(compression_params=PLANE_PARAMS)
+        sizes = [len(planar.compress(plane)) for plane in trial]
         packed = [k for k in range(itemsize) if sizes[k] < trial.shape[1] * KEEP]
         planes_size = sum(sizes[k] if k in packed else trial.shape[1] for k in range(itemsize))
         if packed and planes_size < min(whole, len(sample) * KEEP):
@@ -82,7 +87,7 @@ def encode_parts(data: bytes | memoryview, itemsize: int) -> Parts:
 
 
 def _some_planes(data: bytes | memoryview, itemsize: int, packed: list[int]) -> Parts:
-    compressor = zstandard.ZstdCompressor(level=LEVEL)
+    compressor = zstandard.ZstdCompressor(compression_params=PLANE_PARAMS)
     planes = _planes(data, itemsize)
     mask = sum(1 << k for k in packed)
     parts: Parts = [bytes([SOME_PLANES, itemsize, mask])]
