@@ -3,6 +3,9 @@
     ckptctl sample /tmp/s1g --size 1GB --world-size 2
     python benchmarks/bench_stats.py /tmp/s1g --repeats 3
 
+Also times `ckptctl export` with and without `--stats` (issue 33: a conversion with statistics within 1.1x the
+same conversion without), each to exit plus `sync`, and prints their ratio.
+
 Warm page cache (the checkpoint is read once first). Each case runs as its own process, interleaved
 (repeat 1 of every case, then repeat 2, ...), timed from start to exit; cp is timed to exit and to exit plus
 `sync` (bench_convert.py's floor: the copy's writes reach the disk). Prints medians, CPU seconds, peak RSS
@@ -48,11 +51,15 @@ def main() -> None:
     size = sum(p.stat().st_size for p in Path(source).rglob("*") if p.is_file())
     work = Path(tempfile.mkdtemp(prefix="bench-stats-", dir=Path(source).parent))
     py = [sys.executable, "-c"]
+    ckptctl = [sys.executable, "-m", "ckptctl"]
     cases = {
         "cp -r": ["cp", "-r", source, str(work / "copy")],
         "scan": [*py, f"from converters.stats import scan; scan({source!r})"],
         "diff (same)": [*py, f"from converters.stats import diff; diff({source!r}, {source!r})"],
+        "export": [*ckptctl, "export", source, str(work / "copy"), "-q"],
+        "export --stats": [*ckptctl, "export", source, str(work / "copy"), "-q", "--stats"],
     }
+    synced = ("cp -r", "export", "export --stats")  # writers: timed to exit plus sync
     times: dict[str, list[tuple[float, float, float, float, float]]] = {name: [] for name in cases}
     try:
         subprocess.run(["cat", *map(str, sorted(p for p in Path(source).rglob("*") if p.is_file()))],
@@ -61,9 +68,9 @@ def main() -> None:
             for name, argv in cases.items():
                 shutil.rmtree(work / "copy", ignore_errors=True)
                 os.sync()
-                times[name].append(run(argv, sync=name == "cp -r"))
-                print(f"repeat {rep + 1} {name:<12} wall {times[name][-1][0]:6.2f} s  (load {times[name][-1][4]:.1f})",
-                      flush=True)
+                times[name].append(run(argv, sync=name in synced))
+                print(f"repeat {rep + 1} {name:<14} wall {times[name][-1][0]:6.2f} s  +sync {times[name][-1][1]:6.2f} s"
+                      f"  (load {times[name][-1][4]:.1f})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n{size / 1e9:.2f} GB, medians over {args.repeats}:")
@@ -75,9 +82,16 @@ def main() -> None:
                 f"rss {max(t[3] for t in runs):7.0f} MB")
         if name == "cp -r":
             line += f"  (+sync {cp_sync:.2f} s)"
+        elif name in synced:
+            line += f"  +sync {statistics.median(t[1] for t in runs):.2f} s"
         else:
             line += f"  {wall / cp_wall:.2f}x cp, {wall / cp_sync:.2f}x cp+sync"
         print(line)
+    plain = statistics.median(t[1] for t in times["export"])
+    with_stats = statistics.median(t[1] for t in times["export --stats"])
+    pairs = [b[1] / a[1] for a, b in zip(times["export"], times["export --stats"], strict=True)]
+    print(f"  export --stats / export (with sync, medians): {with_stats / plain:.2f}x (target <= 1.1); per repeat: "
+          + ", ".join(f"{r:.2f}" for r in pairs))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from .tensorio import Box, cast, direct_ranges, read_box, slabs
 from .uris import is_local, local_path
 
 if TYPE_CHECKING:
-    from .certificate import Ledger
+    from .certificate import Ledger, Tally
 
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
@@ -183,22 +183,26 @@ class Copier:
     def pieces(self, entry: TensorEntry, cast_to: str | None = None, box: Box | None = None,
                in_kernel: bool = False) -> Iterator[memoryview | SourceRange]:
         """Like `stream`, but when `in_kernel` allows and nothing needs reshaping or casting, yield
-        `SourceRange`s for the writer to copy with `copy_file_range` instead of bytes."""
+        `SourceRange`s for the writer to copy with `copy_file_range` instead of bytes. Their CRC-32 (and with
+        `stats` their statistics) are computed through short mappings of the page cache the kernel copies from:
+        no copy into a buffer and out again, which cost more than the statistics themselves."""
         ledger = self.ledger
-        if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype and \
-                not (ledger is not None and ledger.stats):  # statistics need the bytes in memory
+        if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
             ranges = direct_ranges(entry, box)
             if ranges is not None and all(is_local(uri) for uri, _, _ in ranges):
                 tally = ledger.open(entry, entry.dtype, box) if ledger is not None else None
                 crc = 0
                 for uri, offset, length in ranges:
                     piece = SourceRange(local_path(uri), offset, length)
-                    if tally is not None:  # through the page cache, as the copy itself reads it
+                    if tally is not None and tally.src is not None:
+                        self._mapped_tally(piece.path, offset, length, tally)
+                    elif tally is not None:  # through the page cache, as the copy itself reads it
                         crc = self._mapped_crc(piece.path, offset, length, crc)
                     yield piece
                     self.progress.add(length)
                 if tally is not None:
-                    tally.add_crc(crc)
+                    if tally.src is None:
+                        tally.add_crc(crc)
                     tally.close()
                 self.progress.piece_done(entry.name)
                 return
@@ -294,6 +298,19 @@ class Copier:
                 crc = crc32(view[offset - low:], crc)
             offset = high
         return crc
+
+    def _mapped_tally(self, path: str, offset: int, length: int, tally: Tally) -> None:
+        """`tally.add` each window of a local file range as mapped from the page cache (windows cut at whole
+        elements: `offset` starts one, `_CRC_WINDOW` is a multiple of every element size)."""
+        fd = self.reader.fd(path)
+        end = offset + length
+        while offset < end:
+            low = offset - offset % mmap.ALLOCATIONGRANULARITY
+            high = min(end, offset + _CRC_WINDOW)
+            with mmap.mmap(fd, high - low, access=mmap.ACCESS_READ, offset=low) as mapping, \
+                    memoryview(mapping) as view, view[offset - low:] as part:
+                tally.add(part, part)
+            offset = high
 
     def _buffer(self, nbytes: int) -> memoryview:
         """This thread's reusable slab buffer (valid until its next `stream` step): no page faults per slab."""

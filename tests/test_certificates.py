@@ -92,7 +92,13 @@ def test_without_stats_the_certificate_has_no_statistics_and_an_exact_copy_is_eq
     assert all(p["crc32"] == p["source_crc32"] for pieces in cert["tensors"].values() for p in pieces)
     with_stats = tmp_path / "stats"
     convert(str(source), str(with_stats), ConvertOptions(stats=True))
-    assert {side["check"] for side in certificate(with_stats)["stats"].values()} == {"equal"}
+    stats = certificate(with_stats)["stats"]
+    assert {side["check"] for side in stats.values()} == {"equal"}
+    for name, tensor in weights().items():  # computed on the page cache the kernel copied from, as torch gives them
+        got, want = stats[name]["source"], tensor.double()
+        assert (got["count"], got["min"], got["max"]) == (want.numel(), want.min().item(), want.max().item())
+        assert got["l2"] == pytest.approx(want.norm().item(), rel=1e-12)
+        assert got["mean"] == pytest.approx(want.mean().item(), rel=1e-12, abs=1e-15)
 
 
 @pytest.mark.parametrize("where", ["start", "middle", "end"])
