@@ -104,7 +104,7 @@ def import_call(request: ImportRequest, source: str, target: str | None) -> Engi
     from converters import import_hf
 
     return lambda _progress: import_hf(source, target or "", request.family, overwrite=request.overwrite,
-                                       memory_limit=int(request.memory_limit), to=request.into,
+                                       memory_limit=int(request.memory_limit), into=request.into,
                                        world_size=request.world_size)
 
 

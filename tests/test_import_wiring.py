@@ -99,7 +99,7 @@ def test_import_to_dcp_is_what_dcp_load_reads(qwen2: Path, tmp_path: Path) -> No
 def test_import_to_dcp_refusals(qwen2: Path, tmp_path: Path) -> None:
     code, output = ckptctl("import", str(qwen2), str(tmp_path / "mg"), "--world-size", "2", "-q")
     assert code == 2 and len(output.strip().splitlines()) == 1, output
-    assert "only an import --to dcp is laid out for ranks" in output and not (tmp_path / "mg").exists()
+    assert "only an import into dcp is laid out for ranks" in output and not (tmp_path / "mg").exists()
     from safetensors.torch import save_file
 
     headless = tmp_path / "headless"

@@ -8,7 +8,8 @@ copied as they are to the Megatron folder's root, beside latest_checkpointed_ite
 The table is read backwards: each rule's HF tensors are joined by the inverse transform (fused QKV per query
 group, gate/up) and stacked over experts and layers under the names megatron-core's GPTModel saves, all as
 views of the HF files, so the copy streams like every other output.
-`to` dcp writes the start of an FSDP2 run instead: the HF names as they are, in a DCP folder (`to_dcp`).
+`into` dcp (`ckptctl import --to dcp`) writes the start of an FSDP2 run instead: the HF names as they are, in a
+DCP folder (`to_dcp`).
 """
 
 from __future__ import annotations
@@ -154,24 +155,24 @@ def extra_states(family: Family, mc: ModelConfig) -> list[str]:
 
 def import_hf(source: str, target: str, family: str = AUTO, overwrite: bool = False,
               memory_limit: int = DEFAULT_MEMORY_LIMIT, execution: Execution | None = None,
-              config: EngineConfig | None = None, to: str = MEGATRON, world_size: int | None = None) -> ImportResult:
-    """Write the HF model at `source` as a Megatron-LM torch_dist save folder at `target` (`to` megatron), or as
-    a DCP folder for `world_size` FSDP2 ranks under the HF names (`to` dcp, `to_dcp`)."""
-    if to not in TARGETS:
-        raise OptionError(f"to {to}: choose one of {', '.join(TARGETS)}", option="to")
-    if world_size is not None and to != DCP:
-        raise OptionError(f"world_size {world_size}: only an import --to {DCP} is laid out for ranks (a Megatron "
+              config: EngineConfig | None = None, into: str = MEGATRON, world_size: int | None = None) -> ImportResult:
+    """Write the HF model at `source` as a Megatron-LM torch_dist save folder at `target` (`into` megatron), or
+    as a DCP folder for `world_size` FSDP2 ranks under the HF names (`into` dcp, `to_dcp`)."""
+    if into not in TARGETS:
+        raise OptionError(f"into {into}: choose one of {', '.join(TARGETS)}", option="into")
+    if world_size is not None and into != DCP:
+        raise OptionError(f"world_size {world_size}: only an import into {DCP} is laid out for ranks (a Megatron "
                           "save loads at any TP/PP/EP)", option="world_size")
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise OptionError(f"world_size {world_size}: must be a positive integer", option="world_size")
     with use(config):
-        return _import(source, target, family, overwrite, memory_limit, execution or Execution(), to,
+        return _import(source, target, family, overwrite, memory_limit, execution or Execution(), into,
                        world_size or 1)
 
 
 @storage.with_io_errors
 def _import(source: str, target: str, family_name: str, overwrite: bool, memory_limit: int,
-            execution: Execution, to: str = MEGATRON, world_size: int = 1) -> ImportResult:
+            execution: Execution, into: str = MEGATRON, world_size: int = 1) -> ImportResult:
     storage.check_target(target, overwrite)
     where = storage.join(source, "config.json")
     if not storage.exists(where):
@@ -181,7 +182,7 @@ def _import(source: str, target: str, family_name: str, overwrite: bool, memory_
     if not isinstance(hf_config, dict):
         raise FormatError(f"{where}: not a JSON object", uri=where)
     family = family_of(hf_config, where, family_name)
-    if to == DCP:
+    if into == DCP:
         outputs, report = write_fsdp2(source, target, hf_config, where, family, world_size, overwrite, memory_limit,
                                       execution)
         return ImportResult(target, family.name, outputs, report)
