@@ -2,7 +2,8 @@
 fsspec location, restored byte for byte.
 
 - `archive(source, store)`: cuts each file at its tensors' byte ranges (`chunking`), stores each distinct chunk
-  once (`chunks/<sha256[:2]>/<sha256>`, compressed by `codec` where that pays), writes `manifests/<id>.json`;
+  once (`chunks/<h[:2]>/<h>`, h its BLAKE3 hash (`hashing`), compressed by `codec` where that pays), writes
+  `manifests/<id>.json`;
 - `restore(store, id, target)`: the files back, every chunk's hash checked (a damaged chunk: one line naming
   it and the archives that use it);
 - `gc(store)`: deletes chunks no manifest references, safe under concurrent archives (`collect`);
