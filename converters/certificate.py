@@ -33,6 +33,7 @@ import os
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import storage
@@ -106,11 +107,22 @@ class Ledger:
         self.derived = derived  # what a derived export makes ("gguf", "fp8", ...): its pieces are what it read
         self.pieces: dict[str, list[dict[str, Any]]] = {}
         self.reads: dict[tuple[str, str, str], dict[str, Any]] = {}  # (name, box, first file) -> a piece read
+        # tallies of pieces the kernel copied whose CRC-32 is taken from the output as it is read back:
+        # (tally, (device, inode) of the output file, start, length, how to compute it from the source instead)
+        self.deferred: list[tuple[Tally, tuple[int, int], int, int, Callable[[], int]]] = []
         self.moments: dict[str, tuple[Moments, Moments | None]] = {}  # output None: an uncast copy
         self._lock = threading.Lock()
 
     def open(self, entry: TensorEntry, out_dtype: str, box: Box | None) -> Tally:
         return Tally(self, entry, out_dtype, box)
+
+    def defer(self, tally: Tally, fd: int, start: int, length: int, fallback: Callable[[], int]) -> None:
+        """`tally`'s bytes were copied unchanged (in the kernel) into `length` bytes of the local file `fd` from
+        `start`: their CRC-32 is computed when the certificate reads the output back (`resolve`), or else by
+        `fallback`."""
+        st = os.fstat(fd)
+        with self._lock:
+            self.deferred.append((tally, (st.st_dev, st.st_ino), start, length, fallback))
 
     def reading(self, entry: TensorEntry, box: Box | None = None) -> Tally:
         """A source tensor (or box of one) that a derived export reads itself: `add(view, view)` each slab, in
@@ -206,7 +218,7 @@ def certify(out: Any, copier: Any, view: CheckpointIndex) -> None:
     ledger = copier.ledger
     if ledger is None:
         return
-    file_crcs(out)
+    file_crcs(out, ledger)
     out.about["certificate"] = ledger.certificate(view)
 
 
@@ -214,12 +226,11 @@ def certify_derived(out: Any, ledger: Ledger) -> None:
     """The certificate of a derived export (`Ledger.derived`): what it read from the source, and each output
     tensor's CRC-32 (safetensors files, read back with the files' own CRC-32s in one pass)."""
     tensors: dict[str, list[dict[str, Any]]] = {}
-    for name, info in out.files.items():
-        if not out.local:
-            continue
-        path = out.path(name)
-        spans = safetensors_spans(path) if path.endswith(".safetensors") else {}
-        info["crc32"], info["blocks"], crcs = mapped_crcs(path, list(spans.values()), with_spans=True)
+
+    def spans_of(name: str, path: str) -> dict[str, tuple[int, int]]:
+        return safetensors_spans(path) if path.endswith(".safetensors") else {}
+
+    for (name, spans), crcs in file_crcs(out, ledger, spans_of).items():
         for tensor, crc in zip(spans, crcs, strict=True):
             tensors[tensor] = [{"box": None, "crc32": crc, "file": name}]
     out.about["certificate"] = {"source": {"uri": ledger.source, "format": ledger.source_format},
@@ -263,13 +274,35 @@ def write_sidecar(out: Any, kind: str) -> None:
             os.remove(tmp)
 
 
-def file_crcs(out: Any) -> None:
+def file_crcs(out: Any, ledger: Ledger | None = None,
+              spans_of: Callable[[str, str], dict[str, tuple[int, int]]] | None = None) -> dict[Any, list[int]]:
     """Give every output file its CRC-32 in the manifest, and locally the CRC-32 of each `BLOCK` of it (so a
     damaged range can be named): a remote upload computed the file's; locally the file is read back (from the
-    page cache)."""
+    page cache), and in the same pass the CRC-32 of each byte range `ledger` deferred to it (`Ledger.defer`) and
+    of each (name -> range) `spans_of(file name, path)` gives; returns {(file name, its spans): their CRC-32s}."""
+    found: dict[Any, list[int]] = {}
+    deferred = list(ledger.deferred) if ledger is not None else []
+    done: set[int] = set()
     for name, info in out.files.items():
-        if out.local:
-            info["crc32"], info["blocks"] = mapped_crcs(out.path(name))
+        if not out.local:
+            continue
+        path = out.path(name)
+        spans = spans_of(name, path) if spans_of is not None else {}
+        st = os.stat(path)
+        mine = [i for i, d in enumerate(deferred) if d[1] == (st.st_dev, st.st_ino)]
+        ranges = list(spans.values()) + [(deferred[i][2], deferred[i][2] + deferred[i][3]) for i in mine]
+        info["crc32"], info["blocks"], crcs = mapped_crcs(path, ranges, with_spans=True)
+        found[(name, tuple(spans))] = crcs[:len(spans)]
+        for i, crc in zip(mine, crcs[len(spans):], strict=True):
+            deferred[i][0].add_crc(crc)
+            done.add(i)
+    for i, (tally, _, _, _, fallback) in enumerate(deferred):
+        if i not in done:
+            tally.add_crc(fallback())  # not in a file read back here: from the source, as the copy read it
+        tally.close()
+    if ledger is not None:
+        ledger.deferred.clear()
+    return found
 
 
 def mapped_crcs(path: str, spans: list[tuple[int, int]] | None = None, with_spans: bool = False) -> Any:
@@ -278,6 +311,8 @@ def mapped_crcs(path: str, spans: list[tuple[int, int]] | None = None, with_span
     whole, blocks = 0, []
     spans = spans or []
     found = [0] * len(spans)
+    order = sorted(range(len(spans)), key=lambda i: spans[i])
+    first = 0  # spans before this one (in file order) ended before the current block
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         for offset in range(0, size, BLOCK):
@@ -285,7 +320,12 @@ def mapped_crcs(path: str, spans: list[tuple[int, int]] | None = None, with_span
             with mmap.mmap(fh.fileno(), end - offset, access=mmap.ACCESS_READ, offset=offset) as mapping, \
                     memoryview(mapping) as view:
                 crc = crc32(view)
-                for i, (start, stop) in enumerate(spans):
+                while first < len(order) and spans[order[first]][1] <= offset:
+                    first += 1
+                for i in order[first:]:
+                    start, stop = spans[i]
+                    if start >= end:
+                        break
                     low, high = max(start, offset), min(stop, end)
                     if low < high:
                         found[i] = crc32(view[low - offset:high - offset], found[i])

@@ -181,26 +181,34 @@ class Copier:
             yield [ahead.blocks(i) for i in range(len(jobs))]
 
     def pieces(self, entry: TensorEntry, cast_to: str | None = None, box: Box | None = None,
-               in_kernel: bool = False) -> Iterator[memoryview | SourceRange]:
+               in_kernel: bool = False, into: tuple[int, int] | None = None) -> Iterator[memoryview | SourceRange]:
         """Like `stream`, but when `in_kernel` allows and nothing needs reshaping or casting, yield
         `SourceRange`s for the writer to copy with `copy_file_range` instead of bytes. Their CRC-32 (and with
         `stats` their statistics) are computed through short mappings of the page cache the kernel copies from:
-        no copy into a buffer and out again, which cost more than the statistics themselves."""
+        no copy into a buffer and out again, which cost more than the statistics themselves. `into` (the local
+        output fd and offset the caller writes the pieces at, one after the other) defers the CRC-32 to the
+        certificate's read-back of the output (`Ledger.defer`): the bytes are then mapped once, not twice."""
         ledger = self.ledger
         if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
             ranges = direct_ranges(entry, box)
             if ranges is not None and all(is_local(uri) for uri, _, _ in ranges):
                 tally = ledger.open(entry, entry.dtype, box) if ledger is not None else None
+                defer = tally is not None and tally.src is None and into is not None
                 crc = 0
+                copied = []
                 for uri, offset, length in ranges:
                     piece = SourceRange(local_path(uri), offset, length)
                     if tally is not None and tally.src is not None:
                         self._mapped_tally(piece.path, offset, length, tally)
-                    elif tally is not None:  # through the page cache, as the copy itself reads it
+                    elif tally is not None and not defer:  # through the page cache, as the copy itself reads it
                         crc = self._mapped_crc(piece.path, offset, length, crc)
+                    copied.append(piece)
                     yield piece
                     self.progress.add(length)
-                if tally is not None:
+                if ledger is not None and tally is not None and into is not None and defer:
+                    ledger.defer(tally, into[0], into[1], sum(p.length for p in copied),
+                                 partial(self._pieces_crc, copied))
+                elif tally is not None:
                     if tally.src is None:
                         tally.add_crc(crc)
                     tally.close()
@@ -299,6 +307,12 @@ class Copier:
             offset = high
         return crc
 
+    def _pieces_crc(self, pieces: list[SourceRange]) -> int:
+        crc = 0
+        for piece in pieces:
+            crc = self._mapped_crc(piece.path, piece.offset, piece.length, crc)
+        return crc
+
     def _mapped_tally(self, path: str, offset: int, length: int, tally: Tally) -> None:
         """`tally.add` each window of a local file range as mapped from the page cache (windows cut at whole
         elements: `offset` starts one, `_CRC_WINDOW` is a multiple of every element size)."""
@@ -325,7 +339,7 @@ class Copier:
         CRC-32 with `checksum` (computed on the bytes in flight, or through the page cache when the kernel
         copies), else 0."""
         crc = 0
-        for piece in self.pieces(entry, cast_to, box, in_kernel=True):
+        for piece in self.pieces(entry, cast_to, box, in_kernel=True, into=None if checksum else (fd, offset)):
             if isinstance(piece, SourceRange):
                 crc = self._copy(piece, fd, offset, crc if checksum else None)
                 offset += piece.length
