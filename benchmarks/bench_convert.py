@@ -9,6 +9,13 @@ wall time covers process start to exit plus `sync`; peak RSS is read from /proc 
 process tree (the larger of the summed VmRSS and the largest single VmHWM). Every output is compared with the
 source tensor by tensor (all tensors for small checkpoints, a deterministic sample above --check-budget);
 a wrong output marks its row FAILED. Prints a table and writes it as JSON with the targets of issue 6.
+
+This round's writers have rows of their own, each against `cp -r` of its own input (``Case.floor``) and, with
+--peers, against the tool a user would otherwise run (``Case.peer``): `export --to-hf auto` of a Megatron MoE
+(Mixtral) checkpoint (no peer runs without a GPU), `--gguf f16` and `--quantize fp8-block` of a Llama DCP
+checkpoint (peers: our export to HF, then llama.cpp's convert_hf_to_gguf.py or llm-compressor's oneshot),
+`--merge-adapter` of a rank-64 LoRA (also against the plain export of its base; peer: PEFT's merge_and_unload),
+`archive` and `restore` of the FSDP2 sample. Their inputs, peers and checks are in bench_writers.py.
 """
 
 from __future__ import annotations
