@@ -142,7 +142,7 @@ INSPECT_PACKAGES = {"typer", "shellingham", "annotated_doc", "rich", "pydantic",
 #: the modules of ours it may import: the offline command, the job kinds and their engine calls, the engine's
 #: readers; no writer but the output's common parts, nothing of the service
 INSPECT_OURS = {"ckptctl", "ckptctl.common", "ckptctl.offline", "ckpt_service", "ckpt_service.service_errors",
-                "ckpt_service.executor", "ckpt_service.helpers", "ckpt_service.job_kinds",
+                "ckpt_service.executor", "ckpt_service.helpers", "ckpt_service.job_kinds", "ckpt_service.archived",
                 "ckpt_service.job_requests", "ckpt_service.logs", "ckpt_service.roots", "ckpt_service.summary",
                 "ckpt_service.units"}
 #: standard-library stacks an inspect has no use for (event loop, TLS, HTTP, SQLite, processes; pydantic's plugin
