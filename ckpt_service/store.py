@@ -153,8 +153,8 @@ def like_prefix(text: str) -> str:
 def under(column: str, prefixes: list[str]) -> tuple[str, list[Any]]:
     """SQL (with its parameters) true when `column` holds one of the normalised root URIs `prefixes` or a URI
     below one (whole segments: root `/d/a` holds `/d/a/x`, not `/d/ab`); false for NULL, and for every row
-    when `prefixes` is empty. LIKE finds the candidates (an index can serve it on PostgreSQL); the substr
-    comparison makes the match exact, as SQLite's LIKE ignores ASCII case."""
+    when `prefixes` is empty. LIKE narrows the candidates (a text_pattern_ops index could serve it on
+    PostgreSQL); the substr comparison makes the match exact, as SQLite's LIKE ignores ASCII case."""
     if not prefixes:
         return "1 = 0", []
     terms, params = [], list[Any]()
