@@ -115,7 +115,7 @@ def _files(uri: str) -> dict[str, str]:
     fs, path = storage.filesystem(uri)
     if fs.isfile(path):
         return {"": uri}
-    base, skip = uri.rstrip("/"), len(path.rstrip("/")) + 1
+    base, skip = uri.rstrip("/"), len(path.split("://", 1)[-1].rstrip("/")) + 1
     names = [name.split("://", 1)[-1][skip:] for name in fs.find(path)]
     return {name: f"{base}/{name}" for name in names}
 

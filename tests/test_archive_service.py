@@ -18,7 +18,8 @@ from api.app import create_app
 from ckpt_service.auth import create
 from ckpt_service.settings import Settings
 
-from .service_harness import run_here
+from .s3server import S3, s3_fixture, s3_server_fixture  # noqa: F401  (fixtures s3 and s3_server)
+from .service_harness import make_server, run_here
 
 FROZEN = 64 * 64 * 4  # bytes of the frozen tensor every step shares
 
@@ -195,3 +196,32 @@ def test_a_rule_archives_each_new_step_into_one_store(api: tuple[TestClient, dic
         assert (done["state"], done["kind"], done["submitted_by"]) == ("succeeded", "archive", "rule:keep-all")
         page = client.get(f"/v1/checkpoints/{done['result']['checkpoint_id']}").json()
         assert (page["uri"], [a["archive_id"] for a in page["archives"]]) == (str(step), [done["result"]["archive_id"]])
+
+
+@pytest.mark.slow  # a real server and S3 server
+def test_retention_archives_s3_checkpoints_to_an_s3_store_and_a_job_restores_one(s3: S3, tmp_path: Path) -> None:
+    runs, store, back = s3.uri("runs"), s3.uri("archive/store"), s3.uri("back")
+    server = make_server(tmp_path / "data", read_roots=[runs, s3.uri("archive"), back],  # type: ignore[list-item]
+                         write_roots=[runs, s3.uri("archive"), back], workers=1).start()  # type: ignore[list-item]
+    try:
+        with server.http() as http:
+            ids = []
+            for n in (1, 2):
+                s3.upload(dcp_step(tmp_path / "staging" / f"step_{n}", n), f"runs/r/step_{n}")
+                ids.append(http.post("/v1/checkpoints", json={"uri": f"{runs}/r/step_{n}"}).json()["id"])
+            original = s3.files("runs/r/step_1")
+            policy = {"name": "arch", "run": "r", "keep_last": 1, "action": "archive", "store": store}
+            assert http.post("/v1/policies", json=policy).status_code == 201
+            report = http.post("/v1/gc", json={"dry_run": False}).json()
+            assert (report["archived"], report["not_archived"], len(report["deleted"])) == ([ids[0]], [], 1)
+            assert s3.keys("runs/r/step_1") == [] and s3.keys("runs/r/step_2") == [".metadata", "__0_0.distcp"]
+            (entry,) = http.get(f"/v1/checkpoints/{ids[0]}").json()["archives"]
+            assert (entry["store"], entry["logical_bytes"]) == (store, sum(map(len, original.values())))
+            job = http.post("/v1/jobs", json={"kind": "restore", "source": store, "target": f"{back}/step_1",
+                                              "options": {"archive_id": entry["archive_id"]}}).json()
+            done = server.wait_job(job["id"], ("succeeded", "failed"))
+            assert done["state"] == "succeeded", done
+            assert s3.files("back/step_1") == original
+            assert done["result"]["restored_from_checkpoint"] == ids[0]
+    finally:
+        server.stop()
