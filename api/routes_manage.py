@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ckpt_service.auth import Principal, Scope
 from ckpt_service.catalog import AliasChange, ManagedView, RunView
+from ckpt_service.job_requests import BoundText
 from ckpt_service.retention import DeletionView, GcReport, PolicySpec, PolicyView, Retention
 from ckpt_service.rules import NotifyResult, Rules, RuleSpec, RuleView, Scheduler, TriggerView
 from ckpt_service.service_errors import Forbidden, NotFound
@@ -41,6 +42,10 @@ class AliasTarget(BaseModel):
     checkpoint_id: str = Field(min_length=1, max_length=64)
     require_finite: bool = Field(False, description="Move only when the checkpoint's newest scan found no NaN or "
                                                     "Inf (409 saying why otherwise).")
+    require: list[BoundText] = Field(default_factory=list, max_length=32,
+                                     description="Move only when the checkpoint's newest scan holds every bound: "
+                                                 "finite, or STAT<=LIMIT[:GLOB] / STAT>=LIMIT[:GLOB] with STAT "
+                                                 "max_abs, l2 or std (409 naming the tensors otherwise).")
 
 
 class GcRequest(BaseModel):
@@ -126,11 +131,13 @@ def get_alias(namespace: Id, name: Id, request: Request, principal: Reader) -> M
             responses=errors(400, 413, 401, 403, 404, 409, 422, 503), summary="Point an alias at a checkpoint")
 def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, principal: Writer) -> ManagedView:
     """Moves the alias atomically (its history keeps every move). An existing alias is moved by the token that
-    made it or an admin (403). With `require_finite`, only a checkpoint whose newest scan is clean moves it (409)."""
+    made it or an admin (403). With `require_finite` or bounds in `require`, only a checkpoint whose newest scan
+    holds them moves it (409 naming the tensors, statistics and bounds)."""
     service = request.app.state.service
     _checkpoint(request, principal, body.checkpoint_id, "write")
-    if body.require_finite:
-        service.check_finite(body.checkpoint_id, f"alias {name}@{namespace} not moved")
+    if body.require_finite or body.require:
+        service.check_scan(body.checkpoint_id, ["finite"] * body.require_finite + body.require,
+                           f"alias {name}@{namespace} not moved")
     return service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name, principal)
 
 

@@ -65,22 +65,29 @@ def engine_call(request: JobRequest, source: str, target: str | None = None) -> 
         source, fmt = source_for(source, getattr(request, "source_format", None), tag, weights)
         request = request.model_copy(update={"source_format": fmt, "tag": None, "weights": None})
     call = kind_of(request.kind).engine(request, source, target)
-    return finite_first(request, source, call) if getattr(request, "require_finite", False) else call
+    return finite_first(request, source, call)
 
 
 def finite_first(request: JobRequest, source: str, call: EngineCall) -> EngineCall:
-    """`call`, run only once a scan of `source` found no NaN or Inf (the `require_finite` guard of a writing
-    kind: a rule that sets it never exports a diverged step); otherwise one SourceError naming the tensors."""
+    """`call`, run only once a scan of `source` holds every bound the request requires (`require`, and
+    `finite` for `require_finite`: a rule that sets them never exports a diverged or blown-up step);
+    otherwise one SourceError naming the tensors, statistics and bounds. `call` itself without bounds."""
+    texts, finite = getattr(request, "require", None) or [], getattr(request, "require_finite", False)
+    if not texts and not finite:
+        return call
+    from converters.stats.guards import check, describe, parse_bounds  # numpy loads only for a guard
+
+    bounds = parse_bounds(texts, finite)
 
     def run(progress: Callable[[Any], None] | None) -> Any:
         from converters import scan
 
-        found = scan(source, source_format=getattr(request, "source_format", None))
-        if not found.finite:
-            names = found.nonfinite
-            raise SourceError(f"{source}: NaN or Inf in {len(names)} tensor(s) ({', '.join(names[:5])}"
-                              f"{', ...' if len(names) > 5 else ''}); nothing was written (require_finite)",
-                              uri=source)
+        broken = check(bounds, scan(source, source_format=getattr(request, "source_format", None)).tensors)
+        if broken:
+            bounds_broken = [str(b.bound) for b in broken if b.bound.stat != "finite"]
+            said = ["require_finite"] * (len(bounds_broken) < len(broken))
+            said += [f"require {', '.join(bounds_broken)}"] if bounds_broken else []
+            raise SourceError(f"{source}: {describe(broken)}; nothing was written ({'; '.join(said)})", uri=source)
         return call(progress)
     return run
 
@@ -265,7 +272,7 @@ def gguf_call(request: ExportRequest, source: str, target: str) -> EngineCall:
 
 #: The exports other than the plain one, each chosen by one option: (the other options it takes, its engine call).
 #: An option it does not take, set to other than its default, is refused with one line naming it.
-_ALWAYS = frozenset({"source_format", "tag", "weights", "memory_limit", "overwrite", "require_finite"})
+_ALWAYS = frozenset({"source_format", "tag", "weights", "memory_limit", "overwrite", "require_finite", "require"})
 EXPORT_MODES: dict[str, tuple[frozenset[str], Callable[[ExportRequest, str, str], EngineCall]]] = {
     "quantize": (_ALWAYS | {"ignore", "max_shard_size", "config_from"}, fp8_call),
     "adapter_only": (_ALWAYS, adapter_call),

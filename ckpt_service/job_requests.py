@@ -128,6 +128,25 @@ CertifyStats = Annotated[bool, Field(description="Put the statistics of source a
 RequireFinite = Annotated[bool, Field(description="Scan the source first and write nothing when a tensor holds NaN "
                                                   "or Inf (a guard for rules: a diverged step is never exported)."),
                           flag("--require-finite")]
+
+
+def _bound(value: str) -> str:
+    from converters.stats.guards import parse_bound
+
+    try:
+        parse_bound(value)
+    except CkptError as exc:
+        raise ValueError(str(exc)) from None
+    return value.strip()
+
+
+#: one bound on a scan's statistics (`converters.stats.guards`: finite, max_abs<=100, l2<=1e4:*.weight)
+BoundText = Annotated[str, Field(min_length=1, max_length=300), AfterValidator(_bound)]
+Require = Annotated[list[BoundText], BeforeValidator(lambda value: [value] if isinstance(value, str) else value),
+                    Field(max_length=32, description="Scan the source first and write nothing unless every bound "
+                                                     "holds: finite, or STAT<=LIMIT[:GLOB] / STAT>=LIMIT[:GLOB] with "
+                                                     "STAT max_abs, l2 or std (e.g. max_abs<=100, l2<=1e4:*.weight)."),
+                    flag("--require", metavar="BOUND")]
 Tag = Annotated[str | None, Field(max_length=200, description="DeepSpeed: the tag folder to read (default: the one "
                                   "`latest` names)."), flag("--tag", metavar="TAG")]
 WeightsChoice = Literal["fp32", "module"]
@@ -191,6 +210,7 @@ class OutputRequest(KeyedRequest):
     drop_tied: DropTied = Field(default_factory=list)
     verify: VerifyOutput = False
     require_finite: RequireFinite = False
+    require: Require = Field(default_factory=list)
     stats: CertifyStats = False
 
 
@@ -260,6 +280,7 @@ class ReshardRequest(KeyedRequest):
     overwrite: Overwrite = False
     verify: VerifyOutput = False
     require_finite: RequireFinite = False
+    require: Require = Field(default_factory=list)
     stats: CertifyStats = False
     output_layout: Annotated[OutputLayout, one_of(OutputLayout, "output layout"),
                              Field(description="auto: the source framework's own folder layout (Accelerate, "

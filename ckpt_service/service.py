@@ -248,17 +248,19 @@ class CkptService:
                            "nonfinite": nonfinite, "norms": norms, "norm_change": change})
         return points
 
-    def check_finite(self, checkpoint_id: str, blocked: str) -> None:
+    def check_scan(self, checkpoint_id: str, require: list[str], blocked: str) -> None:
         """A promotion's guard: Conflict, saying why (`blocked`: what did not happen), unless the checkpoint's
-        newest scan found no NaN or Inf."""
+        newest scan holds every bound of `require` (`converters.stats.guards`: finite, max_abs<=100, ...)."""
+        from converters.stats.guards import check, describe, parse_bounds
+
+        bounds = parse_bounds(require)
         try:
             found = self.stats(checkpoint_id)
         except NotFound as exc:
             raise Conflict(f"{blocked}: {exc}") from None
-        if not found.get("finite", False):
-            names = list(found.get("nonfinite") or [])
-            raise Conflict(f"{blocked}: scan {found['job_id']} found NaN or Inf in {len(names)} tensor(s) "
-                           f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+        broken = check(bounds, found.get("tensors") or [])
+        if broken:
+            raise Conflict(f"{blocked}: scan {found['job_id']} found {describe(broken)}")
 
     def lineage(self, checkpoint_id: str) -> LineageView:
         return self.registry.lineage(self.catalog.checkpoint_id(checkpoint_id))

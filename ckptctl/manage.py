@@ -95,13 +95,19 @@ def checkpoints_alias(ref: Ref,
                       require_finite: Annotated[bool, typer.Option("--require-finite", help="Move only when the "
                                                                    "checkpoint's newest scan found no NaN or "
                                                                    "Inf.")] = False,
+                      require: Annotated[list[str] | None, typer.Option("--require", metavar="BOUND", help="Move "
+                                                                        "only when the checkpoint's newest scan holds "
+                                                                        "this bound: finite, or STAT<=LIMIT[:GLOB] / "
+                                                                        "STAT>=LIMIT[:GLOB] with STAT max_abs, l2 or "
+                                                                        "std (e.g. l2<=1e4:*.weight).")] = None,
                       as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Point an alias at a checkpoint (moves it atomically; its history keeps every move)."""
     with connect(server, token) as client:
         checkpoint_id = resolve_ref(client, ref)
         ns = namespace or get(client, f"/v1/checkpoints/{checkpoint_id}/managed")["run"] or "default"
         result = send(client, "PUT", f"/v1/aliases/{ns}/{name}",
-                      {"checkpoint_id": checkpoint_id, **({"require_finite": True} if require_finite else {})})
+                      {"checkpoint_id": checkpoint_id, **({"require_finite": True} if require_finite else {}),
+                       **({"require": require} if require else {})})
     if not _emit(result, as_json):
         out.print(f"{name}@{ns} -> {checkpoint_id} ({result['checkpoint']['uri']})", highlight=False)
 

@@ -47,6 +47,8 @@ WIRE["import"] = {"family", "memory_limit", "overwrite"}  # added with the HF ->
 WIRE["import"] |= {"into", "world_size"}  # added with the HF -> FSDP2 DCP import
 for _kind in ("convert", "export", "reshard"):  # added with the scan guard
     WIRE[_kind] |= {"require_finite"}
+for _kind in ("convert", "export", "reshard"):  # added with bounds on statistics (guards)
+    WIRE[_kind] |= {"require"}
 for _kind in ("convert", "export", "reshard"):  # added with conversion certificates
     WIRE[_kind] |= {"stats"}
 WIRE["verify"] |= {"certificate"}  # verify --certificate OUT
