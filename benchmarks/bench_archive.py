@@ -8,8 +8,9 @@ Without --source, `ckptctl sample DIR --size SIZE --world-size 2 --no-train` mak
 DCP folder). Each operation runs --repeat times in a fresh child process (its peak RSS from wait4, including
 the interpreter); its time is measured inside the child around the call, the best run kept. CPU seconds (user +
 system, the child's whole life, imports included) depend less on the machine's load than wall seconds. Page
-cache stays warm for all three (cp runs first, once unmeasured); each operation starts after a sync. Archive runs into an empty store each time;
-a second archive of the same checkpoint into the filled store (everything deduplicated) is reported too.
+cache stays warm for all three (cp runs first, once unmeasured); each operation starts after a sync. Archive
+runs into an empty store each time; a second archive of the same checkpoint into the filled store (everything
+deduplicated) is reported too.
 Prints a table and writes the numbers as JSON.
 """
 
