@@ -23,7 +23,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from .auth import Principal
 from .registry import CheckpointView, Registry, Tag
 from .service_errors import Forbidden, InvalidRequest, NotFound
-from .store import JobStore, new_id
+from .store import JobStore, new_id, under
 from .units import when
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -131,16 +131,22 @@ class Catalog:
             with self.store.transaction() as conn:
                 self.place(conn, view.id, run, step, by)
 
-    def runs(self) -> list[RunView]:
+    def runs(self, within: list[str] | None = None) -> list[RunView]:
+        """Each run's live steps. `within`: count only checkpoints under these root URIs (a caller's readable
+        roots; None: all); a run with none there is left out, and its latest step is the newest one there."""
+        clause, params = under("c.uri", within) if within is not None else ("1 = 1", [])
         rows = self.store.query(
-            "SELECT r.run, COUNT(*) AS n, MAX(r.step) AS latest FROM checkpoint_runs r WHERE r.run IS NOT NULL AND "
-            "r.deleted_at IS NULL AND r.rule_id IS NULL GROUP BY r.run ORDER BY r.run")
+            "SELECT r.run, COUNT(*) AS n, MAX(r.step) AS latest FROM checkpoint_runs r JOIN checkpoints c ON "
+            "c.id = r.checkpoint_id WHERE r.run IS NOT NULL AND r.deleted_at IS NULL AND r.rule_id IS NULL AND "
+            f"{clause} GROUP BY r.run ORDER BY r.run", tuple(params))
         return [RunView(run=r["run"], checkpoints=r["n"], latest_step=r["latest"],
-                        latest_id=self._latest_id(r["run"])) for r in rows]
+                        latest_id=self._latest_id(r["run"], within)) for r in rows]
 
-    def _latest_id(self, run: str) -> str | None:
-        rows = self.store.query("SELECT checkpoint_id FROM checkpoint_runs WHERE run = ? AND deleted_at IS NULL AND "
-                                "rule_id IS NULL AND step IS NOT NULL ORDER BY step DESC LIMIT 1", (run,))
+    def _latest_id(self, run: str, within: list[str] | None = None) -> str | None:
+        clause, params = under("c.uri", within) if within is not None else ("1 = 1", [])
+        rows = self.store.query("SELECT r.checkpoint_id FROM checkpoint_runs r JOIN checkpoints c ON c.id = "
+                                "r.checkpoint_id WHERE r.run = ? AND r.deleted_at IS NULL AND r.rule_id IS NULL AND "
+                                f"r.step IS NOT NULL AND {clause} ORDER BY r.step DESC LIMIT 1", (run, *params))
         return rows[0]["checkpoint_id"] if rows else None
 
     def steps(self, run: str) -> list[ManagedView]:

@@ -20,7 +20,7 @@ URL_SCHEMES = ("postgresql://", "postgres://")
 MIGRATION_LOCK = 0x636B7074_0001
 SERIAL_LOCK = 0x636B7074_0002
 
-_JSON_EXTRACT = re.compile(r"json_extract\(([\w.]+), '\$\.(\w+)'\)")
+_JSON_EXTRACT = re.compile(r"json_extract\(([\w.]+), '\$\.(\w+(?:\.\w+)*)'\)")
 _JSON_EACH = re.compile(r"json_each\(([\w.]+)\)")
 _SERIAL_KEY = re.compile(r"\bINTEGER PRIMARY KEY AUTOINCREMENT\b")
 _REAL = re.compile(r"\bREAL\b")
@@ -40,10 +40,17 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def _json_path(found: re.Match[str]) -> str:
+    """`json_extract(c, '$.a.b')` -> `(c::jsonb -> 'a' ->> 'b')`: a nested key's text, NULL where missing."""
+    *outer, last = found.group(2).split(".")
+    steps = "".join(f" -> '{key}'" for key in outer)
+    return f"({found.group(1)}::jsonb{steps} ->> '{last}')"
+
+
 @lru_cache(maxsize=1024)
 def postgres_sql(text: str) -> str:
     """SQLite spelling -> PostgreSQL: `json_extract(c, '$.k')`, `json_each(c)`, REAL, AUTOINCREMENT, `?`."""
-    text = _JSON_EXTRACT.sub(r"(\1::jsonb ->> '\2')", text)
+    text = _JSON_EXTRACT.sub(_json_path, text)
     text = _JSON_EACH.sub(r"jsonb_array_elements_text(\1::jsonb) AS value", text)
     text = _SERIAL_KEY.sub("BIGSERIAL PRIMARY KEY", text)
     text = _REAL.sub("DOUBLE PRECISION", text)  # PostgreSQL's REAL is 4 bytes: too coarse for timestamps

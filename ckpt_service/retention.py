@@ -47,7 +47,7 @@ from . import logs, roots
 from .audit import AuditLog
 from .catalog import NAME, when
 from .service_errors import Conflict, NotFound, ServiceError
-from .store import new_id, views
+from .store import new_id, under, views
 
 if TYPE_CHECKING:
     from .service import CkptService
@@ -584,12 +584,20 @@ class Retention:
                 conn.execute("UPDATE checkpoint_runs SET deleted_at = NULL WHERE checkpoint_id = ?", (checkpoint_id,))
             raise (DeletionRefused if row["state"] == "refused" else ServiceError)(row["error"])
 
-    def deletions(self, state: str | None = None, limit: int = 100) -> list[DeletionView]:
-        sql = "SELECT * FROM deletions"
-        params: tuple[str, ...] = ()
+    def deletions(self, state: str | None = None, limit: int = 100, within: list[str] | None = None
+                  ) -> list[DeletionView]:
+        """Newest first. `within`: only URIs under these root URIs (a caller's readable roots; None: all),
+        filtered in the query so `limit` rows come back whenever that many exist."""
+        where, params = ["1 = 1"], list[Any]()
         if state is not None:
-            sql, params = sql + " WHERE state = ?", (state,)
-        rows = self.store.query(sql + " ORDER BY planned_at DESC, id LIMIT ?", (*params, limit))
+            where.append("state = ?")
+            params.append(state)
+        if within is not None:
+            clause, clause_params = under("uri", within)
+            where.append(clause)
+            params.extend(clause_params)
+        rows = self.store.query(f"SELECT * FROM deletions WHERE {' AND '.join(where)} ORDER BY planned_at DESC, id "
+                                "LIMIT ?", (*params, limit))
         return views(rows, _deletion_view)[0]  # a damaged row is logged and left out
 
 

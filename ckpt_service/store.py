@@ -307,18 +307,20 @@ class JobStore:
                   before: int | None = None, within: list[str] | None = None
                   ) -> tuple[list[JobRecord], int | None, list[str]]:
         """Newest first; returns (jobs, seq to pass as `before` for the next page or None, ids of jobs on this
-        page whose stored rows cannot be read). `within`: only jobs whose source, and target when they have
-        one, lie under these root URIs (a caller's readable roots; None: all), so pages are full."""
+        page whose stored rows cannot be read). `within`: only jobs whose source, and target and options'
+        read paths when they have them, lie under these root URIs (a caller's readable roots; None: all), so
+        pages are full."""
         where, params = ["1 = 1"], list[Any]()
         for column, value in (("state", state), ("kind", kind)):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
-        if within is not None:
-            source, source_params = under("json_extract(spec, '$.source')", within)
-            target, target_params = under("json_extract(spec, '$.target')", within)
-            where.append(f"{source} AND (json_extract(spec, '$.target') IS NULL OR {target})")
-            params.extend([*source_params, *target_params])
+        if within is not None:  # as api.security.job_uris: the source, the target and the paths options read
+            for n, field in enumerate(("source", "target", "options.config_from", "options.base")):
+                column = f"json_extract(spec, '$.{field}')"
+                clause, clause_params = under(column, within)
+                where.append(clause if n == 0 else f"({column} IS NULL OR {clause})")
+                params.extend(clause_params)
         if before is not None:
             where.append("seq < ?")
             params.append(before)
