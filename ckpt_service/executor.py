@@ -75,19 +75,20 @@ def finite_first(request: JobRequest, source: str, call: EngineCall) -> EngineCa
     texts, finite = getattr(request, "require", None) or [], getattr(request, "require_finite", False)
     if not texts and not finite:
         return call
-    from converters.stats.guards import check, describe, parse_bounds  # numpy loads only for a guard
+    from converters import check_bounds, parse_bounds  # numpy loads only for a guard
 
     bounds = parse_bounds(texts, finite)
 
     def run(progress: Callable[[Any], None] | None) -> Any:
         from converters import scan
 
-        broken = check(bounds, scan(source, source_format=getattr(request, "source_format", None)).tensors)
+        broken = check_bounds(bounds, scan(source, source_format=getattr(request, "source_format", None)).tensors)
         if broken:
             bounds_broken = [str(b.bound) for b in broken if b.bound.stat != "finite"]
             said = ["require_finite"] * (len(bounds_broken) < len(broken))
             said += [f"require {', '.join(bounds_broken)}"] if bounds_broken else []
-            raise SourceError(f"{source}: {describe(broken)}; nothing was written ({'; '.join(said)})", uri=source)
+            raise SourceError(f"{source}: {'; '.join(map(str, broken))}; nothing was written ({'; '.join(said)})",
+                              uri=source)
         return call(progress)
     return run
 

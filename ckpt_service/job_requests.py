@@ -131,10 +131,10 @@ RequireFinite = Annotated[bool, Field(description="Scan the source first and wri
 
 
 def _bound(value: str) -> str:
-    from converters.stats.guards import parse_bound
+    from converters import parse_bounds
 
     try:
-        parse_bound(value)
+        parse_bounds([value])
     except CkptError as exc:
         raise ValueError(str(exc)) from None
     return value.strip()

@@ -251,16 +251,16 @@ class CkptService:
     def check_scan(self, checkpoint_id: str, require: list[str], blocked: str) -> None:
         """A promotion's guard: Conflict, saying why (`blocked`: what did not happen), unless the checkpoint's
         newest scan holds every bound of `require` (`converters.stats.guards`: finite, max_abs<=100, ...)."""
-        from converters.stats.guards import check, describe, parse_bounds
+        from converters import check_bounds, parse_bounds
 
         bounds = parse_bounds(require)
         try:
             found = self.stats(checkpoint_id)
         except NotFound as exc:
             raise Conflict(f"{blocked}: {exc}") from None
-        broken = check(bounds, found.get("tensors") or [])
+        broken = check_bounds(bounds, found.get("tensors") or [])
         if broken:
-            raise Conflict(f"{blocked}: scan {found['job_id']} found {describe(broken)}")
+            raise Conflict(f"{blocked}: scan {found['job_id']} found {'; '.join(map(str, broken))}")
 
     def lineage(self, checkpoint_id: str) -> LineageView:
         return self.registry.lineage(self.catalog.checkpoint_id(checkpoint_id))

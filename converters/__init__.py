@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from .resharding import ReshardOptions, ReshardResult, reshard
     from .staged import through_merged
     from .stats import DiffResult, ScanResult, diff, layer_of, scan
+    from .stats.guards import check as check_bounds
+    from .stats.guards import parse_bounds
     from .transforms import KeyOptions
     from .verification import VerifyReport, check_certificate
     from .writers import WRITERS
@@ -70,6 +72,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "import_hf": "hf_families.importer", "ImportResult": "hf_families.importer", "export_gguf": "gguf_export",
     "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats", "through_merged": "staged",
     "layer_of": "stats", "check_certificate": "verification", "scrub": "certificate_check",
+    "parse_bounds": "stats.guards", "check_bounds": ("stats.guards", "check"),
     "CertificateReport": "certificate_check",
     "archive_checkpoint": ("archive", "archive"), "restore_archive": ("archive", "restore"),
     "archive_gc": ("archive", "gc"), "list_archives": "archive", "ArchiveResult": "archive",
@@ -108,6 +111,7 @@ __all__ = [
     "adapter_info",
     "archive_checkpoint",
     "archive_gc",
+    "check_bounds",
     "check_certificate",
     "convert",
     "deepspeed_source",
@@ -126,6 +130,7 @@ __all__ = [
     "layer_of",
     "list_archives",
     "load_index",
+    "parse_bounds",
     "parse_dim_rules",
     "register_format",
     "remove_tree",

@@ -148,8 +148,3 @@ def check(bounds: Iterable[Bound], tensors: Iterable[TensorStats | Mapping[str, 
         if bad or (bound.glob is not None and not matched):
             broken.append(Broken(bound, tuple(bad)))
     return broken
-
-
-def describe(broken: list[Broken]) -> str:
-    """The broken bounds in one line."""
-    return "; ".join(str(b) for b in broken)
