@@ -364,6 +364,24 @@ def test_refuses_unknown_family_outtype_and_pre_tokenizer(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out.gguf", "out.gguf.ckpt-manifest.json"]
 
 
+def test_refuses_a_setting_llama_cpp_would_ignore(tmp_path: Path) -> None:
+    """llama.cpp's qwen3moe always renormalises the chosen experts' weights and its converter does not record
+    norm_topk_prob: a model without it would load and compute other logits, so the export refuses it."""
+    source = _small(tmp_path / "model")
+    config = json.loads((source / "config.json").read_text())
+    for setting in ({"norm_topk_prob": False}, {}):
+        (source / "config.json").write_text(json.dumps({**config, **setting,
+                                                        "architectures": ["Qwen3MoeForCausalLM"]}))
+        with pytest.raises(FormatError) as exc:
+            export_gguf(str(source), str(tmp_path / "out.gguf"))
+        said = repr(setting.get("norm_topk_prob"))
+        assert _one_line(exc) == (f"{source} (config.json): norm_topk_prob is {said}, but llama.cpp's qwen3moe always "
+                                  "renormalises the chosen experts' router weights (norm_topk_prob=True), so the GGUF "
+                                  "would compute other logits; no GGUF export serves this model (llama.cpp's own "
+                                  "converter writes one anyway)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_export_gguf_option_offline_and_as_a_job(tmp_path: Path) -> None:
     """`ckptctl export SRC OUT.gguf --gguf q8_0` and an export job with `options.gguf` write the engine's file."""
     from fastapi.testclient import TestClient

@@ -22,6 +22,9 @@ class Family:
     arch: gguf.MODEL_ARCH
     permute_qk: bool  # llama-style rope: q_proj/k_proj rows permuted as llama.cpp's LlamaModel.permute
     experts: str = ""  # how per-expert tensors are named (names._EXPERTS): "qwen", "mixtral"; "" dense
+    # config.json settings llama.cpp's model for the architecture assumes without reading them from the file:
+    # (key, the value it assumes, what it does). Another value would load and compute other logits, silently.
+    assumes: tuple[tuple[str, Any, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -34,7 +37,8 @@ FAMILIES = {f.hf_arch: f for f in (
     Family("MixtralForCausalLM", gguf.MODEL_ARCH.LLAMA, True, experts="mixtral"),
     Family("Qwen2ForCausalLM", gguf.MODEL_ARCH.QWEN2, False),
     Family("Qwen3ForCausalLM", gguf.MODEL_ARCH.QWEN3, False),
-    Family("Qwen3MoeForCausalLM", gguf.MODEL_ARCH.QWEN3MOE, False, experts="qwen"),
+    Family("Qwen3MoeForCausalLM", gguf.MODEL_ARCH.QWEN3MOE, False, experts="qwen",
+           assumes=(("norm_topk_prob", True, "renormalises the chosen experts' router weights"),)),
 )}
 
 
@@ -47,7 +51,13 @@ def family(config: dict[str, Any], uri: str) -> Family:
             "has no architectures entry naming the model class"
         raise FormatError(f"{uri} (config.json): {said} (it knows {known}); set architectures or use llama.cpp's "
                           "convert_hf_to_gguf.py", uri=uri, key="architectures")
-    return FAMILIES[arch]
+    fam = FAMILIES[arch]
+    for key, value, does in fam.assumes:
+        if config.get(key) != value:
+            raise FormatError(f"{uri} (config.json): {key} is {config.get(key)!r}, but llama.cpp's {fam.name} always "
+                              f"{does} ({key}={value!r}), so the GGUF would compute other logits; no GGUF export "
+                              "serves this model (llama.cpp's own converter writes one anyway)", uri=uri, key=key)
+    return fam
 
 
 def _find(config: dict[str, Any], keys: tuple[str, ...]) -> Any:
