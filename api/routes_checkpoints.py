@@ -10,10 +10,9 @@ from pydantic import Field
 from ckpt_service.auth import Principal, Scope
 from ckpt_service.integrity import IntegrityView, integrity
 from ckpt_service.registry import CheckpointView, LineageView, RegisterRequest
-from ckpt_service.service_errors import NotFound
 
 from .schemas import CheckpointPage, errors
-from .security import Reader, Writer, may_job, visible_lineage
+from .security import Reader, Writer, may_read_job, visible_checkpoint, visible_lineage
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 # an id, or a name, NAME@RUN, ALIAS@RUN (`CkptService.checkpoint` resolves them)
@@ -49,7 +48,8 @@ def list_checkpoints(request: Request, principal: Reader,
     # the store filters by the caller's readable roots, so a page is full; the check after it stays exact
     items, next_cursor, unreadable = request.app.state.service.checkpoints(name, tag, format, limit, cursor,
                                                                            principal.readable())
-    items = [view for view in items if principal.may(view.uri, "read")]
+    jobs = may_read_job(request, principal)
+    items = [visible_checkpoint(principal, view, jobs) for view in items if principal.may(view.uri, "read")]
     return CheckpointPage(items=items, next_cursor=next_cursor, unreadable=unreadable)
 
 
@@ -60,7 +60,8 @@ def show(checkpoint_id: CheckpointId, request: Request, principal: Reader,
     """The stored summary; `?tensors=true` re-reads the metadata and adds the tensor table. A checkpoint whose
     data GC or a purge deleted is still shown, with `deleted_at` set."""
     _check(request, principal, checkpoint_id, "read")
-    return request.app.state.service.checkpoint(checkpoint_id, tensors)
+    view = request.app.state.service.checkpoint(checkpoint_id, tensors)
+    return visible_checkpoint(principal, view, may_read_job(request, principal))
 
 
 @router.get("/{checkpoint_id}/stats", responses=errors(401, 403, 404, 422, 503), summary="A checkpoint's statistics")
@@ -91,17 +92,10 @@ class ScopedLineage(LineageView):
 def lineage(checkpoint_id: CheckpointId, request: Request, principal: Reader) -> ScopedLineage:
     """Ancestors (what it was derived from, recursively) and descendants, each with the job that made it. Only
     checkpoints the caller may read are shown (`hidden` counts the others; the walk goes through them), and an
-    edge's job id only when the caller may read that job."""
+    edge's job id (and a checkpoint's made_by_job) only when the caller may read that job."""
     _check(request, principal, checkpoint_id, "read")
     service = request.app.state.service
-
-    def may_read_job(job_id: str) -> bool:
-        try:
-            return may_job(principal, service.job(job_id).view())
-        except NotFound:
-            return False
-
-    shown, hidden = visible_lineage(principal, service.lineage(checkpoint_id), may_read_job)
+    shown, hidden = visible_lineage(principal, service.lineage(checkpoint_id), may_read_job(request, principal))
     return ScopedLineage(**dict(shown), hidden=hidden)
 
 
@@ -116,4 +110,5 @@ def delete(checkpoint_id: CheckpointId, request: Request, principal: Writer,
     if purge:
         principal = request.app.state.checker.require(request.headers.get("authorization"), "admin")
     _check(request, principal, checkpoint_id, "write")
-    return request.app.state.service.delete(checkpoint_id, purge, principal)
+    view = request.app.state.service.delete(checkpoint_id, purge, principal)
+    return visible_checkpoint(principal, view, may_read_job(request, principal))

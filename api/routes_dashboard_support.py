@@ -138,7 +138,7 @@ def session_callback(request: Request, state: Annotated[str, Query(max_length=20
     return RedirectResponse(f"/#/sso/{flows.finish(code, state)}", status_code=303)
 
 
-@router.post("/session/handoff", response_model=SessionToken, responses=errors(401, 404, 422),
+@router.post("/session/handoff", response_model=SessionToken, responses=errors(400, 401, 404, 422),
              summary="Trade a one-time sign-in handoff for the access token")
 def session_handoff(body: HandoffRequest, request: Request) -> SessionToken:
     found = _flows(request).take(body.handoff)
@@ -146,7 +146,7 @@ def session_handoff(body: HandoffRequest, request: Request) -> SessionToken:
                         id_token=found.id_token)
 
 
-@router.post("/session/logout", response_model=Logout, responses=errors(404, 422),
+@router.post("/session/logout", response_model=Logout, responses=errors(400, 404, 422),
              summary="Where to end the issuer's session (RP-initiated logout)")
 def session_logout(body: LogoutRequest, request: Request) -> Logout:
     """The issuer's end_session_endpoint with the ID token as `id_token_hint` and this dashboard as
@@ -155,6 +155,7 @@ def session_logout(body: LogoutRequest, request: Request) -> Logout:
     return Logout(url=_flows(request).end_session(body.id_token_hint, _ended_uri(request)))
 
 
-@router.get("/session/ended", name="session_ended", status_code=303, summary="Back from signing out at the issuer")
+@router.get("/session/ended", name="session_ended", status_code=303, response_class=RedirectResponse,
+            summary="Back from signing out at the issuer")
 def session_ended() -> RedirectResponse:
     return RedirectResponse("/#/jobs", status_code=303)

@@ -16,7 +16,7 @@ from ckpt_service.rules import NotifyResult, Rules, RuleSpec, RuleView, Schedule
 from ckpt_service.service_errors import Forbidden, NotFound
 
 from .schemas import errors
-from .security import Reader, Writer, check_rule, may_rule
+from .security import Reader, Writer, check_rule, may_read_job, may_rule, visible_checkpoint
 
 router = APIRouter(prefix="/v1", tags=["manage"])
 Id = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
@@ -73,6 +73,15 @@ def _checkpoint(request: Request, principal: Principal, checkpoint_id: str, need
     principal.check(uri, needed, f"checkpoint {checkpoint_id}")
 
 
+def _shown(request: Request, principal: Principal, views: list[ManagedView]) -> list[ManagedView]:
+    """Readable checkpoints' views with the jobs the caller may not read blanked (`visible_checkpoint`)."""
+    if principal.roots is None:
+        return views
+    jobs = may_read_job(request, principal)
+    return [view.model_copy(update={"checkpoint": visible_checkpoint(principal, view.checkpoint, jobs)})
+            for view in views]
+
+
 def _rules(request: Request) -> Rules:
     return request.app.state.rules
 
@@ -104,7 +113,7 @@ def set_tags(checkpoint_id: Id, body: TagUpdate, request: Request, principal: Wr
             responses=errors(401, 403, 404, 422, 503), summary="A checkpoint with its run, step, aliases and rule")
 def managed(checkpoint_id: Id, request: Request, principal: Reader) -> ManagedView:
     _checkpoint(request, principal, checkpoint_id, "read")
-    return request.app.state.service.catalog.managed(checkpoint_id)
+    return _shown(request, principal, [request.app.state.service.catalog.managed(checkpoint_id)])[0]
 
 
 @router.get("/aliases", responses=errors(401, 403, 422, 503), summary="List aliases")
@@ -124,7 +133,7 @@ def get_alias(namespace: Id, name: Id, request: Request, principal: Reader) -> M
     catalog = request.app.state.service.catalog
     view: ManagedView = catalog.managed(catalog.resolve(namespace, name))
     principal.check(view.checkpoint.uri, "read", f"alias {name}@{namespace}")
-    return view
+    return _shown(request, principal, [view])[0]
 
 
 @router.put("/aliases/{namespace}/{name}", response_model=ManagedView,
@@ -138,7 +147,8 @@ def put_alias(namespace: Id, name: Id, body: AliasTarget, request: Request, prin
     if body.require_finite or body.require:
         service.check_scan(body.checkpoint_id, ["finite"] * body.require_finite + body.require,
                            f"alias {name}@{namespace} not moved")
-    return service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name, principal)
+    moved = service.catalog.set_alias(namespace, name, body.checkpoint_id, principal.name, principal)
+    return _shown(request, principal, [moved])[0]
 
 
 @router.delete("/aliases/{namespace}/{name}", status_code=204, responses=errors(401, 403, 404, 422, 503),
@@ -175,12 +185,10 @@ def alias_history(namespace: Id, name: Id, request: Request, principal: Reader) 
 
 @router.get("/runs", response_model=list[RunView], responses=errors(401, 403, 503), summary="List runs")
 def runs(request: Request, principal: Reader) -> list[RunView]:
-    """Only runs whose latest checkpoint the caller may read."""
-    found: list[RunView] = request.app.state.service.catalog.runs()
-    if principal.roots is None:
-        return found
-    registry = request.app.state.service.registry
-    return [run for run in found if run.latest_id and principal.may(registry.get(run.latest_id).uri, "read")]
+    """Each run's steps the caller may read (counted, and the latest among them); a run with none is left out."""
+    found: list[RunView] = request.app.state.service.catalog.runs(principal.readable())
+    return [run for run in found if principal.roots is None
+            or (run.latest_id and principal.may(request.app.state.service.registry.get(run.latest_id).uri, "read"))]
 
 
 @router.get("/runs/{run}", response_model=list[ManagedView], responses=errors(401, 403, 404, 422, 503),
@@ -188,7 +196,7 @@ def runs(request: Request, principal: Reader) -> list[RunView]:
 def run_steps(run: Id, request: Request, principal: Reader) -> list[ManagedView]:
     """The steps the caller may read."""
     steps: list[ManagedView] = request.app.state.service.catalog.steps(run)
-    return [step for step in steps if principal.may(step.checkpoint.uri, "read")]
+    return _shown(request, principal, [step for step in steps if principal.may(step.checkpoint.uri, "read")])
 
 
 @router.get("/runs/{run}/stats", responses=errors(401, 403, 404, 422, 503), summary="A run's statistics by step")
@@ -206,7 +214,7 @@ def run_stats(run: Id, request: Request, principal: Reader) -> list[dict[str, An
 def run_latest(run: Id, request: Request, principal: Reader) -> ManagedView:
     view: ManagedView = request.app.state.service.catalog.latest(run)
     principal.check(view.checkpoint.uri, "read", f"run {run}")
-    return view
+    return _shown(request, principal, [view])[0]
 
 
 # -- retention and GC ------------------------------------------------------------------------------
@@ -245,8 +253,8 @@ def gc(body: GcRequest, request: Request, principal: Reader) -> GcReport:
 def deletions(request: Request, principal: Reader,
               state: Annotated[str | None, Query(pattern="^(pending|done|refused)$")] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[DeletionView]:
-    """Only deletions under roots the caller may read."""
-    found: list[DeletionView] = _retention(request).deletions(state, limit)
+    """Only deletions under roots the caller may read (filtered in the query, so `limit` of them come back)."""
+    found: list[DeletionView] = _retention(request).deletions(state, limit, principal.readable())
     return [item for item in found if principal.may(item.uri, "read")]
 
 

@@ -10,8 +10,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ckpt_service.auth import Principal, Scope
 from ckpt_service.jobs import JobView
-from ckpt_service.registry import LineageEdge, LineageView
+from ckpt_service.registry import CheckpointView, LineageEdge, LineageView
 from ckpt_service.rules import RuleSpec, _fixed_part, render
+from ckpt_service.service_errors import NotFound
 
 bearer = HTTPBearer(auto_error=False, description="A token from `ckptctl token create`.")
 
@@ -32,11 +33,16 @@ Writer = Annotated[Principal, Depends(require("write"))]
 
 # -- per-root permissions (CKPT_OIDC_GROUP_ROLES; static tokens hold their scope over every root) ------------
 
+#: options naming paths a job reads besides its source (an export's side files, a merge's base model)
+READ_OPTIONS = ("config_from", "base")
+
+
 def job_uris(job: JobView, needed: Scope) -> list[str]:
-    """What a job is judged by: to read it, its source and its target; to change it, its target (else its
-    source)."""
+    """What a job is judged by: to read it, its source, its target and the paths its options read
+    (READ_OPTIONS); to change it, its target (else its source)."""
     if needed == "read":
-        return [job.spec.source, *([job.spec.target] if job.spec.target else [])]
+        read = [getattr(job.spec.options, option, None) for option in READ_OPTIONS]
+        return [job.spec.source, *([job.spec.target] if job.spec.target else []), *(uri for uri in read if uri)]
     return [job.spec.target or job.spec.source]
 
 
@@ -47,6 +53,45 @@ def may_job(principal: Principal, job: JobView) -> bool:
 def check_job(principal: Principal, job: JobView, needed: Scope) -> None:
     for uri in job_uris(job, needed):
         principal.check(uri, needed, f"job {job.id}")
+
+
+def job_reader(principal: Principal, job: Callable[[str], JobView]) -> Callable[[str], bool]:
+    """`may_read_job(job_id)` for one request: whether `principal` may read that job (False for a job gone
+    since), each job looked up once."""
+    known: dict[str, bool] = {}
+
+    def may_read_job(job_id: str) -> bool:
+        if principal.roots is None:
+            return True
+        if job_id not in known:
+            try:
+                known[job_id] = may_job(principal, job(job_id))
+            except NotFound:
+                known[job_id] = False
+        return known[job_id]
+
+    return may_read_job
+
+
+def may_read_job(request: Request, principal: Principal) -> Callable[[str], bool]:
+    """`job_reader` over the service's jobs, for one request."""
+    service = request.app.state.service
+    return job_reader(principal, lambda job_id: service.job(job_id).view())
+
+
+def visible_checkpoint(principal: Principal, view: CheckpointView, may_read_job: Callable[[str], bool]
+                       ) -> CheckpointView:
+    """A readable checkpoint as `principal` may see it: `made_by_job`, and the job `registered_via` names,
+    blanked when that job reads or writes a root the caller may not read."""
+    if principal.roots is None:
+        return view
+    update: dict[str, object] = {}
+    if view.made_by_job is not None and not may_read_job(view.made_by_job):
+        update["made_by_job"] = None
+    via = view.registered_via or {}
+    if "job" in via and not may_read_job(via["job"]):
+        update["registered_via"] = {key: value for key, value in via.items() if key != "job"}
+    return view.model_copy(update=update) if update else view
 
 
 def visible_lineage(principal: Principal, view: LineageView, may_read_job: Callable[[str], bool]
@@ -67,12 +112,14 @@ def visible_lineage(principal: Principal, view: LineageView, may_read_job: Calla
             if not principal.may(edge.checkpoint.uri, "read"):
                 hidden += 1
                 continue
-            if edge.job_id is not None and not may_read_job(edge.job_id):
-                edge = edge.model_copy(update={"job_id": None})
-            kept.append(edge)
+            job_id = edge.job_id if edge.job_id is None or may_read_job(edge.job_id) else None
+            kept.append(edge.model_copy(update={"job_id": job_id,
+                                                "checkpoint": visible_checkpoint(principal, edge.checkpoint,
+                                                                                 may_read_job)}))
         return kept
 
-    shown = LineageView(checkpoint=view.checkpoint, ancestors=keep(view.ancestors), descendants=keep(view.descendants))
+    shown = LineageView(checkpoint=visible_checkpoint(principal, view.checkpoint, may_read_job),
+                        ancestors=keep(view.ancestors), descendants=keep(view.descendants))
     return shown, hidden
 
 

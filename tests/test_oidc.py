@@ -489,3 +489,91 @@ def test_the_audit_log_names_each_team_and_holds_the_refused_attempts(site: Site
     finally:
         for client in http.values():
             client.close()
+
+
+def test_jobs_reading_other_roots_runs_deletions_and_job_ids_follow_readable_roots(site: Site, teams: Teams) -> None:
+    """A job's config_from and base are read paths (submitting or seeing the job needs read there); a
+    checkpoint names the job that made or found it only to callers who may read that job; runs count readable
+    steps; a page of the deletion log holds the caller's deletions however many of others' are newer."""
+    root = teams.a.parent
+    for folder in ("shared/hf", "b/hf", "b/found", "shared/found", "a/r1", "b/r1"):
+        (root / folder).mkdir()
+    for path in ("b/found/model.safetensors", "shared/found/model.safetensors", "a/r1/m.safetensors",
+                 "b/r1/m.safetensors"):
+        save_file({"w": torch.full((2,), 3.0)}, str(root / path))
+    http = {c.client_id: teams.server.http(site.provider.token(c)) for c in (TEAM_A, TEAM_B, ADMIN)}
+    a, b, admin = http["team-a-ci"], http["team-b-ci"], http["platform"]
+    admin_token = site.provider.token(ADMIN)
+    rule = "(its groups give no role there; CKPT_OIDC_GROUP_ROLES maps groups to roots)"
+    try:
+        # 1. config_from and base: read paths of the job
+        export = job_spec("export", teams.shared / "model.safetensors", teams.a / "exported",
+                          config_from=str(teams.b / "hf"))
+        refused = a.post("/v1/jobs", json=export)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["message"] == (
+            f"options.config_from: oidc:team-a-ci may not read {teams.b}/hf {rule}")
+        merge = job_spec("export", teams.shared / "model.safetensors", teams.a / "merged", merge_adapter=True,
+                         base=str(teams.b / "hf"))
+        assert a.post("/v1/jobs", json=merge).json()["error"]["message"] == (
+            f"options.base: oidc:team-a-ci may not read {teams.b}/hf {rule}")
+        theirs = admin.post("/v1/jobs", json=export)
+        assert theirs.status_code == 202, theirs.text
+        job_id = theirs.json()["id"]
+        assert a.get(f"/v1/jobs/{job_id}").json()["error"]["message"] == (
+            f"job {job_id}: oidc:team-a-ci may not read {teams.b}/hf {rule}")
+        assert job_id not in [j["id"] for j in a.get("/v1/jobs", params={"limit": 200}).json()["items"]]
+        assert job_id in [j["id"] for j in admin.get("/v1/jobs", params={"limit": 200}).json()["items"]]
+        ok = a.post("/v1/jobs", json={**export, "target": str(teams.a / "exported-2"),
+                                      "options": {"config_from": str(teams.shared / "hf")}})
+        assert ok.status_code == 202, ok.text
+        # 2. job ids a checkpoint names: an output made from team B's root, a shared source found by B's job
+        made = {}
+        for name, source, target in (("a-from-b", root / "b/found/model.safetensors",
+                                      teams.a / "from-b.safetensors"),
+                                     ("b-from-shared", root / "shared/found/model.safetensors",
+                                      teams.b / "from-shared.safetensors")):
+            job = admin.post("/v1/jobs", json=job_spec("convert", source, target))
+            assert job.status_code == 202, job.text
+            made[name] = teams.server.wait_job(job.json()["id"], ("succeeded",), token=admin_token)["id"]
+        everything = {c["uri"]: c for c in admin.get("/v1/checkpoints", params={"limit": 200}).json()["items"]}
+        output = everything[str(teams.a / "from-b.safetensors")]
+        shared = everything[str(root / "shared/found/model.safetensors")]
+        assert (output["made_by_job"], output["registered_via"]) == (made["a-from-b"],
+                                                                     {"how": "output", "job": made["a-from-b"]})
+        assert shared["registered_via"] == {"how": "source", "job": made["b-from-shared"]}
+        for seen in (a.get(f"/v1/checkpoints/{output['id']}").json(),
+                     a.get(f"/v1/checkpoints/{output['id']}/managed").json()["checkpoint"],
+                     a.get(f"/v1/checkpoints/{output['id']}/lineage").json()["checkpoint"],
+                     next(c for c in a.get("/v1/checkpoints", params={"limit": 200}).json()["items"]
+                          if c["id"] == output["id"])):
+            assert (seen["made_by_job"], seen["registered_via"]) == (None, {"how": "output"})
+        assert a.get(f"/v1/checkpoints/{shared['id']}").json()["registered_via"] == {"how": "source"}
+        assert b.get(f"/v1/checkpoints/{shared['id']}").json()["registered_via"] == shared["registered_via"]
+        # 3. runs: each team counts its own steps of a run both write to
+        for client, folder, step in ((a, teams.a, 1), (b, teams.b, 2)):
+            registered = client.post("/v1/checkpoints", json={"uri": str(folder / "r1/m.safetensors"),
+                                                              "metadata": {"run": "both", "step": step}})
+            assert registered.status_code == 201, registered.text
+        runs = {name: {r["run"]: (r["checkpoints"], r["latest_step"]) for r in client.get("/v1/runs").json()}
+                for name, client in http.items()}
+        assert (runs["team-a-ci"]["both"], runs["team-b-ci"]["both"], runs["platform"]["both"]) == ((1, 1), (1, 2),
+                                                                                                     (2, 2))
+        # 4. deletions: team A's one purge is its page of one, though team B's is newer
+        steps = [teams.a / "r1/m.safetensors", teams.b / "r1/m.safetensors"]
+        assert admin.delete("/v1/aliases/both/latest").status_code == 204
+        for uri in steps:  # b's purge is the newer
+            purged = admin.delete(f"/v1/checkpoints/{uri_id(admin, uri)}", params={"purge": "true"})
+            assert purged.status_code == 200, purged.text
+        for client, uri in ((a, steps[0]), (b, steps[1])):
+            assert [d["uri"] for d in client.get("/v1/deletions", params={"limit": 1}).json()] == [str(uri)]
+        assert [d["uri"] for d in admin.get("/v1/deletions", params={"limit": 2}).json()] == [str(steps[1]),
+                                                                                              str(steps[0])]
+    finally:
+        for client in http.values():
+            client.close()
+
+
+def uri_id(client: httpx.Client, uri: Path) -> str:
+    return str(next(c["id"] for c in client.get("/v1/checkpoints", params={"limit": 200}).json()["items"]
+                    if c["uri"] == str(uri)))
