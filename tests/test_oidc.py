@@ -577,3 +577,51 @@ def test_jobs_reading_other_roots_runs_deletions_and_job_ids_follow_readable_roo
 def uri_id(client: httpx.Client, uri: Path) -> str:
     return str(next(c["id"] for c in client.get("/v1/checkpoints", params={"limit": 200}).json()["items"]
                     if c["uri"] == str(uri)))
+
+
+def test_the_dashboard_lineage_says_how_many_checkpoints_it_leaves_out(site: Site, teams: Teams) -> None:
+    """Team A, signed in to the dashboard with its token, sees its own output of a shared checkpoint in the
+    lineage picture and a line counting team B's output, which is not drawn."""
+    chromium_path = Path("/usr/bin/chromium")
+    if not chromium_path.exists():
+        pytest.fail("/usr/bin/chromium is missing: install Debian's chromium (.ci/run does) for the browser tests")
+    from playwright.sync_api import sync_playwright
+
+    source = teams.shared / "pictured.safetensors"
+    save_file({"w": torch.arange(3, dtype=torch.float32)}, str(source))
+    admin_token, token_a = site.provider.token(ADMIN), site.provider.token(TEAM_A)
+    with teams.server.http(admin_token) as admin:
+        for folder in (teams.a, teams.b):
+            job = admin.post("/v1/jobs", json=job_spec("convert", source, folder / "pictured.safetensors"))
+            assert job.status_code == 202, job.text
+            teams.server.wait_job(job.json()["id"], ("succeeded",), token=admin_token)
+        shared_id = uri_id(admin, source)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(chromium_path), args=["--no-sandbox",
+                                              "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+        try:
+            page = chromium.new_context().new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_default_timeout(20_000)
+            page.goto(f"{teams.server.url}/")
+            page.wait_for_selector("#view-signin:not([hidden])")
+            page.fill("#token", token_a)
+            page.press("#token", "Enter")
+            page.wait_for_selector("#view-jobs:not([hidden])")
+            assert page.text_content("#who") == "oidc:team-a-ci · admin"
+            page.goto(f"{teams.server.url}/#/checkpoints/{shared_id}")
+            page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+            assert page.text_content("#lineage-hidden") == "1 checkpoint under roots you cannot read is not shown."
+            labels = page.eval_on_selector_all("svg.lineage-graph a.node-checkpoint", "ns => ns.map(n => "
+                                               "n.getAttribute('href'))")
+            assert sorted(labels) == sorted([f"#/checkpoints/{shared_id}",
+                                             f"#/checkpoints/{uri_id_with(token_a, teams, teams.a)}"])
+            assert errors == []
+        finally:
+            chromium.close()
+
+
+def uri_id_with(token: str, teams: Teams, folder: Path) -> str:
+    with teams.server.http(token) as client:
+        return uri_id(client, folder / "pictured.safetensors")

@@ -4,7 +4,7 @@ import { api, query } from "./api.js";
 import { archivedSection } from "./archived.js";
 import { actionButton, bytes, clear, el, facts, jobLink, table, when } from "./dom.js";
 import { showIntegrity } from "./integrity.js";
-import { drawGraph, lineageGraph } from "./lineage.js";
+import { drawGraph, hiddenNote, lineageGraph } from "./lineage.js";
 import { canWrite, pageSize } from "./session.js";
 
 const MAX_LINEAGE_JOBS = 40;
@@ -149,9 +149,11 @@ async function drawLineage(id, signal) {
   const jobs = new Map();
   await Promise.all(ids.slice(0, MAX_LINEAGE_JOBS).map((jobId) =>
     api(`/v1/jobs/${encodeURIComponent(jobId)}`, { signal }).then((j) => jobs.set(jobId, j), () => {})));
-  if (!lineage.ancestors.length && !lineage.descendants.length) {
+  const note = hiddenNote(lineage);
+  if (!lineage.ancestors.length && !lineage.descendants.length && !note) {
     box.append(el("p", {}, "No lineage: this checkpoint was registered by hand and nothing was made from it yet."));
   }
+  if (note) box.append(el("p", { id: "lineage-hidden", class: "empty-note" }, note));
   box.append(drawGraph(lineageGraph(lineage, jobs)));
 }
 

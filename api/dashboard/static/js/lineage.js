@@ -122,3 +122,12 @@ export function lineageGraph(lineage, jobs) {
   }
   return { nodes, edges };
 }
+
+// The line saying how many checkpoints the server left out of the lineage (`hidden`: under storage roots
+// the signed-in caller may not read); "" when none were.
+export function hiddenNote(lineage) {
+  const n = lineage.hidden || 0;
+  if (!n) return "";
+  return n === 1 ? "1 checkpoint under roots you cannot read is not shown."
+    : `${n} checkpoints under roots you cannot read are not shown.`;
+}
