@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .archived import archive_job_recorder, restore_job_recorder
 from .executor import (
     EngineCall,
     archive_call,
@@ -69,6 +68,20 @@ def written_result(value: Any) -> dict[str, Any]:
     if verify is not None:
         result["verify_summary"] = verify.summary()
     return result
+
+
+def record_archive(*args: Any) -> Callable[[Any], None]:
+    """`archived.archive_job_recorder`, imported when an archive job succeeds (not by every command's start-up)."""
+    from .archived import archive_job_recorder
+
+    return archive_job_recorder(*args)
+
+
+def record_restore(*args: Any) -> Callable[[Any], None]:
+    """`archived.restore_job_recorder`, imported when a restore job succeeds."""
+    from .archived import restore_job_recorder
+
+    return restore_job_recorder(*args)
 
 
 @dataclass(frozen=True)
@@ -160,8 +173,8 @@ declare(JobKind("scrub", ScrubRequest, scrub_call, report_result, arguments=(SOU
 declare(JobKind("diff", DiffRequest, diff_call, report_result,
                 arguments=(("a", "The first checkpoint."), ("b", "The second checkpoint."))))
 declare(JobKind("archive", ArchiveRequest, archive_call, lambda r: r.to_dict(), store="target",
-                record=archive_job_recorder, offline=False,
+                record=record_archive, offline=False,
                 arguments=(SOURCE, ("store", "The archive store: a folder or URI (s3://bucket/archive)."))))
 declare(JobKind("restore", RestoreRequest, restore_call, as_is, writes=True, store="source",
-                record=restore_job_recorder, offline=False,
+                record=record_restore, offline=False,
                 arguments=(("store", "The archive store: a folder or URI."), ("target", "The new folder (or file)."))))
