@@ -205,3 +205,30 @@ def test_an_alias_with_bounds_moves_only_to_a_step_within_them(steps: Path, tmp_
             f"alias prod@default not moved: scan {scans[2]['id']} found {blown(steps)}")
         assert client.get("/v1/aliases/default/prod").json()["checkpoint"]["id"] == ids[1]
         assert client.put("/v1/aliases/default/prod", json={"checkpoint_id": ids[2]}).status_code == 200  # unguarded
+
+
+@pytest.mark.slow
+def test_ckptctl_alias_require_is_refused_by_a_real_server_in_one_line(steps: Path, tmp_path: Path) -> None:
+    from tests.conftest import ckptctl as run_ckptctl
+
+    from .service_harness import make_server
+
+    server = make_server(tmp_path / "data", read_roots=[steps], write_roots=[tmp_path], workers=1).start()
+    try:
+        def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+            return run_ckptctl(*args, "--server", server.url, check=check)
+
+        for step in (1, 2):
+            cli("checkpoints", "register", str(steps / f"step-{step}"), "--name", f"step{step}")
+            cli("submit", "scan", str(steps / f"step-{step}"), "--wait", "-q")
+        flags = [arg for bound in BOUNDS for arg in ("--require", bound)]
+        assert "prod@default -> " in cli("checkpoints", "alias", "step1", "prod", *flags).stdout
+        refused = cli("checkpoints", "alias", "step2", "prod", *flags, check=False)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert refused.stderr.startswith("error: alias prod@default not moved: scan job_"), refused.stderr
+        assert refused.stderr.strip().endswith(f"found {blown(steps)} (HTTP 409)"), refused.stderr
+        bad = cli("checkpoints", "alias", "step2", "prod", "--require", "max_abs<=ten", check=False)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert "bound 'max_abs<=ten': limit 'ten' is not a number" in bad.stderr
+    finally:
+        server.stop()
