@@ -203,16 +203,20 @@ def run_steps(run: Id, request: Request, principal: Reader) -> list[ManagedView]
 def run_stats(run: Id, request: Request, principal: Reader) -> list[dict[str, Any]]:
     """Per scanned step: each layer's weight norm, its relative change from the step before, and the NaN/Inf
     count (from the newest scan job of each step's checkpoint)."""
-    if principal.roots is not None:
-        _checkpoint(request, principal, request.app.state.service.catalog.latest(run).checkpoint.id, "read")
-    points: list[dict[str, Any]] = request.app.state.service.run_stats(run)
-    return points
+    if principal.roots is None:
+        points: list[dict[str, Any]] = request.app.state.service.run_stats(run)
+        return points
+    # an OpenID caller: its newest readable step must exist, and only its readable steps are plotted
+    latest = request.app.state.service.catalog.latest(run, principal.readable())
+    _checkpoint(request, principal, latest.checkpoint.id, "read")
+    return list(request.app.state.service.run_stats(run, lambda uri: principal.may(uri, "read")))
 
 
 @router.get("/runs/{run}/latest", response_model=ManagedView, responses=errors(401, 403, 404, 422, 503),
             summary="The latest step of a run")
 def run_latest(run: Id, request: Request, principal: Reader) -> ManagedView:
-    view: ManagedView = request.app.state.service.catalog.latest(run)
+    """The newest step the caller may read."""
+    view: ManagedView = request.app.state.service.catalog.latest(run, principal.readable())
     principal.check(view.checkpoint.uri, "read", f"run {run}")
     return _shown(request, principal, [view])[0]
 

@@ -156,8 +156,9 @@ class Catalog:
             raise NotFound(f"no checkpoints in run {run}")
         return [self.managed(r["checkpoint_id"]) for r in rows]
 
-    def latest(self, run: str) -> ManagedView:
-        found = self._latest_id(run)
+    def latest(self, run: str, within: list[str] | None = None) -> ManagedView:
+        """The run's newest step (`within`: among those under these root URIs; None: all)."""
+        found = self._latest_id(run, within)
         if found is None:
             raise NotFound(f"run {run} has no checkpoint with a step")
         return self.managed(found)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -219,13 +220,13 @@ class CkptService:
         return {"checkpoint_id": view.id, "uri": view.uri, "job_id": job.id, "scanned_at": job.finished_at,
                 **job.result}
 
-    def run_stats(self, run: str) -> list[dict[str, Any]]:
+    def run_stats(self, run: str, may_read: Callable[[str], bool] | None = None) -> list[dict[str, Any]]:
         """A run's scanned steps in order, each with its layers' weight norms (the L2 norm of each layer's
         tensors together), the relative change of each norm from the step before, and its NaN/Inf count: what
-        the run page plots. Steps without a scan are left out."""
+        the run page plots. Steps without a scan are left out, and those whose URI `may_read` refuses."""
         from converters import layer_of
 
-        steps = self.catalog.steps(run)
+        steps = [m for m in self.catalog.steps(run) if may_read is None or may_read(m.checkpoint.uri)]
         scans = self._scans(sorted({m.checkpoint.uri for m in steps}))
         points: list[dict[str, Any]] = []
         for managed in steps:

@@ -559,6 +559,13 @@ def test_jobs_reading_other_roots_runs_deletions_and_job_ids_follow_readable_roo
                 for name, client in http.items()}
         assert (runs["team-a-ci"]["both"], runs["team-b-ci"]["both"], runs["platform"]["both"]) == ((1, 1), (1, 2),
                                                                                                      (2, 2))
+        for client, folder in ((a, teams.a), (b, teams.b)):
+            scan = client.post("/v1/jobs", json=job_spec("scan", folder / "r1/m.safetensors"))
+            assert scan.status_code == 202, scan.text
+            teams.server.wait_job(scan.json()["id"], ("succeeded",), token=admin_token)
+        for name, want in (("team-a-ci", [1]), ("team-b-ci", [2]), ("platform", [1, 2])):
+            assert http[name].get("/v1/runs/both/latest").json()["step"] == want[-1]
+            assert [p["step"] for p in http[name].get("/v1/runs/both/stats").json()] == want
         # 4. deletions: team A's one purge is its page of one, though team B's is newer
         steps = [teams.a / "r1/m.safetensors", teams.b / "r1/m.safetensors"]
         assert admin.delete("/v1/aliases/both/latest").status_code == 204
