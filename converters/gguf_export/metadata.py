@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gguf
-import torch
+import numpy as np
 
 from ..errors import FormatError
 
@@ -157,9 +157,10 @@ def add_parameters(writer: gguf.GGUFWriter, config: dict[str, Any], fam: Family,
         writer.add_expert_feed_forward_length(_number(moe_ff, "moe_intermediate_size", uri))
 
 
-def rope_freqs(config: dict[str, Any], fam: Family, uri: str) -> torch.Tensor | None:
+def rope_freqs(config: dict[str, Any], fam: Family, uri: str) -> np.ndarray | None:
     """Llama 3 rope scaling: the per-frequency factors llama.cpp's converter writes as rope_freqs.weight
-    (conversion/llama.py generate_extra_tensors; the same float32 torch steps)."""
+    (conversion/llama.py generate_extra_tensors; the same float32 torch steps, so torch is imported here, only
+    for such a config: the export itself needs no torch)."""
     rope = _rope(config)
     if fam.arch != gguf.MODEL_ARCH.LLAMA or str(rope.get("rope_type", "")).lower() != "llama3":
         return None
@@ -176,6 +177,8 @@ def rope_freqs(config: dict[str, Any], fam: Family, uri: str) -> torch.Tensor | 
     if dim <= 0 or high == low or not low or not high:
         raise FormatError(f"{uri} (config.json): llama3 rope scaling with head_dim {dim}, low_freq_factor {low} and "
                           f"high_freq_factor {high} has no rope factors; fix config.json", uri=uri, key="rope_scaling")
+    import torch
+
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     low_wavelen, high_wavelen = old / low, old / high
     factors: list[Any] = []
@@ -188,7 +191,7 @@ def rope_freqs(config: dict[str, Any], fam: Family, uri: str) -> torch.Tensor | 
         else:
             smooth = (old / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
+    return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
-import torch
+import numpy as np
 
 from ..errors import FormatError
 from ..index import TensorEntry
@@ -47,7 +47,7 @@ class Planned:
     shape: tuple[int, ...]  # torch order (GGUF's ne is this reversed)
     parts: list[Part] = field(default_factory=list)
     source_dtype: str = ""
-    data: torch.Tensor | None = None  # a tensor llama.cpp's converter computes (rope_freqs), instead of parts
+    data: np.ndarray | None = None  # a tensor llama.cpp's converter computes (rope_freqs), instead of parts
 
 
 def _whole(entry: TensorEntry, heads: int = 0) -> Part:

@@ -3,7 +3,8 @@
 - the output type (`outtype`) f32, f16, bf16 or q8_0 sets general.file_type and the type of the 2-D+ weights;
 - 1-D tensors, norms, biases (names not ending in .weight) and the MoE router (ffn_gate_inp) stay F32;
 - a Q8_0 tensor whose rows are not whole 32-value blocks falls back to F16, as llama.cpp's converter does;
-- the values go through float32 (a float16 source stays float16) and then gguf-py's own quantizer
+- the values go through float32 (a float16 source stays float16; bfloat16 is widened by its bits, exact as
+  torch's cast) and then gguf-py's own quantizer
   (`gguf.quants.quantize`), one slab of whole rows at a time; Q8_0 blocks lie within a row, so slabbing by rows
   gives the same bytes as the whole tensor at once.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
-import torch
 
 from ..errors import OptionError
 
@@ -63,8 +63,11 @@ def nbytes(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> int:
     return count // block * size
 
 
-def converted(rows: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """The GGUF bytes of `rows` (whole rows of the tensor) in type `qtype`."""
-    if rows.dtype not in (torch.float16, torch.float32):
-        rows = rows.to(torch.float32)
-    return gguf.quants.quantize(rows.numpy(), qtype)
+def converted(rows: np.ndarray, dtype: str, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """The GGUF bytes of `rows` (whole rows of the tensor, of source dtype `dtype`; bfloat16 held as uint16) in
+    type `qtype`."""
+    if dtype == "bfloat16":
+        rows = (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif dtype not in ("float16", "float32"):
+        rows = rows.astype(np.float32)  # float64: round to nearest even, as torch's .to(float32)
+    return gguf.quants.quantize(rows, qtype)
