@@ -164,14 +164,10 @@ def _check_tensors(uri: str, fmt: str, cert: dict[str, Any], reader: storage.Ran
             continue
         for piece in pieces:
             report.tensors += 1
-            box = _box(piece.get("box"))
-            try:
-                got = _crc(copier, entry, box)
-            except CkptError as exc:
-                report.damaged.append(f"{uri}: tensor {name} cannot be read back ({exc})")
-                continue
-            if got != piece.get("crc32"):
-                report.damaged.append(f"{_where(entry, box)} (output tensor {name}) differ from the certificate")
+            if found := _mismatch(copier, entry, piece, "crc32"):
+                where, error = found
+                report.damaged.append(f"{where} (output tensor {name}) " + (
+                    f"cannot be read back ({error})" if error else "differ from the certificate"))
 
 
 def _check_source(source: str, cert: dict[str, Any], reader: storage.RangeReader, memory_limit: int,
@@ -185,27 +181,29 @@ def _check_source(source: str, cert: dict[str, Any], reader: storage.RangeReader
             Chunk(tuple(r[3]), tuple(r[4]), ByteRange(source_uri(source, r[0]), int(r[1]), int(r[2]),
                                                       None if r[5] is None else tuple(r[5])))
             for r in piece["ranges"]])
-        box = _box(piece.get("box"))
         report.source_ranges += 1
-        try:
-            got = _crc(copier, entry, box)
-        except CkptError as exc:
-            report.damaged.append(f"source {_where(entry, box)} (tensor {name}) cannot be read ({exc})")
-            continue
-        if got != piece.get("source_crc32"):
-            report.damaged.append(f"source {_where(entry, box)} (tensor {name}) differ from what the conversion "
-                                  "read")
+        if found := _mismatch(copier, entry, piece, "source_crc32"):
+            where, error = found
+            report.damaged.append(f"source {where} (tensor {name}) " + (
+                f"cannot be read ({error})" if error else "differ from what the conversion read"))
 
 
 def _box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return None if value is None else (tuple(value[0]), tuple(value[1]))
 
 
-def _crc(copier: Copier, entry: TensorEntry, box: Any) -> int:
+def _mismatch(copier: Copier, entry: TensorEntry, piece: dict[str, Any],
+              key: str) -> tuple[str, CkptError | None] | None:
+    """None when the bytes of `piece` (of `entry`) still have the CRC-32 recorded under `key`; else where they lie
+    and the error that stopped their reading (None: they were read and differ)."""
+    box = _box(piece.get("box"))
     crc = 0
-    for block in copier.stream(entry, None, box):
-        crc = crc32(block, crc)
-    return crc
+    try:
+        for block in copier.stream(entry, None, box):
+            crc = crc32(block, crc)
+    except CkptError as exc:
+        return _where(entry, box), exc
+    return None if crc == piece.get(key) else (_where(entry, box), None)
 
 
 def _where(entry: TensorEntry, box: Any) -> str:
