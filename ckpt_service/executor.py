@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from converters import CkptError, OptionError, SourceError, VerifyError, storage, tmp_prefix
+from converters import CkptError, OptionError, SourceError, VerifyError, manifest_sidecar, storage, tmp_prefix
 
 from . import logs, roots
 from .helpers import remove_tree
@@ -362,17 +362,20 @@ class ProgressWriter:
 
 def clean_target(target: str | None, overwrite: bool) -> list[str]:
     """Remove what an interrupted attempt may have left: the engine's temporary siblings of `target`
-    (`.NAME.tmp-XXXXXXXX`), and, unless the job overwrites, the target itself (the API refused the job if
-    it existed before, so it can only be this job's own, unrecorded output)."""
+    (`.NAME.tmp-XXXXXXXX`, and a single file's manifest's `.NAME.ckpt-manifest.json.XXXXXXXX`), and, unless the
+    job overwrites, the target itself with the manifest beside it (the API refused the job if it existed before,
+    so it can only be this job's own, unrecorded output)."""
     if not target or not storage.is_local(target):
         return []
     path = os.path.abspath(storage.local_path(target))
     parent, base = os.path.split(path)
+    beside = manifest_sidecar(base)  # a single-file output's manifest, written beside it (via `.NAME.XXXXXXXX`)
     found = []
     if os.path.isdir(parent):
-        found = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(tmp_prefix(base))]
-    if not overwrite and os.path.lexists(path):
-        found.append(path)
+        found = [os.path.join(parent, n) for n in os.listdir(parent)
+                 if n.startswith(tmp_prefix(base)) or n.startswith(f".{beside}.")]
+    if not overwrite:
+        found += [p for p in (path, os.path.join(parent, beside)) if os.path.lexists(p)]
     for item in found:
         remove_tree(item)
     return found

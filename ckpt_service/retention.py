@@ -18,7 +18,8 @@ batches, then removes the data, each only after `roots.check` places it under a 
 log entry `done`. An interrupted GC leaves `pending` entries, which the next run finishes first; data
 already gone counts as removed. `DELETE /v1/checkpoints/{id}?purge=true` goes through the same log.
 
-A deletion removes exactly the registered path (`remove_checkpoint`): every component of a local path is
+A deletion removes exactly the registered path (`remove_checkpoint`), with a single file's manifest beside it
+(`<file>.ckpt-manifest.json`): every component of a local path is
 opened with O_NOFOLLOW from `/` down, and nothing is removed (`refused`) when a component is a symlink, the
 path is no longer what was planned (another device or inode), or it is the folder of a checkpoint that
 stays (aliased, pinned, kept, or any other live entry). Inside the tree a symlink is unlinked, never
@@ -238,10 +239,22 @@ def remove_checkpoint(uri: str, write_roots: list[roots.Location], *, expected: 
             _remove_dir(uri, parent, name, st, kept)
         else:
             os.unlink(name, dir_fd=parent)
+            _remove_sidecar(parent, name)
     except OSError as exc:
         raise ServiceError(f"could not delete {uri}: {type(exc).__name__} ({exc.strerror})") from None
     finally:
         os.close(parent)
+
+
+def _remove_sidecar(parent: int, name: str) -> None:
+    """A single-file checkpoint's manifest beside it (`<file>.ckpt-manifest.json`) goes with it; a symlink there is
+    unlinked, never followed, and a folder of that name is left alone."""
+    from converters import manifest_sidecar
+
+    beside = manifest_sidecar(name)
+    with contextlib.suppress(OSError):  # the data is gone already; a manifest left behind does no harm
+        if not stat.S_ISDIR(os.stat(beside, dir_fd=parent, follow_symlinks=False).st_mode):
+            os.unlink(beside, dir_fd=parent)
 
 
 def _refuse_kept(uri: str, st: os.stat_result, kept: Kept) -> None:
@@ -292,12 +305,15 @@ def _remove_dir(uri: str, parent: int, name: str, st: os.stat_result, kept: Kept
 
 
 def _remove_remote(uri: str) -> None:
-    from converters import storage
+    from converters import manifest_sidecar, storage
 
     try:
         fs, path = storage.filesystem(uri)
         if fs.exists(path):
+            single = fs.isfile(path)
             fs.rm(path, recursive=True)
+            if single and fs.exists(manifest_sidecar(path)):  # a single file's manifest beside it
+                fs.rm(manifest_sidecar(path))
     except FileNotFoundError:
         return
     except (CkptError, OSError) as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from converters import CheckpointIndex, CkptError, adapter_info, index_kinds, storage
+from converters import CheckpointIndex, CkptError, adapter_info, index_kinds, manifest_sidecar, storage
 from converters import dtypes as dt
 
 
@@ -36,12 +36,13 @@ def file_bytes(index: CheckpointIndex) -> dict[str, int | None]:
 
 def certificate_cover(index: CheckpointIndex) -> dict[str, Any] | None:
     """What the certificate in an output's manifest covers (tensors, output files with a CRC-32, source files
-    read, statistics or not); None for a checkpoint without one. The manifest's own JSON, nothing imported."""
+    read, statistics or not); None for a checkpoint without one. The manifest's own JSON, nothing imported: a
+    folder's own, or the one beside a single-file output (`<file>.ckpt-manifest.json`)."""
     import json
 
-    where = storage.join(index.uri, MANIFEST)
     try:
-        if not storage.isdir(index.uri) or not storage.exists(where):
+        where = storage.join(index.uri, MANIFEST) if storage.isdir(index.uri) else manifest_sidecar(index.uri)
+        if not storage.exists(where):
             return None
         doc = json.loads(storage.read_all(where))  # capped at the metadata limit
     except (CkptError, ValueError, RecursionError):

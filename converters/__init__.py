@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .archive import archive as archive_checkpoint
     from .archive import gc as archive_gc
     from .archive import restore as restore_archive
+    from .certificate import sidecar as manifest_sidecar
     from .certificate_check import CertificateReport, scrub
     from .classify import index_kinds
     from .config import ContextThread, EngineConfig, PickleLimits
@@ -73,7 +74,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats", "through_merged": "staged",
     "layer_of": "stats", "check_certificate": "verification", "scrub": "certificate_check",
     "parse_bounds": "stats.guards", "check_bounds": ("stats.guards", "check"),
-    "CertificateReport": "certificate_check",
+    "CertificateReport": "certificate_check", "manifest_sidecar": ("certificate", "sidecar"),
     "archive_checkpoint": ("archive", "archive"), "restore_archive": ("archive", "restore"),
     "archive_gc": ("archive", "gc"), "list_archives": "archive", "ArchiveResult": "archive",
 }
@@ -130,6 +131,7 @@ __all__ = [
     "layer_of",
     "list_archives",
     "load_index",
+    "manifest_sidecar",
     "parse_bounds",
     "parse_dim_rules",
     "register_format",
