@@ -187,6 +187,14 @@ class JobRequest(BaseModel):
     takes_target: ClassVar[bool] = True
 
 
+class SourceRequest(JobRequest):
+    """A kind that reads one checkpoint: how to read it when detection is not enough."""
+
+    source_format: SourceFormat = None
+    tag: Tag = None
+    weights: Weights = None
+
+
 class KeyedRequest(JobRequest):
     """A kind that selects and renames keys."""
 
@@ -197,12 +205,9 @@ class KeyedRequest(JobRequest):
     exclude: Exclude = Field(default_factory=list)
 
 
-class OutputRequest(KeyedRequest):
+class OutputRequest(KeyedRequest, SourceRequest):
     """A kind that reads one checkpoint and writes it out as safetensors or torch files (convert, export)."""
 
-    source_format: SourceFormat = None
-    tag: Tag = None
-    weights: Weights = None
     dtype: DType = None
     max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
@@ -258,7 +263,7 @@ class ExportRequest(OutputRequest):
                                       "stored with the adapter)."), flag("--base", metavar="DIR")] = None
 
 
-class ReshardRequest(KeyedRequest):
+class ReshardRequest(KeyedRequest, SourceRequest):
     """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
 
     world_size: Annotated[int, Field(ge=1, le=65536, description="Target ranks."), flag("--world-size", metavar="N")]
@@ -267,9 +272,6 @@ class ReshardRequest(KeyedRequest):
                       flag("--layout")] = "fsdp2"
     shard_dim_rule: Annotated[Texts, Field(description="REGEX=DIM: split matching parameters on DIM instead."),
                               flag("--shard-dim-rule", metavar="REGEX=DIM")] = Field(default_factory=list)
-    source_format: SourceFormat = None
-    tag: Tag = None
-    weights: Weights = None
     only: Annotated[Selection, one_of(Selection, "selection"),
                     Field(description="Which entries: all (the whole training state as stored, to resume "
                                       "training), model or optim."), flag("--only")] = "all"
@@ -315,24 +317,18 @@ class VerifyRequest(CompareRequest):
                                        "not used."), flag("--certificate")] = False
 
 
-class InspectRequest(JobRequest):
+class InspectRequest(SourceRequest):
     """Describe a checkpoint from its metadata alone (no tensor data is read, unless stats)."""
 
-    source_format: SourceFormat = None
-    tag: Tag = None
-    weights: Weights = None
     tensors: Annotated[bool, Field(description="Include the tensor table."), flag("--tensors")] = False
     stats: Annotated[bool, Field(description="Also read every tensor for its statistics (as scan does)."),
                      flag("--stats")] = False
 
 
-class ScanRequest(KeyedRequest):
+class ScanRequest(KeyedRequest, SourceRequest):
     """Read every tensor once for its statistics: NaN, +Inf, -Inf and zero counts, min, max, mean, std, L2 norm."""
 
     clean_keys: CleanKeys = True
-    source_format: SourceFormat = None
-    tag: Tag = None
-    weights: Weights = None
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
 
 
