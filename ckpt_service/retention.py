@@ -126,7 +126,13 @@ class PlanItem(BaseModel):
 class GcReport(BaseModel):
     dry_run: bool
     plan: list[PlanItem]
-    bytes: int = Field(description="Bytes the plan frees.")
+    bytes: int = Field(description="Bytes the plan frees: the files it deletes (a checkpoint whose archive failed is "
+                       "kept and not counted once the run has tried).")
+    archived_bytes: int = Field(0, description="Of `bytes`, those of checkpoints archived (and checked) before their "
+                                "files are deleted: still restorable.")
+    archive_stored_bytes: int = Field(0, description="What archiving them added to the archive stores (their chunks "
+                                      "not there already, deduplicated and compressed); known once archived, so 0 "
+                                      "in a dry run. The storage a run frees is `bytes` less this.")
     deleted: list[str] = Field(default_factory=list, description="Deletion ids finished by this run.")
     failed: list[str] = Field(default_factory=list, description="Deletion ids left pending (see their error).")
     archived: list[str] = Field(default_factory=list, description="Checkpoint ids archived (and checked) before "
@@ -488,20 +494,25 @@ class Retention:
 
     def run(self, dry_run: bool, by: str) -> GcReport:
         plan = self.plan()
-        report = GcReport(dry_run=dry_run, plan=plan, bytes=sum(p.bytes for p in plan))
+        report = GcReport(dry_run=dry_run, plan=plan, bytes=sum(p.bytes for p in plan),
+                          archived_bytes=sum(p.bytes for p in plan if p.action == "archive"), archive_stored_bytes=0)
         if dry_run:
             return report
         for item in [p for p in plan if p.action == "archive"]:  # archived and checked before anything is deleted
             scratch = str(self.service.settings.data_dir / "archive-checks")
-            archived = archive_first(self.store, item, by, scratch)
-            (report.archived if archived else report.not_archived).append(item.checkpoint_id)
+            added = archive_first(self.store, item, by, scratch)
+            (report.archived if added is not None else report.not_archived).append(item.checkpoint_id)
+            report.archive_stored_bytes += added or 0
         plan = [p for p in plan if p.checkpoint_id not in report.not_archived]
+        report.bytes = sum(p.bytes for p in plan)
+        report.archived_bytes = sum(p.bytes for p in plan if p.action == "archive")
         batch = self.service.settings.gc_batch
         for start in range(0, len(plan), batch):
             self._mark(plan[start:start + batch], by)
         report.deleted, report.failed = self.finish_pending()
         logs.event("gc.done", by=by, planned=len(plan), deleted=len(report.deleted), failed=len(report.failed),
-                   bytes=report.bytes)
+                   bytes=report.bytes, archived_bytes=report.archived_bytes,
+                   archive_stored_bytes=report.archive_stored_bytes)
         AuditLog(self.store).record(by, "gc.run", "gc", after=report.model_dump(mode="json"))
         return report
 
@@ -617,10 +628,11 @@ class Retention:
         return views(rows, _deletion_view)[0]  # a damaged row is logged and left out
 
 
-def archive_first(store: JobStore, item: PlanItem, by: str, scratch: str) -> bool:
+def archive_first(store: JobStore, item: PlanItem, by: str, scratch: str) -> int | None:
     """Retention's `archive` action, before the deletion: archive the checkpoint to the policy's store, check the
     archive (restored under `scratch`, every chunk's hash checked, and compared byte for byte with the original),
-    record it in the registry; one audit row either way. False (the checkpoint is kept) when any of it fails."""
+    record it in the registry; one audit row either way. The bytes archiving added to the store, or None (the
+    checkpoint is kept) when any of it fails."""
     from converters import archive_checkpoint
 
     from .archived import check_archive, record
@@ -634,7 +646,7 @@ def archive_first(store: JobStore, item: PlanItem, by: str, scratch: str) -> boo
         logs.event("gc.not_archived", checkpoint_id=item.checkpoint_id, uri=item.uri, error=error)
         AuditLog(store).record(by, "checkpoint.archive", target, before={"uri": item.uri, "policy": item.policy},
                                outcome="refused", detail=error)
-        return False
+        return None
     with store.transaction() as conn:
         record(conn, item.checkpoint_id, result, by, f"retention:{item.policy}")
     logs.event("gc.archived", checkpoint_id=item.checkpoint_id, uri=item.uri, store=result["store"],
@@ -642,7 +654,7 @@ def archive_first(store: JobStore, item: PlanItem, by: str, scratch: str) -> boo
     AuditLog(store).record(by, "checkpoint.archive", target, before={"uri": item.uri, "policy": item.policy},
                            after={key: result[key] for key in ("store", "archive_id", "logical_bytes",
                                                                "stored_bytes", "new_stored_bytes")})
-    return True
+    return int(result["new_stored_bytes"])
 
 
 def _deletion_view(r: Any) -> DeletionView:

@@ -211,9 +211,17 @@ def gc(dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the p
     if _emit(report, as_json):
         return
     for item in report["plan"]:
-        out.print(f"{'would delete' if dry_run else 'deleted'} {item['uri']}  {human(item['bytes'])}  "
+        verb = "would delete" if dry_run else "deleted"
+        if item.get("action") == "archive":
+            verb = ("would archive, then delete" if dry_run else "kept (not archived, see the audit log)"
+                    if item["checkpoint_id"] in report.get("not_archived", []) else "archived, then deleted")
+        out.print(f"{verb} {item['uri']}  {human(item['bytes'])}  "
                   f"[{item['policy']}] {item['reason']}", highlight=False)
+    archived = report.get("archived_bytes") or 0
     out.print(f"{len(report['plan'])} checkpoint(s), {human(report['bytes'])}"
+              + (f" ({human(archived)} of it archived first" + ("" if dry_run else
+                 f", adding {human(report.get('archive_stored_bytes') or 0)} to the archive stores") + ")"
+                 if archived else "")
               + (f"; {len(report['failed'])} left pending (see `ckptctl deletions`)" if report["failed"] else ""),
               highlight=False)
 

@@ -122,11 +122,15 @@ def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_arch
 
     policy = {"name": "arch", "run": "r", "keep_last": 1, "action": "archive", "store": str(broken)}
     assert client.post("/v1/policies", json=policy).status_code == 201
-    plan = client.post("/v1/gc", json={"dry_run": True}).json()["plan"]
+    dry = client.post("/v1/gc", json={"dry_run": True}).json()
+    plan = dry["plan"]
     assert [(p["checkpoint_id"], p["action"], p["store"]) for p in plan] == [(i, "archive", str(broken))
                                                                              for i in ids[:2]]
+    logical = sum(len(b) for original in originals[:2] for b in original.values())
+    assert (dry["bytes"], dry["archived_bytes"], dry["archive_stored_bytes"]) == (logical, logical, 0)
     kept = client.post("/v1/gc", json={"dry_run": False}).json()
     assert (kept["archived"], kept["not_archived"], kept["deleted"]) == ([], ids[:2], [])
+    assert (kept["bytes"], kept["archived_bytes"], kept["archive_stored_bytes"]) == (0, 0, 0)  # nothing freed
     assert [files(s) for s in steps] == originals  # nothing deleted
     assert client.delete("/v1/policies/arch").status_code == 200
 
@@ -142,6 +146,10 @@ def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_arch
         assert (entry["store"], entry["origin"], entry["logical_bytes"]) == (
             str(store), "retention:arch", sum(map(len, original.values())))
         assert entry["stored_bytes"] <= entry["logical_bytes"]
+    added = [client.get(f"/v1/checkpoints/{i}").json()["archives"][0]["new_stored_bytes"] for i in ids[:2]]
+    assert (report["bytes"], report["archived_bytes"], report["archive_stored_bytes"]) == (logical, logical,
+                                                                                           sum(added))
+    assert 0 < sum(added) < logical  # the second step's shared chunks were stored once
     listed = [c["id"] for c in client.get("/v1/checkpoints").json()["items"]]
     assert listed == [ids[2]]  # archived entries are not live checkpoints
 
