@@ -13,6 +13,8 @@ CI needs: pip install compressed-tensors==0.20.1 && pip install --no-deps llmcom
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,54 @@ def test_streams_in_slabs_below_the_tensor_size(llama_bf16, tmp_path):
     assert whole.outputs and slabbed.outputs
     a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
     assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def _hostile_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights over several 1 MiB slabs, with sizes not multiples of 128, magnitudes over many decades, subnormal
+    rows, a zero block, and one weight holding inf and NaN."""
+    torch.manual_seed(3)
+    rows = 1100 if dtype != torch.float32 else 700
+    wide = torch.randn(rows, 520) * torch.exp(torch.randn(rows, 1) * 4)
+    wide[:128, :128] = 0
+    tiny = torch.randn(rows, 520) * (1e-41 if dtype == torch.float32 else 1e-38 if dtype == torch.bfloat16 else 1e-7)
+    odd = torch.randn(rows, 520)
+    odd[5, 7], odd[300, 3], odd[600, 519] = float("inf"), float("nan"), -float("inf")
+    return {"model.layers.0.mlp.up_proj.weight": wide.to(dtype), "model.layers.0.mlp.down_proj.weight": tiny.to(dtype),
+            "model.layers.0.mlp.gate_proj.weight": odd.to(dtype), "model.norm.weight": torch.ones(520, dtype=dtype)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme,strategy", [("FP8_DYNAMIC", "channel"), ("FP8_BLOCK", "block"),
+                                             ("FP8_TENSOR", "tensor")])
+def test_streamed_numpy_path_equals_torch(tmp_path, dtype, scheme, strategy):
+    """The export's numpy slabs give torch's bytes (the oracle llm-compressor matches) in every dtype and scheme,
+    whatever the slab boundaries; NaN where torch has NaN."""
+    weights = _hostile_weights(dtype)
+    src = _folder(tmp_path, weights, {"model_type": "llama"})
+    export_fp8(str(src), str(tmp_path / "q"), scheme, memory_limit=1024 * 1024)
+    out = _tensors(tmp_path / "q")
+    for name, weight in weights.items():
+        if name == "model.norm.weight":
+            assert torch.equal(out[name], weight)
+            continue
+        q, scale = quantize(weight, strategy)
+        assert out[f"{name}_scale"].dtype == scale.dtype and out[f"{name}_scale"].shape == scale.shape
+        for ours, theirs in ((out[name], q), (out[f"{name}_scale"], scale)):
+            nan = theirs.float().isnan()  # only a NaN's sign bit may differ (fp8.py says why)
+            assert torch.equal(ours.float().isnan(), nan), name
+            assert torch.equal(ours.view(torch.uint8).reshape(nan.numel(), -1)[~nan.reshape(-1)],
+                               theirs.view(torch.uint8).reshape(nan.numel(), -1)[~nan.reshape(-1)]), name
+        assert name != "model.layers.0.mlp.gate_proj.weight" or bool(q.float().isnan().any())
+
+
+def test_export_imports_no_torch(llama_bf16, tmp_path):
+    """Importing torch alone costs ~1 CPU-s and ~190 MB of RSS: a finite checkpoint is quantized without it."""
+    code = ("import sys; from converters.quantize import export_fp8; "
+            f"export_fp8({str(llama_bf16)!r}, {str(tmp_path / 'q')!r}, 'FP8_BLOCK'); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("scheme,message", [("FP9", "scheme FP9: unknown; choose FP8_DYNAMIC, FP8_BLOCK, FP8_TENSOR"),

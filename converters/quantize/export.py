@@ -3,11 +3,12 @@ FP8 checkpoint in the compressed-tensors layout that llm-compressor writes and v
 sharded safetensors (`<m>.weight` float8_e4m3fn, `<m>.weight_scale` in the weight's dtype, everything else as
 it was) plus the index, config.json with `quantization_config`, and the other side files an export carries.
 
-Streaming: one tensor at a time, in row slabs of an eighth of `memory_limit` (a slab, its quotient and its
-FP8 copy are held at once), read into one reused buffer. The scales of a shard are computed first (small; one
-pass over each quantized weight), because a file holds its wider tensors first (safetensors' order, which keeps
-every tensor aligned) and so the scales before the FP8 weights; the weights are then read again and written
-quantized slab by slab. The output appears only when complete (`open_output`).
+Streaming: one tensor at a time, in row slabs of `memory_limit // 64` bytes (at least 128 rows), read into one
+reused buffer and quantized in a few more (float32 quotient, FP8 copy) that are reused too: small slabs stay in
+the CPU's caches between the passes over them, and memory stays flat. The scales of a shard are computed first
+(small; one pass over each quantized weight), because a file holds its wider tensors first (safetensors' order,
+which keeps every tensor aligned) and so the scales before the FP8 weights; the weights are then read again and
+written quantized slab by slab. The output appears only when complete (`open_output`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from .. import dtypes, heap, storage
 from ..certificate import Ledger, certify_derived
@@ -67,18 +68,16 @@ class _Item:
         return dtypes.numel(self.shape) * dtypes.itemsize(self.dtype)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 class _Quantizer:
-    """Scales and FP8 slabs of the quantized weights, read through `reader` in slabs of about `budget` bytes."""
+    """Scales and FP8 slabs of the quantized weights, read through `reader` in slabs of about `budget` bytes
+    (numpy and ml_dtypes in reused buffers: `fp8.Slab`)."""
 
     def __init__(self, reader: storage.RangeReader, chosen: Scheme, budget: int, ledger: Ledger | None = None) -> None:
         self.reader, self.chosen, self.budget = reader, chosen, budget
         self.ledger = ledger  # the certificate's record of what is read
-        self.scales: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, np.ndarray] = {}
         self._buffer = bytearray(0)  # one read buffer for every slab, grown to the largest
+        self._slab = fp8.Slab()
 
     def read(self, entry: TensorEntry, box: tuple[tuple[int, ...], tuple[int, ...]]) -> memoryview:
         """The bytes of `entry[box]` in the shared read buffer (valid until the next read)."""
@@ -90,51 +89,50 @@ class _Quantizer:
         read_box(self.reader, entry, box, view)
         return view
 
-    def slabs(self, entry: TensorEntry) -> Iterator[torch.Tensor]:
+    def slabs(self, entry: TensorEntry, record: bool = False) -> Iterator[tuple[memoryview, tuple[int, int]]]:
+        """The bytes and shape of each slab of whole rows (a multiple of 128), handed to the certificate's ledger
+        when `record` (the pass whose bytes are written: a second pass would only take the CRC-32s again)."""
         rows, cols = entry.shape
         row_bytes = max(cols * dtypes.itemsize(entry.dtype), 1)
         step = max(BLOCK[0], self.budget // row_bytes // BLOCK[0] * BLOCK[0])
-        tally = self.ledger.reading(entry) if self.ledger is not None else None
+        tally = self.ledger.reading(entry) if self.ledger is not None and record else None
         for start in range(0, rows, step):
             n = min(step, rows - start)
-            if not n * row_bytes:
-                yield torch.empty((n, cols), dtype=_torch_dtype(entry.dtype))
-                continue
-            view = self.read(entry, ((start, 0), (n, cols)))
-            if tally is not None:
+            view = self.read(entry, ((start, 0), (n, cols))) if n * row_bytes else memoryview(b"")
+            if tally is not None and view:
                 tally.add(view, view)
-            yield torch.frombuffer(view, dtype=_torch_dtype(entry.dtype)).reshape(n, cols)  # until the next slab
+            yield view, (n, cols)  # until the next slab
         if tally is not None:
             tally.close()
 
-    def scale(self, entry: TensorEntry) -> torch.Tensor:
+    def scale(self, entry: TensorEntry) -> np.ndarray:
         found = self.scales.get(entry.name)
         if found is None:
-            strategy = self.chosen.strategy
-            if strategy == "tensor":
-                amax = torch.zeros((), dtype=_torch_dtype(entry.dtype))
-                for rows in self.slabs(entry):
-                    if rows.numel():
-                        amax = torch.maximum(amax, torch.maximum(rows.amax(), rows.amin().neg_()))
-                found = fp8.scale_of(amax.reshape(1))
+            strategy, slab = self.chosen.strategy, self._slab
+            parts = [slab.amax(slab.widen(view, entry.dtype, shape), strategy) for view, shape in self.slabs(entry)]
+            if not parts:  # no rows
+                amax = np.zeros(fp8.scale_shape(entry.shape, strategy), dtype=np.float32)
             else:
-                pick = fp8.amax_rows if strategy == "channel" else fp8.amax_blocks
-                found = fp8.scale_of(torch.cat([pick(rows) for rows in self.slabs(entry)]))
+                amax = np.stack(parts).max(axis=0) if strategy == "tensor" else np.concatenate(parts)
+            found = fp8.scale_of(amax, entry.dtype)
             self.scales[entry.name] = found
         return found
 
     def weight(self, entry: TensorEntry) -> Iterator[memoryview]:
         scale, strategy = self.scale(entry), self.chosen.strategy
         at = 0
-        for rows in self.slabs(entry):
+        for view, shape in self.slabs(entry, record=True):
             if strategy == "channel":
-                part = scale[at: at + rows.shape[0]]
+                part = scale[at: at + shape[0]]
             elif strategy == "block":
-                part = scale[at // BLOCK[0]: (at + rows.shape[0] + BLOCK[0] - 1) // BLOCK[0]]
+                part = scale[at // BLOCK[0]: (at + shape[0] + BLOCK[0] - 1) // BLOCK[0]]
             else:
                 part = scale
-            at += rows.shape[0]
-            yield fp8.quantize_rows(rows, part, strategy).view(torch.uint8).numpy().data.cast("B")
+            at += shape[0]
+            if not view:
+                continue
+            rows = self._slab.widen(view, entry.dtype, shape)
+            yield self._slab.quantize(rows, part, entry.dtype, strategy).data.cast("B")
 
 
 def _copy_blocks(quantizer: _Quantizer, entry: TensorEntry) -> Iterator[memoryview]:
@@ -186,7 +184,7 @@ def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantiz
         fh.write(header)
         for item in items:
             if item.kind == "scale":
-                fh.write(quantizer.scale(item.entry).contiguous().view(torch.uint8).numpy().tobytes())
+                fh.write(quantizer.scale(item.entry).tobytes())
                 continue
             blocks = quantizer.weight(item.entry) if item.kind == "weight" else \
                 _copy_blocks(quantizer, item.entry)
@@ -242,9 +240,9 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
                               field="ignore")
         config_bytes = _config(side.data, source, chosen, chosen_modules.ignored)
         items = _plan(view.tensors, set(chosen_modules.quantized), chosen)
-        # a slab of the source, its quotient (same size) and FP8 copy (half) at once
+        # a slab of the source, its float32 widening and quotient, its FP8 copy: a few slabs at once
         ledger = Ledger(view.uri, view.format, derived="fp8")  # what is read, for the certificate
-        quantizer = _Quantizer(reader, chosen, max(memory_limit // 8, 1024 * 1024), ledger)
+        quantizer = _Quantizer(reader, chosen, max(memory_limit // 64, 1024 * 1024), ledger)
         report = [f"{chosen.name}: {len(chosen_modules.quantized)} Linear weights to FP8; kept: "
                   + (", ".join(chosen_modules.ignored) or "none"), side.report()]
         if chosen.strategy == "block":

@@ -8,76 +8,123 @@ quantization/utils/helpers.py `calculate_qparams`, lifecycle/forward_helpers.py 
 
 both computed in the weight's own dtype (bf16 division rounds before the cast to FP8, and so must ours).
 
-Rows are processed in slabs (a multiple of 128 rows), so memory stays at one slab of the source tensor plus its
-FP8 copy whatever the tensor's size; a per-tensor scale takes a first pass over the slabs for the maximum.
+Done with numpy and ml_dtypes, no torch (importing torch alone costs ~1 CPU-s and ~190 MB of RSS): the values are
+widened to float32 (exact), divided there and rounded back to the weight's dtype (torch's bf16/fp16 division is
+a float32 division rounded to nearest even, so the bytes are the same), clamped (448 is exact in every dtype, so
+clamping before or after that rounding is the same) and cast to FP8 by ml_dtypes (round to nearest even, as
+torch's cast). Zero padding never changes a block's |max|, so blocks are reduced without padding.
+
+Only NaNs may differ, in their sign bit: a weight holding inf or NaN gives NaN where torch does, but ml_dtypes
+writes every FP8 NaN as 0x7F while torch keeps the quotient's sign, which its vector kernels set differently
+with the extent of the tensor (torch on a slab and torch on the whole tensor already disagree there).
+
+`Slab` works on one slab of whole rows (a multiple of 128 rows) in buffers it reuses, so memory stays at a few
+slabs whatever the tensor's size.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
 
 from .config import BLOCK
 
-FP8 = torch.float8_e4m3fn
+if TYPE_CHECKING:
+    import torch
+
+FP8 = ml_dtypes.float8_e4m3fn
 FP8_MAX = 448.0
+DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-def _divisor(dtype: torch.dtype) -> torch.Tensor:
-    # calculate_qparams: max_val_pos / (bit_range.to(dtype) / 2), bit_range = 448 - (-448)
-    return torch.tensor(2 * FP8_MAX, dtype=dtype) / 2
+def scale_of(amax: np.ndarray, dtype: str) -> np.ndarray:
+    """The scales (in `dtype`) of groups whose largest magnitudes are `amax` (float32 values of `dtype`)."""
+    kind = DTYPES[dtype]
+    scale = (amax / np.float32(FP8_MAX)).astype(kind)  # calculate_qparams: amax / (896 / 2) in the dtype
+    scale[scale == 0] = ml_dtypes.finfo(kind).eps
+    return scale
 
 
-def _no_zero(scale: torch.Tensor) -> torch.Tensor:
-    eps = torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype)
-    return torch.where(scale == 0, eps, scale)
+class Slab:
+    """FP8 bytes and |max| of slabs of rows, in float32 work buffers reused from slab to slab."""
 
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
 
-def amax_rows(rows: torch.Tensor) -> torch.Tensor:
-    """|max| of each row: [n, 1] (max(-min, max), as calculate_qparams takes it, without an |rows| copy)."""
-    return torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+    def _buffer(self, name: str, count: int, kind: Any) -> np.ndarray:
+        have = self._buffers.get(name)
+        if have is None or have.nbytes < count * np.dtype(kind).itemsize:
+            have = self._buffers[name] = np.empty(count * np.dtype(kind).itemsize, dtype=np.uint8)
+        return have[: count * np.dtype(kind).itemsize].view(kind)
 
+    def widen(self, raw: memoryview | np.ndarray, dtype: str, shape: tuple[int, int]) -> np.ndarray:
+        """The rows in `raw` (bytes of `dtype`) as float32 (the bytes themselves when they are float32)."""
+        if dtype == "float32":
+            return np.frombuffer(raw, dtype=np.float32).reshape(shape)
+        out = self._buffer("wide", shape[0] * shape[1], np.float32).reshape(shape)
+        if dtype == "bfloat16":
+            np.left_shift(np.frombuffer(raw, dtype=np.uint16).reshape(shape), 16, out=out.view(np.uint32),
+                          dtype=np.uint32)
+        else:
+            np.copyto(out, np.frombuffer(raw, dtype=DTYPES[dtype]).reshape(shape))
+        return out
 
-def _blocks(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` as [R, 128, C, 128] blocks, zero-padded to whole blocks (a copy only when padding is needed)."""
-    bh, bw = BLOCK
-    n, cols = rows.shape
-    if n % bh or cols % bw:
-        rows = torch.nn.functional.pad(rows, (0, -cols % bw, 0, -n % bh))
-    return rows.reshape(rows.shape[0] // bh, bh, rows.shape[1] // bw, bw)
+    def _abs(self, rows: np.ndarray) -> np.ndarray:
+        return np.abs(rows, out=self._buffer("work", rows.size, np.float32).reshape(rows.shape))
 
-
-def amax_blocks(rows: torch.Tensor) -> torch.Tensor:
-    """|max| of each 128x128 block of `rows` (zero-padded to whole blocks): [ceil(n/128), ceil(cols/128)]."""
-    blocks = _blocks(rows)
-    return torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg_())
-
-
-def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """The scale for a group whose largest magnitude is `amax` (same dtype as the weight)."""
-    return _no_zero(amax / _divisor(amax.dtype))
-
-
-def quantize_rows(rows: torch.Tensor, scale: torch.Tensor, strategy: str) -> torch.Tensor:
-    """FP8 values of `rows` ([n, cols]) given their scales: [n, 1] (channel), [ceil(n/128), ceil(cols/128)]
-    (block) or [1] (tensor). One temporary of the rows' size (the quotient, clamped in place)."""
-    if strategy == "block":
+    def amax(self, rows: np.ndarray, strategy: str) -> np.ndarray:
+        """|max| of each group of float32 `rows`: [n, 1] (channel), [ceil(n/128), ceil(cols/128)] (block), [1]."""
         n, cols = rows.shape
-        scaled = _blocks(rows) / scale[:, None, :, None]
-        scaled = scaled.reshape(scaled.shape[0] * BLOCK[0], -1)[:n, :cols]
-    else:
-        scaled = rows / scale
-    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        if not rows.size:
+            shape = (n, 1) if strategy == "channel" else (-(-n // BLOCK[0]), -(-cols // BLOCK[1])) \
+                if strategy == "block" else (1,)
+            return np.zeros(shape, dtype=np.float32)
+        magnitude = self._abs(rows)
+        if strategy == "channel":
+            return magnitude.max(axis=1, keepdims=True)
+        if strategy == "tensor":
+            return magnitude.max().reshape(1)
+        starts = np.arange(0, cols, BLOCK[1])
+        return np.stack([np.maximum.reduceat(magnitude[at: at + BLOCK[0]].max(axis=0), starts)
+                         for at in range(0, n, BLOCK[0])])
+
+    def quantize(self, rows: np.ndarray, scale: np.ndarray, dtype: str, strategy: str) -> np.ndarray:
+        """FP8 values (as uint8) of float32 `rows` given their scales in `dtype` ([n, 1], [ceil(n/128),
+        ceil(cols/128)] or [1], as `amax` groups them); the result lives in a reused buffer."""
+        n, cols = rows.shape
+        divisor = scale.astype(np.float32)
+        quotient = self._buffer("work", rows.size, np.float32).reshape(n, cols)
+        with np.errstate(all="ignore"):
+            self._divide(rows, divisor, quotient, strategy)
+        np.clip(quotient, -FP8_MAX, FP8_MAX, out=quotient)
+        out = self._buffer("fp8", rows.size, FP8).reshape(n, cols)
+        if dtype == "float32":
+            np.copyto(out, quotient, casting="unsafe")
+        else:  # rounded to the weight's dtype first, as torch's division in that dtype is
+            narrow = self._buffer("narrow", rows.size, DTYPES[dtype]).reshape(n, cols)
+            np.copyto(narrow, quotient, casting="unsafe")
+            np.copyto(out, narrow, casting="unsafe")
+        return out.view(np.uint8)
+
+    @staticmethod
+    def _divide(rows: np.ndarray, divisor: np.ndarray, quotient: np.ndarray, strategy: str) -> None:
+        n, cols = rows.shape
+        if strategy == "block":
+            for block, at in enumerate(range(0, n, BLOCK[0])):
+                across = np.repeat(divisor[block], BLOCK[1])[:cols]
+                np.divide(rows[at: at + BLOCK[0]], across, out=quotient[at: at + BLOCK[0]])
+        else:
+            np.divide(rows, divisor, out=quotient)
 
 
 def quantize(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 weight, scale) of a whole 2-D weight in memory (the streamed path in `export` does the same per slab)."""
-    if strategy == "tensor":
-        scale = scale_of(weight.abs().amax().reshape(1))
-    elif strategy == "channel":
-        scale = scale_of(amax_rows(weight))
-    else:
-        scale = scale_of(amax_blocks(weight))
-    return quantize_rows(weight, scale, strategy), scale
+    """(FP8 weight, scale) of a whole 2-D torch weight in memory, computed by torch (`torch_fp8`): the form tests
+    hold the streamed path in `export` against."""
+    from .torch_fp8 import quantize as by_torch
+
+    return by_torch(weight, strategy)
 
 
 def scale_shape(shape: tuple[int, ...], strategy: str) -> tuple[int, ...]:
