@@ -42,12 +42,16 @@ def list_checkpoints(request: Request, principal: Reader,
                      tag: Annotated[str | None, Query(max_length=64)] = None,
                      format: Annotated[str | None, Query(max_length=32)] = None,
                      limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                     cursor: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None
+                     cursor: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+                     archived: Annotated[bool, Query(description="Instead of the live checkpoints, those an archive "
+                                                     "store holds, live or with their files deleted (restorable).")
+                                         ] = False
                      ) -> CheckpointPage:
-    """Live checkpoints (not those GC or a purge deleted); `unreadable` names damaged entries left out."""
+    """Live checkpoints (not those GC or a purge deleted), each with the archives that hold it; `?archived=true`:
+    the archived ones, restorable even when their files were deleted. `unreadable` names damaged entries left out."""
     # the store filters by the caller's readable roots, so a page is full; the check after it stays exact
     items, next_cursor, unreadable = request.app.state.service.checkpoints(name, tag, format, limit, cursor,
-                                                                           principal.readable())
+                                                                           principal.readable(), archived)
     jobs = may_read_job(request, principal)
     items = [visible_checkpoint(principal, view, jobs) for view in items if principal.may(view.uri, "read")]
     return CheckpointPage(items=items, next_cursor=next_cursor, unreadable=unreadable)

@@ -54,6 +54,18 @@ def archives_of(store: JobStore, checkpoint_id: str) -> list[ArchiveView]:
     return [_view(r) for r in rows]
 
 
+def archives_by_checkpoint(store: JobStore, checkpoint_ids: list[str]) -> dict[str, list[ArchiveView]]:
+    """The archives of each of a page of checkpoints, in one query (a listing's `archives`, no query per row)."""
+    found: dict[str, list[ArchiveView]] = {}
+    if not checkpoint_ids:
+        return found
+    marks = ", ".join("?" * len(checkpoint_ids))
+    for row in store.query(f"SELECT * FROM checkpoint_archives WHERE checkpoint_id IN ({marks}) "
+                           "ORDER BY archived_at, store", tuple(checkpoint_ids)):
+        found.setdefault(row["checkpoint_id"], []).append(_view(row))
+    return found
+
+
 def archived_checkpoint(store: JobStore, archive_store: str, archive_id: str) -> str | None:
     """The registered checkpoint archived as `archive_id` in `archive_store`, if the registry knows it."""
     rows = store.query("SELECT checkpoint_id FROM checkpoint_archives WHERE store = ? AND archive_id = ? "

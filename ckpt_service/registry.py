@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .archived import ArchiveView, archives_of
+from .archived import ArchiveView, archives_by_checkpoint, archives_of
 from .jobs import Format
 from .service_errors import Conflict, NotFound
 from .store import JobStore, dumps, new_id, under, views
@@ -183,11 +183,14 @@ class Registry:
         return _view(rows[0]) if rows else None
 
     def list(self, name: str | None = None, tag: str | None = None, format: str | None = None, limit: int = 50,
-             after: str | None = None, within: builtins.list[str] | None = None
+             after: str | None = None, within: builtins.list[str] | None = None, archived: bool = False
              ) -> tuple[builtins.list[CheckpointView], str | None, builtins.list[str]]:
         """Ordered by id; returns (page, id to pass as `after` for the next page or None, ids of entries on this
-        page that could not be read). `within`: only URIs under these root URIs (None: all)."""
-        where: list[str] = ["r.deleted_at IS NULL"]  # collected entries stay (for lineage) but are not listed
+        page that could not be read), each with its `archives` (one query for the page). `within`: only URIs under
+        these root URIs (None: all). `archived`: instead of the live checkpoints, those an archive store holds,
+        live or with their files deleted (restorable)."""
+        where: list[str] = ["EXISTS (SELECT 1 FROM checkpoint_archives a WHERE a.checkpoint_id = c.id)" if archived
+                            else "r.deleted_at IS NULL"]  # collected entries stay (for lineage) but are not listed
         params: list[Any] = []
         if within is not None:
             clause, clause_params = under("c.uri", within)
@@ -207,6 +210,9 @@ class Registry:
             params.append(after)
         rows = self.store.query(f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY c.id LIMIT ?", (*params, limit + 1))
         page, unreadable = views(rows[:limit], _view)
+        archives = archives_by_checkpoint(self.store, [view.id for view in page])
+        for view in page:
+            view.archives = archives.get(view.id, [])
         return page, (rows[limit - 1]["id"] if len(rows) > limit else None), unreadable
 
     def delete(self, checkpoint_id: str) -> CheckpointView:

@@ -189,8 +189,9 @@ class CkptService:
         return view
 
     def checkpoints(self, name: str | None, tag: str | None, format: str | None, limit: int, cursor: str | None,
-                    within: list[str] | None = None) -> tuple[list[CheckpointView], str | None, list[str]]:
-        return self.registry.list(name, tag, format, limit, cursor, within)
+                    within: list[str] | None = None, archived: bool = False
+                    ) -> tuple[list[CheckpointView], str | None, list[str]]:
+        return self.registry.list(name, tag, format, limit, cursor, within, archived)
 
     def _scans(self, uris: list[str]) -> dict[str, JobRecord]:
         """The newest succeeded `scan` job of each of `uris` (those scanned): one query per SCANS_PER_QUERY URIs

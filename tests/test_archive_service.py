@@ -79,6 +79,10 @@ def test_archive_and_restore_jobs_record_the_archive_and_give_the_bytes_back(
             for a in page["archives"]] == [(str(store), archived["archive_id"], archived["logical_bytes"],
                                             archived["stored_bytes"], "root")]
     assert page["archives"][0]["origin"].startswith("job:") and page["deleted_at"] is None
+    listed = {c["id"]: c["archives"] for c in client.get("/v1/checkpoints").json()["items"]}
+    assert listed == {first["id"]: page["archives"]}  # the listing carries each checkpoint's archives
+    only = client.get("/v1/checkpoints", params={"archived": "true"}).json()["items"]
+    assert [c["id"] for c in only] == [first["id"]]
 
     second = job(client, {"kind": "archive", "source": str(two), "target": str(store)})["result"]
     assert second["dedup_saved"] >= FROZEN  # the frozen tensor was in the store already
@@ -150,8 +154,11 @@ def test_retention_archives_instead_of_deleting_and_keeps_what_it_could_not_arch
     assert (report["bytes"], report["archived_bytes"], report["archive_stored_bytes"]) == (logical, logical,
                                                                                            sum(added))
     assert 0 < sum(added) < logical  # the second step's shared chunks were stored once
-    listed = [c["id"] for c in client.get("/v1/checkpoints").json()["items"]]
-    assert listed == [ids[2]]  # archived entries are not live checkpoints
+    listed = [(c["id"], c["archives"]) for c in client.get("/v1/checkpoints").json()["items"]]
+    assert listed == [(ids[2], [])]  # archived entries are not live checkpoints
+    restorable = client.get("/v1/checkpoints", params={"archived": "true"}).json()["items"]
+    assert [(c["id"], c["deleted_at"] is not None, [(a["store"], a["origin"]) for a in c["archives"]])
+            for c in restorable] == [(i, True, [(str(store), "retention:arch")]) for i in sorted(ids[:2])]
 
     audit = [(r["action"], r["object"], r["outcome"]) for r in
              reversed(client.get("/v1/audit", params={"limit": 1000}).json()["items"])
