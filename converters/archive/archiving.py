@@ -7,9 +7,8 @@ import json
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ from . import codec
 from .chunking import BLOCK, cdc_cuts, segments, tensor_ranges
 from .collect import STALE_S, put_marker, wait_for_gc
 from .hashing import BLAKE3, HASHES
+from .inflight import InFlight
 from .manifest import FORMAT, check_id, manifest_key, parse
 from .sources import SourceFile, list_files, open_read
 from .store import CHUNKS, PENDING, Store, chunk_key
@@ -178,23 +178,15 @@ def archive(source: str, store: str, archive_id: str | None = None, stale_s: flo
         entries: list[dict[str, Any]] = []
         with ThreadPoolExecutor(WORKERS) as pool:
             for f in files:
-                queue: deque[Future[list[Any]]] = deque()
                 chunks: list[list[Any]] = []
                 fd = _open_local(f)
                 try:
-                    for piece, itemsize in _pieces(f, ranges.get(f.name, []), fd):
-                        queue.append(pool.submit(writer.chunk, piece, itemsize))
-                        del piece
-                        while len(queue) >= IN_FLIGHT:
-                            chunks.append(queue.popleft().result())
-                    while queue:
-                        chunks.append(queue.popleft().result())
+                    with InFlight[list[Any]](pool, IN_FLIGHT) as flight:
+                        for piece, itemsize in _pieces(f, ranges.get(f.name, []), fd):
+                            chunks.extend(flight.submit(writer.chunk, piece, itemsize))
+                            del piece
+                        chunks.extend(flight.drain())
                 finally:
-                    for future in queue:
-                        future.cancel()
-                    for future in queue:
-                        if not future.cancelled():
-                            future.exception()  # a running read ends before its file closes
                     if fd is not None:
                         os.close(fd)
                 entries.append({"name": f.name, "size": f.size, "mode": f.mode, "chunks": chunks})

@@ -9,8 +9,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from ..uris import is_local, join, local_path
 from . import codec
 from .chunking import PIECE
 from .hashing import HASHES
+from .inflight import InFlight
 from .manifest import hash_name, ids, read
 from .store import Store, chunk_key
 
@@ -207,23 +207,15 @@ def _write_local(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], whe
         fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError as e:
         raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
-    queue: deque[Future[None]] = deque()
     try:
-        offset = 0
-        for digest, length, _ in entry["chunks"]:
-            queue.append(pool.submit(_put, st, digest, length, hashed, fd, offset, where))
-            offset += length
-            if len(queue) >= AHEAD:
-                queue.popleft().result()
-        while queue:
-            queue.popleft().result()
+        with InFlight[None](pool, AHEAD) as flight:
+            offset = 0
+            for digest, length, _ in entry["chunks"]:
+                flight.submit(_put, st, digest, length, hashed, fd, offset, where)
+                offset += length
+            flight.drain()
         os.fchmod(fd, entry["mode"] or 0o644)
     finally:
-        for future in queue:
-            future.cancel()
-        for future in queue:
-            if not future.cancelled():
-                future.exception()  # a running write ends before the file closes
         os.close(fd)
 
 
@@ -240,19 +232,16 @@ def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: st
         fs, path = filesystem(where)
         with translate_errors(where, writing=True):
             handle = fs.open(path, "wb")
-    queue: deque[Future[bytes | memoryview]] = deque()
     done = False
     try:
-        for digest, length, _ in entry["chunks"]:
-            queue.append(pool.submit(_chunk, st, digest, length, hashed))
-            if len(queue) >= AHEAD:
-                handle.write(queue.popleft().result())
-        while queue:
-            handle.write(queue.popleft().result())
+        with InFlight[bytes | memoryview](pool, AHEAD) as flight:
+            for digest, length, _ in entry["chunks"]:
+                for data in flight.submit(_chunk, st, digest, length, hashed):
+                    handle.write(data)
+            for data in flight.drain():
+                handle.write(data)
         done = True
     finally:
-        for future in queue:
-            future.cancel()
         if local:
             handle.close()
             if done:
