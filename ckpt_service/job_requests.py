@@ -205,18 +205,24 @@ class KeyedRequest(JobRequest):
     exclude: Exclude = Field(default_factory=list)
 
 
-class OutputRequest(KeyedRequest, SourceRequest):
-    """A kind that reads one checkpoint and writes it out as safetensors or torch files (convert, export)."""
+class WritingRequest(JobRequest):
+    """A kind that converts one checkpoint into a written output: the cast, memory, overwrite, the checks after
+    (verify) and before (guards), and the certificate's statistics."""
 
     dtype: DType = None
-    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
     memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
     overwrite: Overwrite = False
-    drop_tied: DropTied = Field(default_factory=list)
     verify: VerifyOutput = False
     require_finite: RequireFinite = False
     require: Require = Field(default_factory=list)
     stats: CertifyStats = False
+
+
+class OutputRequest(WritingRequest, KeyedRequest, SourceRequest):
+    """A kind that reads one checkpoint and writes it out as safetensors or torch files (convert, export)."""
+
+    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE
+    drop_tied: DropTied = Field(default_factory=list)
 
 
 class ConvertRequest(OutputRequest):
@@ -263,7 +269,7 @@ class ExportRequest(OutputRequest):
                                       "stored with the adapter)."), flag("--base", metavar="DIR")] = None
 
 
-class ReshardRequest(KeyedRequest, SourceRequest):
+class ReshardRequest(WritingRequest, KeyedRequest, SourceRequest):
     """Write a DCP checkpoint laid out for WORLD_SIZE ranks (FSDP2 loads it with dcp.load)."""
 
     world_size: Annotated[int, Field(ge=1, le=65536, description="Target ranks."), flag("--world-size", metavar="N")]
@@ -276,14 +282,7 @@ class ReshardRequest(KeyedRequest, SourceRequest):
                     Field(description="Which entries: all (the whole training state as stored, to resume "
                                       "training), model or optim."), flag("--only")] = "all"
     clean_keys: CleanKeys = None
-    dtype: DType = None
     dtype_optim: Annotated[bool, Field(description="Cast optimizer state too."), flag("--dtype-optim")] = False
-    memory_limit: MemoryLimit = DEFAULT_MEMORY_LIMIT
-    overwrite: Overwrite = False
-    verify: VerifyOutput = False
-    require_finite: RequireFinite = False
-    require: Require = Field(default_factory=list)
-    stats: CertifyStats = False
     output_layout: Annotated[OutputLayout, one_of(OutputLayout, "output layout"),
                              Field(description="auto: the source framework's own folder layout (Accelerate, "
                                                "Lightning, Megatron), so its resume call works; flat: one DCP "
