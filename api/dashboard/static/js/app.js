@@ -148,7 +148,7 @@ async function route() {
       await showRules(signal, route);
     } else if (section === "retention") {
       showView("retention");
-      await showRetention(signal);
+      await showRetention(signal, route);
     } else if (section === "new") {
       showView("new");
       if (!canWrite()) notify("This token is read-only: it cannot submit jobs.");

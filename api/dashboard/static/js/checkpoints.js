@@ -9,9 +9,19 @@ import { canWrite, pageSize } from "./session.js";
 
 const MAX_LINEAGE_JOBS = 40;
 
+// A badge for a checkpoint an archive store holds (restorable byte for byte), naming the stores.
+function archivedBadge(c) {
+  const archives = c.archives || [];
+  if (!archives.length) return "";
+  return el("span", { class: "tag archived", "data-archived": archives.length,
+    title: `restorable from ${archives.map((a) => a.store).join(", ")}` },
+  c.deleted_at ? "archived, files deleted" : "archived");
+}
+
 function ckptRow(c) {
   return el("tr", { "data-checkpoint": c.id },
-    el("td", {}, el("a", { href: `#/checkpoints/${encodeURIComponent(c.id)}`, title: c.id }, c.name)),
+    el("td", {}, el("a", { href: `#/checkpoints/${encodeURIComponent(c.id)}`, title: c.id }, c.name), " ",
+      archivedBadge(c)),
     el("td", {}, c.format || "–"),
     el("td", {}, c.tensors ?? "–"),
     el("td", {}, bytes(c.total_bytes)),
@@ -23,7 +33,8 @@ function ckptRow(c) {
 
 export async function showCheckpoints(params, signal) {
   const body = document.getElementById("ckpts-body");
-  const filters = { name: params.get("name") || "", format: params.get("format") || "", tag: params.get("tag") || "" };
+  const filters = { name: params.get("name") || "", format: params.get("format") || "", tag: params.get("tag") || "",
+    archived: params.get("archived") || "" };
   for (const [k, v] of Object.entries(filters)) document.getElementById(`filter-${k}`).value = v;
   const cursor = params.get("cursor") || "";
   const page = await api(`/v1/checkpoints${query({ ...filters, cursor, limit: pageSize(params) })}`, { signal });

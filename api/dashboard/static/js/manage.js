@@ -134,23 +134,85 @@ function policyRule(spec) {
   return keep.length ? `keep ${keep.join(", ")}` : "keep nothing";
 }
 
-export async function showRetention(signal) {
+// What a policy (or a GC plan's item) does with a checkpoint it does not keep.
+function policyAction(spec) {
+  if (spec.action !== "archive") return "delete";
+  return el("span", {}, "archive to ", el("span", { class: "path" }, spec.store), ", then delete");
+}
+
+function field(id, label, input) {
+  return [el("label", { for: id }, label), input];
+}
+
+// The form that adds a policy (admins: the API enforces the same): what it covers, what it keeps, and what it
+// does with the rest: delete it, or archive it to a store first (restorable byte for byte).
+function policyForm(reload) {
+  const input = (id, attrs = {}) => el("input", { id, type: "text", spellcheck: "false", ...attrs });
+  const name = input("policy-name", { required: "" });
+  const scope = el("select", { id: "policy-scope" }, el("option", { value: "run" }, "run"),
+    el("option", { value: "prefix" }, "prefix"));
+  const covers = input("policy-covers", { required: "", placeholder: "run name, or a folder or URI" });
+  const appliesTo = el("select", { id: "policy-applies" },
+    ["all", "sources", "exports"].map((v) => el("option", { value: v }, v)));
+  const keepLast = input("policy-keep-last", { type: "number", min: "0" });
+  const keepEvery = input("policy-keep-every", { type: "number", min: "1" });
+  const younger = input("policy-keep-younger", { placeholder: "e.g. 7d" });
+  const action = el("select", { id: "policy-action" }, el("option", { value: "delete" }, "delete"),
+    el("option", { value: "archive" }, "archive, then delete"));
+  const store = input("policy-store", { placeholder: "archive store (folder or URI)", disabled: "" });
+  action.addEventListener("change", () => { store.disabled = action.value !== "archive"; });
+  const error = el("p", { class: "field-error", role: "alert", id: "policy-form-error" });
+  const form = el("form", { class: "inline-form", id: "policy-form", "aria-label": "Add a retention policy" },
+    ...field("policy-name", "Name", name), ...field("policy-scope", "Covers", scope), covers,
+    ...field("policy-applies", "Applies to", appliesTo), ...field("policy-keep-last", "Keep last", keepLast),
+    ...field("policy-keep-every", "Keep every", keepEvery), ...field("policy-keep-younger", "Keep younger than", younger),
+    ...field("policy-action", "Then", action), ...field("policy-store", "Store", store),
+    el("button", { type: "submit" }, "Add policy"), error);
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    error.textContent = "";
+    const spec = { name: name.value.trim(), [scope.value]: covers.value.trim(), applies_to: appliesTo.value,
+      action: action.value };
+    if (keepLast.value !== "") spec.keep_last = Number(keepLast.value);
+    if (keepEvery.value !== "") spec.keep_every = Number(keepEvery.value);
+    if (younger.value.trim()) spec.keep_younger_than = younger.value.trim();
+    if (action.value === "archive") spec.store = store.value.trim();
+    try {
+      await api("/v1/policies", { method: "POST", body: spec });
+      await reload();
+    } catch (e) {
+      error.textContent = e.message;
+    }
+  });
+  return el("section", { id: "policy-add", "aria-label": "Add a retention policy" }, el("h3", {}, "Add a policy"),
+    form);
+}
+
+function planTotal(plan) {
+  if (!plan.plan.length) return "Nothing would be deleted now.";
+  const archived = plan.archived_bytes ? ` (${bytes(plan.archived_bytes)} of it archived first, restorable)` : "";
+  return `${plan.plan.length} checkpoint(s), ${bytes(plan.bytes)} would be deleted now${archived}.`;
+}
+
+export async function showRetention(signal, reload) {
   const [policies, plan, deletions] = await Promise.all([api("/v1/policies", { signal }),
     api("/v1/gc", { method: "POST", body: { dry_run: true }, signal }), api("/v1/deletions", { signal })]);
-  clear(document.getElementById("policies-body")).append(policies.length ? table(
-    ["Policy", "Covers", "Applies to", "Rule", "Added by"], policies.map((p) => ({
+  const policiesBox = clear(document.getElementById("policies-body"));
+  policiesBox.append(policies.length ? table(
+    ["Policy", "Covers", "Applies to", "Rule", "Then", "Added by"], policies.map((p) => ({
       attrs: { "data-policy": p.id },
       cells: [p.spec.name, p.spec.run ? `run ${p.spec.run}` : el("span", { class: "path" }, p.spec.prefix || "–"),
-        p.spec.applies_to, policyRule(p.spec), p.created_by],
+        p.spec.applies_to, policyRule(p.spec), policyAction(p.spec), p.created_by],
     })), { id: "policies" }) : empty("No retention policies: nothing is deleted. Add one with "
       + "ckptctl policies add (admin)."));
+  if (session.who && session.who.scope === "admin") policiesBox.append(policyForm(reload));
   const planBox = clear(document.getElementById("gc-plan"));
-  planBox.append(el("p", { id: "gc-total" }, plan.plan.length
-    ? `${plan.plan.length} checkpoint(s), ${bytes(plan.bytes)} would be deleted now.` : "Nothing would be deleted now."));
+  planBox.append(el("p", { id: "gc-total" }, planTotal(plan)));
   if (plan.plan.length) {
-    planBox.append(table(["Checkpoint", "Run", "Step", "Size", "Policy", "Why"], plan.plan.map((i) => ({
+    planBox.append(table(["Checkpoint", "Run", "Step", "Size", "Policy", "Then", "Why"], plan.plan.map((i) => ({
       attrs: { "data-plan": i.checkpoint_id },
-      cells: [checkpointLink(i.checkpoint_id, i.uri), i.run ?? "–", i.step ?? "–", bytes(i.bytes), i.policy, i.reason],
+      cells: [checkpointLink(i.checkpoint_id, i.uri), i.run ?? "–", i.step ?? "–", bytes(i.bytes), i.policy,
+        policyAction(i), i.reason],
     })), { id: "gc" }));
   }
   clear(document.getElementById("deletions-body")).append(deletions.length ? table(
