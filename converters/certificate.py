@@ -92,7 +92,7 @@ class Tally:
                 self.out.add(np.frombuffer(written, dtype=numpy_dtype(self.out_dtype)))
 
     def add_values(self, view: memoryview) -> None:
-        """The statistics (not the CRC-32s) of a slab copied unchanged (`add_piece` gives its CRC-32)."""
+        """The statistics (not the CRC-32s) of a slab copied unchanged (`add_crc` gives the CRC-32s)."""
         if self.src is not None:
             import numpy as np
 
@@ -103,11 +103,6 @@ class Tally:
     def add_crc(self, crc: int) -> None:
         """A piece the kernel copied unchanged: `crc` is both CRC-32s extended over it."""
         self.src_crc = self.out_crc = crc
-
-    def add_piece(self, crc: int, length: int) -> None:
-        """A piece of `length` bytes the kernel copied unchanged, whose own CRC-32 is `crc`: both running CRC-32s
-        are extended over it (joined, not read again)."""
-        self.add_crc(crc32_combine(self.src_crc, crc, length) if self.src_crc else crc)
 
     def close(self) -> None:
         self.ledger.record(self)

@@ -17,12 +17,12 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
 from . import dtypes
-from .checksum import crc32, crc32_combine, crc32_zeros
+from .checksum import crc32, crc32_zeros
 from .config import ContextPool
 from .errors import SourceError
 from .index import TensorEntry
@@ -111,12 +111,14 @@ def data_runs(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool, i
 
 @dataclass(frozen=True)
 class SourceRange:
-    """Bytes to copy file-to-file inside the kernel: `length` bytes of local `path` from `offset`; `crc`, when
-    known, is their CRC-32 (already read for the certificate: the copy joins it instead of reading them again)."""
+    """Bytes to copy file-to-file inside the kernel: `length` bytes of local `path` from `offset`. When the
+    certificate already read them, `crc` is the running CRC-32 of the tensor's bytes through this piece, extended
+    from `crc_before` (the copy takes it instead of reading them again)."""
 
     path: str
     offset: int
     length: int
+    crc_before: int = 0
     crc: int | None = None
 
 
@@ -190,8 +192,8 @@ class Copier:
         no copy into a buffer and out again, which cost more than the statistics themselves. `into` (the local
         output fd and offset the caller writes the pieces at, one after the other) defers the CRC-32 to the
         certificate's read-back of the output (`Ledger.defer`): the bytes are then mapped once, not twice.
-        Otherwise each piece carries the CRC-32 the certificate read (`SourceRange.crc`), which `copy_range` and
-        `write_at` join into theirs (a zip member's, a record's) instead of mapping the bytes again."""
+        Otherwise each piece carries the running CRC-32 the certificate read (`SourceRange.crc`), which
+        `copy_range` and `write_at` take as theirs (a zip member's, a record's) instead of mapping the bytes again."""
         ledger = self.ledger
         if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
             ranges = direct_ranges(entry, box)
@@ -199,11 +201,13 @@ class Copier:
                 tally = ledger.open(entry, entry.dtype, box) if ledger is not None else None
                 defer = tally is not None and tally.src is None and into is not None
                 copied = []
+                crc = 0
                 for uri, offset, length in ranges:
                     piece = SourceRange(local_path(uri), offset, length)
                     if tally is not None and not defer:  # through the page cache, as the copy itself reads it
-                        piece = replace(piece, crc=self._range_crc(piece, tally))
-                        tally.add_piece(piece.crc or 0, length)
+                        piece = SourceRange(piece.path, offset, length, crc, self._range_crc(piece, tally, crc))
+                        crc = piece.crc or 0
+                        tally.add_crc(crc)
                     copied.append(piece)
                     yield piece
                     self.progress.add(length)
@@ -217,13 +221,13 @@ class Copier:
         yield from self.stream(entry, cast_to, box)
 
     def copy_range(self, piece: SourceRange, fd: int, dst: int, crc: int = 0) -> int:
-        """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (joined with `piece.crc`
-        when the certificate already read it, else read from the page cache through a short mapping, not copied;
+        """Copy `piece` into `fd` at `dst` in the kernel; return `crc` extended over it (`piece.crc` when the
+        certificate already read it from `crc`, else read from the page cache through a short mapping, not copied;
         over a hole, computed without reading)."""
-        if piece.crc is None:
-            return self._copy(piece, fd, dst, crc)
-        self._copy(piece, fd, dst, None)
-        return crc32_combine(crc, piece.crc, piece.length) if crc else piece.crc
+        if piece.crc is not None and crc == piece.crc_before:  # the caller's CRC-32 runs as the certificate's
+            self._copy(piece, fd, dst, None)
+            return piece.crc
+        return self._copy(piece, fd, dst, crc)
 
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None) -> int:
         """Copy the data runs of `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new
@@ -317,27 +321,25 @@ class Copier:
             crc = self._mapped_crc(piece.path, piece.offset, piece.length, crc)
         return crc
 
-    def _range_crc(self, piece: SourceRange, tally: Tally) -> int:
-        """The CRC-32 of `piece`'s bytes, read through the page cache (a hole's computed without reading it); with
-        statistics, `tally` takes their values in the same pass."""
+    def _range_crc(self, piece: SourceRange, tally: Tally, crc: int) -> int:
+        """`crc` extended over `piece`'s bytes, read through the page cache (a hole's computed without reading it);
+        with statistics, `tally` takes their values in the same pass."""
         src_fd = self.reader.fd(piece.path)
         end = piece.offset + piece.length
         if end > os.fstat(src_fd).st_size:
             raise _truncated(piece.path, end)
         if tally.src is not None:
-            return self._mapped_tally(piece.path, piece.offset, piece.length, tally)
-        crc = 0
+            return self._mapped_tally(piece.path, piece.offset, piece.length, tally, crc)
         for start, stop, is_data in self._runs(src_fd, piece.offset, end):
             crc = self._mapped_crc(piece.path, start, stop - start, crc) if is_data else crc32_zeros(stop - start, crc)
         return crc
 
-    def _mapped_tally(self, path: str, offset: int, length: int, tally: Tally) -> int:
+    def _mapped_tally(self, path: str, offset: int, length: int, tally: Tally, crc: int) -> int:
         """`tally.add_values` each window of a local file range as mapped from the page cache (windows cut at
-        whole elements: `offset` starts one, `_CRC_WINDOW` is a multiple of every element size); return the
-        range's CRC-32, taken over the same mapping."""
+        whole elements: `offset` starts one, `_CRC_WINDOW` is a multiple of every element size); return `crc`
+        extended over the range, in the same mapping."""
         fd = self.reader.fd(path)
         end = offset + length
-        crc = 0
         while offset < end:
             low = offset - offset % mmap.ALLOCATIONGRANULARITY
             high = min(end, offset + _CRC_WINDOW)
