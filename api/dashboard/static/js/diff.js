@@ -4,21 +4,13 @@
 // Everything is put in the page as text, the chart built with DOM calls.
 
 import { api } from "./api.js";
-import { clear, el, jobLink, table } from "./dom.js";
+import { clear, el, jobLink, svg, table } from "./dom.js";
 
-const NS = "http://www.w3.org/2000/svg";
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const MOST = 5; // layers listed as "moved most"
 const BAR = { left: 190, width: 330, row: 18, top: 8 };
 
 const enc = encodeURIComponent;
-
-function svg(tag, attrs = {}, text) {
-  const node = document.createElementNS(NS, tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 // rel_l2 is a number, or "inf" (a change against all zeros) written as a string: JSON has no infinity
 function rel(layer) {

@@ -15,6 +15,14 @@ export function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+// An SVG element (charts, the lineage graph), attributes and text set the same way.
+export function svg(tag, attrs = {}, text) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
 export function clear(node) {
   node.replaceChildren();
   return node;

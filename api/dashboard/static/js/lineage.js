@@ -1,18 +1,12 @@
 // The lineage graph as an SVG picture: checkpoints and the jobs between them, in layers from the oldest
 // ancestor (left) to the newest descendant (right). Built with DOM calls; every label is text.
 
-const NS = "http://www.w3.org/2000/svg";
+import { svg } from "./dom.js";
+
 const BOX_W = 190;
 const BOX_H = 44;
 const COL_W = 250;
 const ROW_H = 64;
-
-function svg(tag, attrs = {}, text) {
-  const node = document.createElementNS(NS, tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function shorten(text, n) {
   return text.length > n ? `${text.slice(0, n - 1)}…` : text;

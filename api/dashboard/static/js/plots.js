@@ -1,18 +1,12 @@
 // Line charts of a run across its steps, as SVG pictures built with DOM calls (every label is text): one line
 // per series, one circle per point (data-step on each), the axes' extremes written at their ends.
 
-const NS = "http://www.w3.org/2000/svg";
+import { svg } from "./dom.js";
+
 const W = 560;
 const H = 220;
 const PAD = { left: 64, right: 150, top: 14, bottom: 30 };
 const MAX_SERIES = 8; // the rest are summed up in the legend
-
-function svg(tag, attrs = {}, text) {
-  const node = document.createElementNS(NS, tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function short(value) {
   if (!Number.isFinite(value)) return String(value);
