@@ -114,6 +114,26 @@ function parseHash() {
     params: new URLSearchParams(search || "") };
 }
 
+// Each section's views: `one` for an address naming an item (#/runs/RUN), `all` for the section itself; each is
+// [the view's id, show(id, params, signal)]. An unknown section shows the jobs.
+const ROUTES = {
+  jobs: { one: ["job", (id, params, signal) => showJob(id, signal, notify)],
+    all: ["jobs", (id, params, signal) => showJobs(params, signal)] },
+  checkpoints: { one: ["checkpoint", (id, params, signal) => showCheckpoint(id, signal)],
+    all: ["checkpoints", (id, params, signal) => showCheckpoints(params, signal)] },
+  runs: { one: ["run", (id, params, signal) => showRun(id, signal, params)],
+    all: ["runs", (id, params, signal) => showRuns(signal)] },
+  rules: { one: ["rule", (id, params, signal) => showRule(id, signal)],
+    all: ["rules", (id, params, signal) => showRules(signal, route)] },
+  retention: { all: ["retention", (id, params, signal) => showRetention(signal, route)] },
+  new: { all: ["new", () => {
+    if (!canWrite()) notify("This token is read-only: it cannot submit jobs.");
+    document.getElementById("job-submit").disabled = !canWrite();
+  }] },
+  audit: { all: ["audit", (id, params, signal) => showAudit(params, signal)] },
+  health: { all: ["health", (id, params, signal) => showHealth(signal)] },
+};
+
 async function route() {
   current.abort();
   current = new AbortController();
@@ -125,44 +145,10 @@ async function route() {
   }
   const { section, id, params } = parseHash();
   try {
-    if (section === "jobs" && id) {
-      showView("job");
-      await showJob(id, signal, notify);
-    } else if (section === "checkpoints" && id) {
-      showView("checkpoint");
-      await showCheckpoint(id, signal);
-    } else if (section === "checkpoints") {
-      showView("checkpoints");
-      await showCheckpoints(params, signal);
-    } else if (section === "runs" && id) {
-      showView("run");
-      await showRun(id, signal, params);
-    } else if (section === "runs") {
-      showView("runs");
-      await showRuns(signal);
-    } else if (section === "rules" && id) {
-      showView("rule");
-      await showRule(id, signal);
-    } else if (section === "rules") {
-      showView("rules");
-      await showRules(signal, route);
-    } else if (section === "retention") {
-      showView("retention");
-      await showRetention(signal, route);
-    } else if (section === "new") {
-      showView("new");
-      if (!canWrite()) notify("This token is read-only: it cannot submit jobs.");
-      document.getElementById("job-submit").disabled = !canWrite();
-    } else if (section === "audit") {
-      showView("audit");
-      await showAudit(params, signal);
-    } else if (section === "health") {
-      showView("health");
-      await showHealth(signal);
-    } else {
-      showView("jobs");
-      await showJobs(params, signal);
-    }
+    const known = Object.hasOwn(ROUTES, section) ? ROUTES[section] : ROUTES.jobs;
+    const [view, show] = (id && known.one) || known.all;
+    showView(view);
+    await show(id, params, signal);
   } catch (error) {
     if (signal.aborted || error.name === "AbortError") return;
     if (error instanceof ApiError && error.status === 401) signIn(error.message);
