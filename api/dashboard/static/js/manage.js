@@ -19,15 +19,19 @@ function empty(text) {
   return el("p", { class: "empty-note" }, text);
 }
 
-export async function showRuns(signal) {
-  const box = document.getElementById("runs-body");
-  const runs = await api("/v1/runs", { signal });
+// A list view: its rows fetched, then its box emptied; with no rows, the box says `none` instead.
+async function listing(boxId, path, signal, none) {
+  const box = document.getElementById(boxId);
+  const rows = await api(path, { signal });
   clear(box);
-  if (!runs.length) {
-    box.append(empty("No runs yet: checkpoints under a folder named by a rule's {run}, or registered with "
-      + "metadata run=…, are grouped here."));
-    return;
-  }
+  if (!rows.length) box.append(empty(none));
+  return { box, rows };
+}
+
+export async function showRuns(signal) {
+  const { box, rows: runs } = await listing("runs-body", "/v1/runs", signal, "No runs yet: checkpoints under a "
+    + "folder named by a rule's {run}, or registered with metadata run=…, are grouped here.");
+  if (!runs.length) return;
   box.append(table(["Run", "Checkpoints", "Latest step", "Latest"], runs.map((r) => ({
     attrs: { "data-run": r.run },
     cells: [el("a", { href: `#/runs/${enc(r.run)}` }, r.run), r.checkpoints, r.latest_step ?? "–",
@@ -87,14 +91,9 @@ function triggerCounts(rule) {
 }
 
 export async function showRules(signal, reload) {
-  const box = document.getElementById("rules-body");
-  const rules = await api("/v1/rules", { signal });
-  clear(box);
-  if (!rules.length) {
-    box.append(empty("No rules. Add one with ckptctl rules add NAME PATTERN --kind export --target "
-      + "'…/{run}/{step}' (or POST /v1/rules)."));
-    return;
-  }
+  const { box, rows: rules } = await listing("rules-body", "/v1/rules", signal, "No rules. Add one with ckptctl "
+    + "rules add NAME PATTERN --kind export --target '…/{run}/{step}' (or POST /v1/rules).");
+  if (!rules.length) return;
   const toggle = (rule) => actionButton(rule.paused ? "Resume" : "Pause", async () => {
     await api(`/v1/rules/${enc(rule.id)}/${rule.paused ? "resume" : "pause"}`, { method: "POST" });
     await reload();
