@@ -15,9 +15,7 @@ class AccelerateReader(BaseReader):
     format = "accelerate"
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        if names is None:
-            return False
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
         return len([n for n in dcp_subfolders(uri, names) if n.startswith("pytorch_model_fsdp_")]) == 1
 
     def read(self, locate: bool = True) -> CheckpointIndex:

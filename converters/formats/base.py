@@ -27,6 +27,16 @@ class BaseReader:
     @classmethod
     def sniff(cls, uri: str, names: list[str] | None) -> bool:
         """Whether `uri` holds this format: `names` lists a folder, or is None when `uri` is a file."""
+        return cls.sniff_file(uri) if names is None else cls.sniff_folder(uri, names)
+
+    @classmethod
+    def sniff_file(cls, uri: str) -> bool:
+        """Whether the file `uri` is a checkpoint of this format (no format is a single file unless it says)."""
+        return False
+
+    @classmethod
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
+        """Whether the folder `uri`, holding `names`, is a checkpoint of this format."""
         return False
 
     def read(self, locate: bool = True) -> CheckpointIndex:

@@ -63,8 +63,8 @@ class DcpReader(BaseReader):
         self.where = self.check_where = storage.join(uri, METADATA)
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        return names is not None and METADATA in names
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
+        return METADATA in names
 
     def metadata(self) -> Any:
         path = self.where

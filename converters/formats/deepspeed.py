@@ -155,8 +155,8 @@ class DeepSpeedReader(BaseReader):
     # ------------------------------------------------------------------ index
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        return names is not None and is_deepspeed_folder(uri, names)
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
+        return is_deepspeed_folder(uri, names)
 
     def read(self, locate: bool = True) -> CheckpointIndex:
         folder = self.check_where = self.folder()

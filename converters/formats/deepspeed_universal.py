@@ -45,9 +45,7 @@ class DeepSpeedUniversalReader(DeepSpeedReader):
     specificity = 2  # over the ZeRO layout and the torch file its folder also holds
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        if names is None:
-            return False
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
         if is_universal_tag(uri, names):
             return True
         # beside `latest` (the ZeRO save, which may be newer) DeepSpeed's default load reads the ZeRO save, and so

@@ -20,8 +20,8 @@ class LightningReader(DcpReader):
     format = "lightning"
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        return names is not None and METADATA in names and META in names
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
+        return METADATA in names and META in names
 
     def read(self, locate: bool = True) -> CheckpointIndex:
         index = super().read(locate)

@@ -96,8 +96,8 @@ class MegatronReader(DcpReader):
                               "re-save the checkpoint with the torch_dist backend", uri=path)
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        return names is not None and is_megatron(uri, names)
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
+        return is_megatron(uri, names)
 
     def read(self, locate: bool = True) -> CheckpointIndex:
         self._check_backend()

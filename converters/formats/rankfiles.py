@@ -118,9 +118,11 @@ class RankFilesReader(BaseReader):
     format = "rank-files"
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        if names is None:
-            return bool(RANK_FILE.match(storage.basename(uri)))
+    def sniff_file(cls, uri: str) -> bool:
+        return bool(RANK_FILE.match(storage.basename(uri)))
+
+    @classmethod
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
         return any(RANK_FILE.match(n) for n in names)
 
     def _groups(self) -> dict[str, dict[int, str]]:

@@ -106,10 +106,12 @@ class SafetensorsReader(BaseReader):
     format = "safetensors"
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        if names is None:
-            name = storage.basename(uri)
-            return name.endswith(".safetensors") or name == SAFETENSORS_INDEX
+    def sniff_file(cls, uri: str) -> bool:
+        name = storage.basename(uri)
+        return name.endswith(".safetensors") or name == SAFETENSORS_INDEX
+
+    @classmethod
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
         return SAFETENSORS_INDEX in names or "sharded" in names or any(n.endswith(".safetensors") for n in names)
 
     def read(self, locate: bool = True) -> CheckpointIndex:

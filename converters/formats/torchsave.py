@@ -114,11 +114,13 @@ class TorchSaveReader(BaseReader):
     format = "torch"
 
     @classmethod
-    def sniff(cls, uri: str, names: list[str] | None) -> bool:
-        if names is None:
-            name = storage.basename(uri)
-            return not RANK_FILE.match(name) and (name.endswith(TORCH_SUFFIXES) or name.endswith(".bin.index.json")
-                                                  or (not name.endswith(".distcp") and is_torch_zip(uri)))
+    def sniff_file(cls, uri: str) -> bool:
+        name = storage.basename(uri)
+        return not RANK_FILE.match(name) and (name.endswith(TORCH_SUFFIXES) or name.endswith(".bin.index.json")
+                                              or (not name.endswith(".distcp") and is_torch_zip(uri)))
+
+    @classmethod
+    def sniff_folder(cls, uri: str, names: list[str]) -> bool:
         if TORCH_INDEX in names:
             return True
         return len([n for n in names if n.endswith(TORCH_SUFFIXES)]) == 1 and not any(RANK_FILE.match(n) for n in names)
