@@ -71,3 +71,24 @@ def converted(rows: np.ndarray, dtype: str, qtype: gguf.GGMLQuantizationType) ->
     elif dtype not in ("float16", "float32"):
         rows = rows.astype(np.float32)  # float64: round to nearest even, as torch's .to(float32)
     return gguf.quants.quantize(rows, qtype)
+
+
+class Converter:
+    """`converted`, writing F32 and F16 slabs of a float32 or float16 source into one buffer it reuses (gguf-py's
+    quantizer is numpy's cast for those types, so the bytes are the same): no slab-sized allocation per slab, whose
+    pages the heap trim between slabs would hand back and fault in again."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.uint8)
+
+    def __call__(self, rows: np.ndarray, dtype: str, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+        if qtype not in (Q.F32, Q.F16) or dtype not in ("float32", "float16"):
+            return converted(rows, dtype, qtype)
+        kind = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
+        if rows.dtype == kind:
+            return rows
+        if self._buffer.nbytes < rows.size * kind.itemsize:
+            self._buffer = np.empty(rows.size * kind.itemsize, dtype=np.uint8)
+        out = self._buffer[: rows.size * kind.itemsize].view(kind).reshape(rows.shape)
+        np.copyto(out, rows, casting="same_kind")
+        return out

@@ -17,7 +17,7 @@ from .. import dtypes, heap, storage
 from ..certificate import Ledger, Tally
 from ..tensorio import read_box, slabs
 from .names import Part, Planned
-from .quant import converted
+from .quant import Converter, converted
 
 ALIGN = gguf.GGUF_DEFAULT_ALIGNMENT
 
@@ -95,6 +95,7 @@ class Reader:
 
 def write_data(fh: Any, planned: list[Planned], types: list[gguf.GGMLQuantizationType], source: Reader) -> None:
     """The tensor data after the header: each tensor converted slab by slab, then padded to ALIGN."""
+    convert = Converter()
     for tensor, qtype in zip(planned, types, strict=True):
         written = 0
         if tensor.data is not None:
@@ -105,7 +106,7 @@ def write_data(fh: Any, planned: list[Planned], types: list[gguf.GGMLQuantizatio
             for rows in source.slabs(part):
                 if not rows.size:
                     continue
-                data = converted(rows, part.entry.dtype, qtype)
+                data = convert(rows, part.entry.dtype, qtype)
                 fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
                 written += data.nbytes
         fh.write(bytes(-written % ALIGN))
