@@ -177,11 +177,16 @@ def policies_add(name: str, run: Annotated[str | None, typer.Option("--run")] = 
                  keep_younger_than: Annotated[str | None, typer.Option("--keep-younger-than",
                                                                        help="e.g. 36h or 7d.")] = None,
                  delete_with_outputs: Annotated[bool, typer.Option("--delete-with-outputs")] = False,
+                 action: Annotated[str, typer.Option("--action", help="delete, or archive: archive each checkpoint "
+                                                     "it does not keep to --store, check it, then delete its "
+                                                     "files (restorable).")] = "delete",
+                 store: Annotated[str | None, typer.Option("--store", help="With --action archive: the archive "
+                                                           "store (a folder or URI).")] = None,
                  as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Add a retention policy for a run or a path prefix."""
     body = {"name": name, "run": run, "prefix": as_uri(prefix) if prefix else None, "applies_to": applies_to,
             "keep_last": keep_last, "keep_every": keep_every, "keep_younger_than": keep_younger_than,
-            "delete_with_outputs": delete_with_outputs}
+            "delete_with_outputs": delete_with_outputs, "action": action, "store": as_uri(store) if store else None}
     add(server, token, "/v1/policies", body, "policy", as_json)
 
 
