@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -16,6 +17,8 @@ from ckpt_service.retention import remove_checkpoint
 from ckpt_service.summary import summarize
 from converters import ConvertOptions, convert, load_index
 from converters.names import MANIFEST
+
+from .s3server import S3, s3_fixture, s3_server_fixture  # noqa: F401  (fixtures s3 and s3_server)
 
 
 def single_file(tmp_path: Path) -> tuple[Path, Path]:
@@ -72,3 +75,15 @@ def test_inspect_reads_a_single_files_certificate_from_its_manifest(tmp_path: Pa
     assert "stats" not in doc["certificate"]
     beside.unlink()
     assert "certificate" not in summarize(load_index(str(out)))
+
+
+@pytest.mark.slow
+def test_gc_removal_on_s3_deletes_the_manifest_beside_the_file(s3: S3, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = tmp_path / "dcp"
+    dcp.save({"model": {"a.weight": torch.randn(8, 4)}}, checkpoint_id=str(source), no_dist=True)
+    out = s3.uri("exports/one/model.safetensors")
+    convert(str(source), out, ConvertOptions(to="safetensors"))
+    assert s3.keys("exports/one") == ["model.safetensors", f"model.safetensors.{MANIFEST}"]
+    remove_checkpoint(out, [roots.parse_root(s3.uri("exports"))])
+    assert s3.keys("exports") == []
