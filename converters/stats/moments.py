@@ -86,11 +86,15 @@ class Widener:
         self._buf = np.empty(0, dtype=np.float64)
         self._bits = np.empty(0, dtype=np.uint32)
 
-    def load(self, part: np.ndarray) -> np.ndarray:
-        n = part.size
+    def buffer(self, n: int) -> np.ndarray:
+        """The reused float64 buffer, `n` elements of it."""
         if self._buf.size < n:
             self._buf = np.empty(max(n, SUB_BLOCK), dtype=np.float64)
-        out = self._buf[:n]
+        return self._buf[:n]
+
+    def load(self, part: np.ndarray) -> np.ndarray:
+        n = part.size
+        out = self.buffer(n)
         if self.bf16:  # a bfloat16 is the upper half of a float32
             if self._bits.size < n:
                 self._bits = np.empty(max(n, SUB_BLOCK), dtype=np.uint32)
@@ -126,6 +130,13 @@ class Moments:
             self._add_part(block[start: start + SUB_BLOCK])
 
     def _add_part(self, part: np.ndarray) -> None:
+        if self.simd:  # float32 and float64: min, max and == run on the block itself, widened once below
+            lo, hi = part.min(), part.max()  # NaN propagates, so one test finds any non-finite value
+            if math.isfinite(lo) and math.isfinite(hi):
+                self._extremes(float(lo), float(hi))
+                self.stats.zeros += int(np.count_nonzero(part == 0))
+                self._add_shifted(part)
+                return
         d = self._wide.load(part)  # in cache from here on
         own = part
         if self.integer:
@@ -146,6 +157,25 @@ class Moments:
         m2 = float(np.einsum("i,i->", d, d))  # einsum, not dot: no BLAS threads competing for the cores
         # sum x**2 = sum (x-m)**2 + 2m sum (x-m) + n m**2: two non-negative terms (the middle one is the
         # rounding of m, below 2 eps of the total: left out)
+        self._add_sq(m2 + n * mean * mean)
+        self._combine(n, mean, m2)
+
+    def _add_shifted(self, part: np.ndarray) -> None:
+        """The moments of a finite float block, widened and shifted by `k` (the mean so far, or its first value)
+        in one pass: M2 = sum d**2 - n (mean - k)**2, exact to a few roundings while the shift is within the
+        block's spread (2 n (mean - k)**2 <= sum d**2); otherwise a second pass about the block's own mean."""
+        n = part.size
+        k = self.mean if self.n else float(part[0])
+        d = self._wide.buffer(n)
+        np.subtract(part, k, out=d, dtype=np.float64)  # exact widening, one rounding of the shift
+        ss = float(np.einsum("i,i->", d, d))
+        delta = float(d.sum()) / n
+        if math.isfinite(ss) and 2 * n * delta * delta <= ss:
+            m2 = max(ss - n * delta * delta, 0.0)
+        else:
+            d -= delta
+            m2 = float(np.einsum("i,i->", d, d))
+        mean = k + delta
         self._add_sq(m2 + n * mean * mean)
         self._combine(n, mean, m2)
 
