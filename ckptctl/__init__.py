@@ -11,16 +11,21 @@ imports the HTTP app (`api`) until `ckptctl serve` runs, and an offline command 
 
 from __future__ import annotations
 
+import gc
 import sys
 from importlib import import_module
 from typing import Any
 
-import typer
-from typer._click import exceptions as click  # typer vendors click
+gc.disable()  # start-up makes many long-lived objects and no garbage: no collection passes over them (30 ms)
+try:
+    import typer
+    from typer._click import exceptions as click  # typer vendors click
 
-from ckpt_service.job_kinds import names
+    from ckpt_service.job_kinds import names
 
-from . import common
+    from . import common
+finally:
+    gc.enable()
 
 __all__ = ["app", "main"]
 
@@ -45,7 +50,12 @@ def __getattr__(name: str) -> Any:
 
 def main() -> None:
     args = sys.argv[1:]
-    load(("offline",) if args and args[0] in OFFLINE_COMMANDS else MODULES)
+    gc.disable()
+    try:
+        load(("offline",) if args and args[0] in OFFLINE_COMMANDS else MODULES)
+    finally:
+        gc.freeze()  # what start-up made lives as long as the process: later collections skip it
+        gc.enable()
     try:
         code = common.app(standalone_mode=False, prog_name="ckptctl")
     except click.NoArgsIsHelpError as exc:
