@@ -32,15 +32,14 @@ import contextlib
 import json
 import logging
 import os
-import re
 import stat
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from converters import CkptError
 
@@ -49,24 +48,11 @@ from .audit import AuditLog
 from .catalog import NAME, when
 from .service_errors import Conflict, NotFound, ServiceError
 from .store import new_id, under, views
+from .units import DURATION
 
 if TYPE_CHECKING:
     from .service import CkptService
     from .store import JobStore
-
-_DURATION = re.compile(r"^(\d{1,9})([smhdw]?)$")
-_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(value: int | float | str) -> float:
-    """Seconds, or a number with s/m/h/d/w (`36h`, `7d`)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    match = _DURATION.match(str(value).strip())
-    if not match:
-        raise ValueError("write seconds or a duration such as 90m, 36h or 7d")
-    return float(int(match[1]) * _SECONDS[match[2]])
-
 
 class PolicySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -78,19 +64,14 @@ class PolicySpec(BaseModel):
                                                              "exports: outputs of jobs.")
     keep_last: int | None = Field(None, ge=0, le=1_000_000, description="Keep the last K steps of each run.")
     keep_every: int | None = Field(None, ge=1, le=10**12, description="Keep steps divisible by N.")
-    keep_younger_than: float | None = Field(None, ge=0, description="Keep checkpoints registered within T "
-                                            "(seconds, or 90m, 36h, 7d).")
+    keep_younger_than: Annotated[float | None, DURATION] = Field(None, ge=0, description="Keep checkpoints "
+                                                                 "registered within T (seconds, or 90m, 36h, 7d).")
     delete_with_outputs: bool = Field(False, description="Delete even when outputs derived from it are kept.")
     action: Literal["delete", "archive"] = Field("delete", description="archive: archive each checkpoint it does not "
                                                  "keep to `store`, check the archive, then delete its files (the "
                                                  "entry stays, restorable); delete: just delete them.")
     store: str | None = Field(None, min_length=1, max_length=4096, description="With action archive: the archive "
                               "store (a folder or URI under a write root).")
-
-    @field_validator("keep_younger_than", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> Any:
-        return None if value is None else parse_duration(value)
 
     @model_validator(mode="after")
     def _scope(self) -> PolicySpec:

@@ -30,9 +30,9 @@ import threading
 import time
 from collections import defaultdict
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from converters import CkptError, ContextThread
 
@@ -44,6 +44,7 @@ from .job_kinds import kind_of
 from .jobs import KINDS, WRITE_TARGET_KINDS, WRITING_KINDS, JobOptions, JobSpec
 from .service_errors import Conflict, InvalidRequest, NotFound, ServiceError
 from .store import new_id
+from .units import DURATION
 
 if TYPE_CHECKING:
     from .service import CkptService
@@ -95,17 +96,10 @@ class RuleSpec(BaseModel):
                               "recorded as superseded.")
     skip_existing: bool = Field(True, description="Skip (and record) a checkpoint whose target exists.")
     max_concurrent: int = Field(2, ge=1, le=1000, description="This rule's jobs queued or running at once.")
-    every: float | None = Field(None, ge=1, le=366 * 86400, description="Run the job again on each registered "
-                                "checkpoint the pattern matches (outputs too) once its last job of this kind is "
-                                "older than this (seconds, or 90m, 24h, 7d): a scheduled scrub. Only for "
-                                f"{' and '.join(CHECK_KINDS)}.")
-
-    @field_validator("every", mode="before")
-    @classmethod
-    def _every(cls, value: Any) -> Any:
-        from .retention import parse_duration
-
-        return None if value is None else parse_duration(value)
+    every: Annotated[float | None, DURATION] = Field(
+        None, ge=1, le=366 * 86400, description="Run the job again on each registered checkpoint the pattern matches "
+        "(outputs too) once its last job of this kind is older than this (seconds, or 90m, 24h, 7d): a scheduled "
+        f"scrub. Only for {' and '.join(CHECK_KINDS)}.")
 
     @model_validator(mode="after")
     def _periodic(self) -> RuleSpec:

@@ -1,10 +1,13 @@
-"""Human sizes: "5GB" (decimal, as Hugging Face counts shards), "256MiB" (binary), or plain bytes."""
+"""Human units: sizes ("5GB", decimal as Hugging Face counts shards; "256MiB", binary; or plain bytes) and
+durations ("90m", "36h", "7d", or plain seconds)."""
 
 from __future__ import annotations
 
 import re
 from datetime import datetime, timezone
-from typing import overload
+from typing import Any, overload
+
+from pydantic import BeforeValidator
 
 from converters import OptionError
 
@@ -45,3 +48,25 @@ def when(value: None) -> None: ...
 def when(value: float | None) -> datetime | None:
     """A stored time (seconds since the epoch) as an aware UTC datetime; None stays None."""
     return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
+
+
+_DURATION = re.compile(r"^(\d{1,9})([smhdw]?)$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(value: int | float | str) -> float:
+    """Seconds, or a number with s/m/h/d/w (`36h`, `7d`)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    match = _DURATION.match(str(value).strip())
+    if not match:
+        raise ValueError("write seconds or a duration such as 90m, 36h or 7d")
+    return float(int(match[1]) * _SECONDS[match[2]])
+
+
+def _duration_or_none(value: Any) -> Any:
+    return None if value is None else parse_duration(value)
+
+
+#: A settings or request field given in seconds or as a duration (`Annotated[float | None, DURATION]`).
+DURATION = BeforeValidator(_duration_or_none)
