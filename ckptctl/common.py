@@ -8,6 +8,8 @@ one tab-separated record per line."""
 from __future__ import annotations
 
 import inspect
+import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,12 +53,36 @@ class LazyConsole:
         return getattr(self.real(), name)
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """Console.print; `Records` go out as they are (rich would expand their tabs)."""
+        """Console.print; `Records` go out as they are (rich would expand their tabs), and so does plain text away
+        from a terminal (`_plain`: rich, 20 ms to load, is not needed to print a command's last line)."""
+        stream = sys.stderr if self.stderr else sys.stdout
         if len(objects) == 1 and isinstance(objects[0], Records):
-            stream = sys.stderr if self.stderr else sys.stdout
             stream.write("\n".join(objects[0].lines) + "\n")
             return
+        text = self._plain(stream, objects, kwargs)
+        if text is not None:
+            stream.write(text + "\n")
+            return
         self.real().print(*objects, **kwargs)
+
+    def _plain(self, stream: Any, objects: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """The line rich would print for `objects` when that is their text unchanged: one string, at most dimmed
+        (`[dim]...[/]`), without markup, escapes, tabs, control characters or emoji codes, to a stream that is
+        no terminal (none forced by the environment); else None."""
+        if self.made is not None or set(kwargs) - {"highlight"} or len(objects) != 1 or type(objects[0]) is not str:
+            return None
+        if any(os.environ.get(name) for name in _FORCED) or stream.isatty():
+            return None
+        text = objects[0]
+        if text.startswith("[dim]") and text.endswith("[/]"):
+            text = text[5:-3]
+        return None if _RICH.search(text) else text
+
+
+#: what rich would render in a string (markup, escapes, tabs, control characters, `:emoji:` codes)
+_RICH = re.compile(r"[\[\]\\\x00-\x09\x0b-\x1f\x7f]|:\S*?:")
+#: environment variables that make rich style a stream that is no terminal
+_FORCED = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "JUPYTER_COLUMNS", "JUPYTER_LINES")
 
 
 out = LazyConsole()
