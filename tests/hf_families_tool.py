@@ -138,7 +138,7 @@ def _gemma_args(hf: dict) -> dict:
     args = _args({**hf, "model_type": "llama", "rope_parameters": full})
     args.update(apply_layernorm_1p=True, activation_func="fast_gelu", qk_layernorm=hf["model_type"] == "gemma3_text",
                 query_pre_attn_scalar=hf["query_pre_attn_scalar"], rotary_base=int(full["rope_theta"]),
-                window_size=(hf["sliding_window"], 0),
+                window_size=(hf["sliding_window"] - 1, 0),  # left keys besides the query's own
                 window_attn_skip_freq=[int(t == "sliding_attention") for t in hf["layer_types"]])
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(name) is not None:

@@ -278,7 +278,7 @@ def test_gemma_window_pattern_and_attention_scale() -> None:
            "window_size": [4, 0], "window_attn_skip_freq": 2, "softmax_scale": 0.25}
     config = to_hf(view, cfg, "model.yaml")[1]
     assert (config["architectures"], config["layer_types"], config["query_pre_attn_scalar"], config["sliding_window"],
-            config["hidden_activation"]) == (["Gemma2ForCausalLM"], ["sliding_attention"], 16, 4, "gelu_pytorch_tanh")
+            config["hidden_activation"]) == (["Gemma2ForCausalLM"], ["sliding_attention"], 16, 5, "gelu_pytorch_tanh")
     assert "model.layers.0.pre_feedforward_layernorm.weight" in to_hf(view, cfg, "model.yaml")[0].tensors
 
 
@@ -293,7 +293,8 @@ def test_auto_reads_the_family_from_the_config() -> None:
     assert to_hf(view, {**CFG, "add_qkv_bias": True}, "args")[1]["architectures"] == ["Qwen2ForCausalLM"]
     nemo = {**CFG, "_target_": "nemo.collections.llm.gpt.model.mistral.MistralConfig7B", "window_size": [4, 0]}
     config = to_hf(_llama_view(), nemo, "model.yaml")[1]
-    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 4)
+    # (4, 0): the query and the 4 keys before it
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 5)
 
 
 # ------------------------------------------------------------------------------------- HF -> Megatron (import)

@@ -263,10 +263,13 @@ def _layer_types(freq: Any, layers: int, where: str) -> list[str]:
 
 
 def _window(value: Any, where: str) -> int:
-    """Megatron's window_size is (left, right) with right 0 for causal attention; HF keeps the left size."""
+    """Megatron's window_size is (left, right) with right 0 for causal attention: a query sees itself and `left`
+    keys before it (utils.get_sliding_window_causal_mask, as Transformer Engine), so left + 1 keys, where HF's
+    sliding_window counts every key seen (masking_utils.sliding_window_overlay). A bare int (Megatron-Bridge's
+    Gemma 3 provider) already counts the keys."""
     if isinstance(value, list | tuple) and len(value) == 2 and value[1] == 0 and type(value[0]) is int \
-            and value[0] > 0:
-        return value[0]
+            and value[0] >= 0:
+        return value[0] + 1
     if type(value) is int and value > 0:
         return value
     raise OptionError(f"{where}: window_size {value!r} is not a causal sliding window (left, 0); no Hugging Face "
@@ -325,7 +328,7 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
                     moe_router_pre_softmax=hf.get("model_type") != "mixtral" and not hf.get("norm_topk_prob"))
     window = hf.get("sliding_window")
     if window and (hf.get("model_type") != "qwen2" or hf.get("use_sliding_window")):
-        args["window_size"] = (int(window), 0)
+        args["window_size"] = (int(window) - 1, 0)  # HF counts the query itself (`_window`)
     if hf.get("model_type") in GEMMA:
         args.update(_gemma_args(hf, where, args))
     if hf.get("model_type") == "deepseek_v3":
