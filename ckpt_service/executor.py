@@ -496,7 +496,14 @@ def run_job(store: JobStore, job_id: str, attempt: int, progress_seconds: float 
     try:
         if allowed is not None:
             recheck_roots(spec, *allowed)
-        value = engine_call(request_of(spec.kind, spec.options), spec.source, spec.target)(writer)
+        request = request_of(spec.kind, spec.options)
+        if isinstance(request, ScrubRequest):  # a checkpoint without a manifest: checked against its baseline
+            from .baselines import scrub_job
+
+            call = scrub_job(store, spec.source, job_id, int(request.memory_limit))
+        else:
+            call = engine_call(request, spec.source, spec.target)
+        value = call(writer)
         writer.flush()
         ok = _succeed(store, spec, job_id, attempt, value)
         logs.event("job.succeeded" if ok else "job.not_current", job_id=job_id, attempt=attempt,

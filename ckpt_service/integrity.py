@@ -44,6 +44,9 @@ class IntegrityView(BaseModel):
     certificate: CertificateCover | None = Field(description="None: no certificate in a manifest (a checkpoint "
                                                  "a trainer wrote, or an output from before certificates).")
     last_scrub: ScrubView | None = Field(description="The newest scrub job of its URI; None until one ran.")
+    baseline: str | None = Field(None, description="For a checkpoint without a manifest: \"baseline recorded at T "
+                                 "(N files, B bytes)\", the checksums its first scrub recorded in the registry, "
+                                 "which later scrubs compare with; None when there is none.")
 
 
 def last_scrub(service: CkptService, uri: str) -> JobRecord | None:
@@ -65,6 +68,10 @@ def integrity(service: CkptService, checkpoint_id: str) -> IntegrityView:
     view = service.checkpoint(checkpoint_id)
     cover = (view.summary or {}).get("certificate")
     job = last_scrub(service, view.uri)
+    rows = service.store.query("SELECT recorded_at, files, bytes FROM checkpoint_baselines WHERE checkpoint_id = ?",
+                               (view.id,))
+    baseline = (f"baseline recorded at {when(rows[0]['recorded_at']).isoformat()} ({rows[0]['files']} files, "
+                f"{rows[0]['bytes']} bytes)") if rows else None
     return IntegrityView(checkpoint_id=view.id, uri=view.uri, damaged=DAMAGED in view.tags,
                          certificate=CertificateCover.model_validate(cover) if isinstance(cover, dict) else None,
-                         last_scrub=_scrub_view(job) if job is not None else None)
+                         last_scrub=_scrub_view(job) if job is not None else None, baseline=baseline)

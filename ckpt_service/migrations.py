@@ -219,7 +219,22 @@ V7_ARCHIVES = [
     "CREATE INDEX checkpoint_archives_by_id ON checkpoint_archives (store, archive_id)",
 ]
 
-MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS, V5_ORIGIN, V6_AUDIT, V7_ARCHIVES]
+#: checksums recorded for a registered checkpoint that carries none (baselines.py): the first scrub of a checkpoint
+#: without a manifest records each file's size, mtime, CRC-32 and block CRC-32s (`baseline`, JSON); later scrubs
+#: compare with it. Kept here, never in the checkpoint's folder.
+V8_BASELINES = [
+    """CREATE TABLE checkpoint_baselines (
+        checkpoint_id TEXT PRIMARY KEY REFERENCES checkpoints (id) ON DELETE CASCADE,
+        recorded_at REAL NOT NULL,
+        job_id TEXT,
+        files INTEGER NOT NULL,
+        bytes BIGINT NOT NULL,
+        baseline TEXT NOT NULL
+    )""",
+]
+
+MIGRATIONS: list[list[str]] = [V1_JOBS, V2_REGISTRY, V3_MANAGE, V4_OWNERS, V5_ORIGIN, V6_AUDIT, V7_ARCHIVES,
+                               V8_BASELINES]
 LATEST = len(MIGRATIONS)
 
 

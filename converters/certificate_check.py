@@ -121,11 +121,20 @@ def _check_files(uri: str, files: dict[str, Any], reader: storage.RangeReader, r
             report.damaged.append(f"{where}: bytes {i * BLOCK}-{end} differ from the manifest's CRC-32")
 
 
+class NoChecksums(FormatError):
+    """A checkpoint without a manifest: nothing recorded with it to check it against."""
+
+
 def scrub(uri: str, memory_limit: int = DEFAULT_MEMORY_LIMIT) -> CertificateReport:
     """Re-read a stored output and compare it with its recorded checksums: the manifest's file CRC-32s, and
     every tensor's in its certificate where there is one (the source is not read). A checkpoint without a
-    manifest has nothing recorded to compare with (DCP and safetensors files carry no checksums): refused."""
+    manifest has nothing recorded with it (DCP and safetensors files carry no checksums): NoChecksums (the
+    service records a baseline for it instead, `converters.baseline`)."""
     uri = uri.rstrip("/")
+    if not storage.exists(storage.join(uri, MANIFEST)) and not storage.exists(sidecar(uri)):
+        raise NoChecksums(f"{uri}: no recorded checksums (no {MANIFEST}, as with any checkpoint a trainer wrote); "
+                          f"submit a scrub job to the service (ckptctl submit scrub {uri}) to record a baseline "
+                          "there, which later scrubs compare with", uri=uri)
     doc = manifest_of(uri)
     report = check_certificate(uri, with_source=False, memory_limit=memory_limit,
                                files_only=not isinstance(doc.get("certificate"), dict))

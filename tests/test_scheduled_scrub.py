@@ -74,7 +74,8 @@ def test_a_scheduled_scrub_runs_once_a_period_and_marks_damage(client: TestClien
     output = made["result"]["checkpoint_id"]
     status = client.get(f"/v1/checkpoints/{output}/integrity").json()
     assert status == {"checkpoint_id": output, "uri": str(out), "damaged": False, "last_scrub": None,
-                      "certificate": {"tensors": 2, "files": 1, "source_files": 1, "stats": False}}
+                      "certificate": {"tensors": 2, "files": 1, "source_files": 1, "stats": False},
+                      "baseline": None}
     source_id = next(c["id"] for c in client.get("/v1/checkpoints").json()["items"] if c["uri"] == str(source))
     assert client.get(f"/v1/checkpoints/{source_id}/integrity").json()["certificate"] is None
 

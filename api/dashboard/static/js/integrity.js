@@ -8,7 +8,8 @@ function plural(n, word) {
   return `${n} ${word}${n === 1 ? "" : "s"}`;
 }
 
-function certificateText(c) {
+function certificateText(c, baseline) {
+  if (!c && baseline) return `none; ${baseline} by its first scrub, which later scrubs compare with`;
   if (!c) return "none (nothing recorded to check against beyond the format's own checks)";
   return `yes: ${plural(c.tensors, "tensor")}, ${plural(c.files, "output file")} with CRC-32s, `
     + `${plural(c.source_files, "source file")} named${c.stats ? ", statistics side by side" : ""}`;
@@ -23,7 +24,7 @@ function scrubText(s) {
 // Appends the integrity facts to `box`; a damaged checkpoint also gets a warning at the top of `box`.
 export async function showIntegrity(id, box, signal) {
   const found = await api(`/v1/checkpoints/${encodeURIComponent(id)}/integrity`, { signal });
-  const certificate = el("span", { id: "ckpt-certificate" }, certificateText(found.certificate));
+  const certificate = el("span", { id: "ckpt-certificate" }, certificateText(found.certificate, found.baseline));
   const scrub = el("span", { id: "ckpt-scrub", "data-state": found.last_scrub ? found.last_scrub.state : "" },
     ...scrubText(found.last_scrub));
   box.append(el("h2", {}, "Integrity"), facts([["Certificate", certificate], ["Last scrub", scrub]]));
