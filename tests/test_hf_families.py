@@ -49,7 +49,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                     "tie_word_embeddings": True}),
     # MLA with a low-rank q and YaRN (mscale in the softmax scale), first-k dense, shared experts, sigmoid group
     # top-k routing with the expert bias
-    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    # (rms_norm_eps 1e-6: transformers normalises the q and kv latents with it whatever the config says)
+    "deepseek_v3": ("DeepseekV3Config", {"rms_norm_eps": 1e-6, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+                                         "n_shared_experts": 1,
                                          "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
                                          "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
                                          "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12,
@@ -451,7 +453,8 @@ def test_import_refusals(tmp_path: Path) -> None:
                 "n_shared_experts": 1, "moe_intermediate_size": 32, "kv_lora_rank": 16}
     for fields, words in (({"rope_interleave": False}, "rope_interleave is false"),
                           ({"norm_topk_prob": False}, "norm_topk_prob is false"),
-                          ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'")):
+                          ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
+                          ({}, "rms_norm_eps is 1e-05, but transformers normalises the q and kv latents with 1e-06")):
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**deepseek, **fields}))
         with pytest.raises(OptionError) as caught:
             import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))

@@ -336,6 +336,12 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
     return args
 
 
+#: transformers' DeepSeek-V3 normalises its q and kv latents with this epsilon, whatever rms_norm_eps says;
+#: megatron-core uses one epsilon for every norm, so only a model whose rms_norm_eps is this one maps exactly (as the
+#: released ones do)
+DEEPSEEK_LATENT_EPS = 1e-6
+
+
 def _deepseek_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3 in Megatron-LM's MLA and MoE arguments (Megatron-Bridge deepseek/common.py): first-k dense
     layers as a moe_layer_freq list, sigmoid routing with the expert bias, group top-k and scaling factor."""
@@ -357,6 +363,10 @@ def _deepseek_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict
     top_k = int(hf.get("num_experts_per_tok") or 1)
     if not hf.get("norm_topk_prob", True) and top_k > 1:
         raise fail("norm_topk_prob is false (megatron-core's sigmoid router renormalizes the top k)")
+    if float(hf.get("rms_norm_eps", DEEPSEEK_LATENT_EPS)) != DEEPSEEK_LATENT_EPS:
+        raise fail(f"rms_norm_eps is {float(hf['rms_norm_eps']):g}, but transformers normalises the q and kv latents "
+                   f"with {DEEPSEEK_LATENT_EPS:g} whatever the config says, and megatron-core's MLA uses one epsilon "
+                   "for every norm")
     layers, first = args["num_layers"], int(hf.get("first_k_dense_replace") or 0)
     moe_ffn = int(hf.get("moe_intermediate_size") or args["ffn_hidden_size"])
     out: dict[str, Any] = {

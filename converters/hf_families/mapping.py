@@ -35,6 +35,11 @@ def detect(mc: ModelConfig, where: str) -> Family:
 
 def check(family: Family, mc: ModelConfig, where: str) -> None:
     """One line naming every feature the model has that the family lacks, or the family needs that it lacks."""
+    if family.norm_eps is not None and mc.eps != family.norm_eps:
+        raise OptionError(f"{where}: to_hf {family.name}: the model's norm epsilon is {mc.eps:g}, but "
+                          f"{family.architecture} uses {family.norm_eps:g} for some of its norms whatever its config "
+                          "says, so its logits would differ; export without `to_hf` to keep Megatron names",
+                          option="to_hf")
     extra = mc.features - family.features - family.optional
     missing = family.features - mc.features
     if not extra and not missing:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ModelConfig
+from .config import DEEPSEEK_LATENT_EPS, ModelConfig
 from .transforms import Transform, expert_gate_up, gate_up, halves, identity, qkv
 
 
@@ -47,6 +47,8 @@ class Family:
     extra: Any = None  # ModelConfig -> the family's own config.json fields
     notes: tuple[str, ...] = field(default=())
     per_layer_keys: bool = False
+    norm_eps: float | None = None  # an epsilon the HF class uses for some norms whatever its config says
+
 
     def config_fields(self, mc: ModelConfig) -> dict[str, Any]:
         return dict(self.extra(mc)) if self.extra is not None else {}
@@ -235,5 +237,5 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3",
            frozenset({"mla", "moe", "sigmoid", "expert_bias", "shared"}), MLA + DEEPSEEK_MLP,
            optional=frozenset({"q_lora", "dense_layers"}), nemo_classes=("DeepSeekV3Config",), extra=_deepseek_v3,
-           per_layer_keys=True),
+           per_layer_keys=True, norm_eps=DEEPSEEK_LATENT_EPS),
 )}
