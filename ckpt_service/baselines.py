@@ -10,9 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from converters import CertificateReport, scrub
-from converters.baseline import BaselineReport, compare_baseline, record_baseline
-from converters.certificate_check import NoChecksums
+from converters import BaselineReport, CertificateReport, NoChecksums, compare_baseline, record_baseline, scrub
 
 from . import logs
 

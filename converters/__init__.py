@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from .archive import archive as archive_checkpoint
     from .archive import gc as archive_gc
     from .archive import restore as restore_archive
+    from .baseline import BaselineReport, compare_baseline, record_baseline
     from .certificate import sidecar as manifest_sidecar
-    from .certificate_check import CertificateReport, scrub
+    from .certificate_check import CertificateReport, NoChecksums, scrub
     from .classify import index_kinds
     from .config import ContextThread, EngineConfig, PickleLimits
     from .config import install as install_config
@@ -74,7 +75,8 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "scan": "stats", "diff": "stats", "ScanResult": "stats", "DiffResult": "stats", "through_merged": "staged",
     "layer_of": "stats", "check_certificate": "verification", "scrub": "certificate_check",
     "parse_bounds": "stats.guards", "check_bounds": ("stats.guards", "check"),
-    "CertificateReport": "certificate_check", "manifest_sidecar": ("certificate", "sidecar"),
+    "CertificateReport": "certificate_check", "NoChecksums": "certificate_check", "BaselineReport": "baseline",
+    "record_baseline": "baseline", "compare_baseline": "baseline", "manifest_sidecar": ("certificate", "sidecar"),
     "archive_checkpoint": ("archive", "archive"), "restore_archive": ("archive", "restore"),
     "archive_gc": ("archive", "gc"), "list_archives": "archive", "ArchiveResult": "archive",
 }
@@ -87,6 +89,7 @@ __all__ = [
     "WRITERS",
     "ArchiveResult",
     "BaseReader",
+    "BaselineReport",
     "CertificateReport",
     "CheckpointIndex",
     "CkptError",
@@ -98,6 +101,7 @@ __all__ = [
     "FormatError",
     "ImportResult",
     "KeyOptions",
+    "NoChecksums",
     "OptionError",
     "PickleLimits",
     "Progress",
@@ -114,6 +118,7 @@ __all__ = [
     "archive_gc",
     "check_bounds",
     "check_certificate",
+    "compare_baseline",
     "convert",
     "deepspeed_source",
     "detect",
@@ -134,6 +139,7 @@ __all__ = [
     "manifest_sidecar",
     "parse_bounds",
     "parse_dim_rules",
+    "record_baseline",
     "register_format",
     "remove_tree",
     "reshard",
