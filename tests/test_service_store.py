@@ -354,7 +354,9 @@ def test_a_dead_hosts_job_is_cleaned_then_retried_by_another_host(store_location
     job, _ = store.create_job(kind="export", spec={"kind": "export", "source": "/x", "target": str(target)},
                               target=str(target), callback_url=None, submitted_by="t", max_attempts=2,
                               queue_limit=10)
-    assert store.claim("far-away-host:4242:abcdef", lease_seconds=0.2) is not None
+    lease = 3.0  # long enough that the first reap below runs inside it on a loaded machine
+    claimed = time.monotonic()
+    assert store.claim("far-away-host:4242:abcdef", lease_seconds=lease) is not None
     partial = tmp_path / ".out.tmp-1234abcd"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"half")
@@ -363,8 +365,9 @@ def test_a_dead_hosts_job_is_cleaned_then_retried_by_another_host(store_location
     pools = [WorkerPool(settings, JobStore(store_location, migrate=False), slots=0) for _ in range(2)]
     for pool in pools:
         pool.reap()
+    assert time.monotonic() - claimed < lease, "the set-up outlasted the lease: the check above proves nothing"
     assert store.get(job.id).state == "running"  # the lease still runs: nobody touches the job
-    time.sleep(0.3)
+    time.sleep(max(0.0, claimed + lease + 0.1 - time.monotonic()))
     threads = [threading.Thread(target=pool.reap) for pool in pools]  # two live hosts race to reap it
     for t in threads:
         t.start()
