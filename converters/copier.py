@@ -22,7 +22,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from . import dtypes
-from .checksum import crc32, crc32_zeros
+from .checksum import crc32, crc32_combine, crc32_zeros
 from .config import ContextPool
 from .errors import SourceError
 from .index import TensorEntry
@@ -120,6 +120,7 @@ class SourceRange:
     length: int
     crc_before: int = 0
     crc: int | None = None
+    tally: Tally | None = field(default=None, compare=False)  # takes the CRC-32 `copy_range` computes for it
 
 
 class Copier:
@@ -202,8 +203,19 @@ class Copier:
                 defer = tally is not None and tally.src is None and into is not None
                 copied = []
                 crc = 0
+                lazy = tally is not None and not defer and tally.src is None
                 for uri, offset, length in ranges:
                     piece = SourceRange(local_path(uri), offset, length)
+                    if lazy and tally is not None:  # `copy_range` checksums it as it copies, where it lands
+                        piece = SourceRange(piece.path, offset, length, crc, None, tally)
+                        done = tally.copied
+                        yield piece
+                        if tally.copied == done:  # not copied by `copy_range`: from the source
+                            tally.add_crc(self._range_crc(piece, tally, crc))
+                        crc = tally.src_crc
+                        copied.append(piece)
+                        self.progress.add(length)
+                        continue
                     if tally is not None and not defer:  # through the page cache, as the copy itself reads it
                         piece = SourceRange(piece.path, offset, length, crc, self._range_crc(piece, tally, crc))
                         crc = piece.crc or 0
@@ -227,7 +239,10 @@ class Copier:
         if piece.crc is not None and crc == piece.crc_before:  # the caller's CRC-32 runs as the certificate's
             self._copy(piece, fd, dst, None)
             return piece.crc
-        return self._copy(piece, fd, dst, crc)
+        out = self._copy(piece, fd, dst, crc)
+        if piece.tally is not None and crc == piece.crc_before:  # the certificate's CRC-32 runs as the caller's
+            piece.tally.add_crc(out)
+        return out
 
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None) -> int:
         """Copy the data runs of `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new
@@ -240,15 +255,49 @@ class Copier:
         last_is_hole = False
         for start, stop, is_data in self._runs(src_fd, piece.offset, end):
             last_is_hole = not is_data
+            at = dst + start - piece.offset
+            if crc is not None:
+                crc = self._landed_crc(piece.path if is_data else None, start, stop - start, fd, at, crc)
             if is_data:
-                if crc is not None:
-                    crc = self._mapped_crc(piece.path, start, stop - start, crc)
-                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
-            elif crc is not None:
-                crc = crc32_zeros(stop - start, crc)
+                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
         if last_is_hole:
             self._pwrite(fd, b"\0", dst + piece.length - 1)
         return crc or 0
+
+    def _landed_crc(self, path: str | None, offset: int, length: int, fd: int, at: int, crc: int) -> int:
+        """`crc` extended over `length` bytes of local `path` from `offset` (None: a hole, zeros) that land at `at`
+        in the output `fd`; with a certificate, each part inside one of the output's blocks is checksummed alone
+        and recorded (`Ledger.wrote`), so the output's CRC-32s are joined, not read back."""
+        ledger = self.ledger
+        if ledger is None:
+            return self._mapped_crc(path, offset, length, crc) if path is not None else crc32_zeros(length, crc)
+        from .certificate import block_parts
+
+        for low, high in block_parts(at, at + length):
+            n = high - low
+            part = self._mapped_crc(path, offset + low - at, n, 0) if path is not None else crc32_zeros(n)
+            ledger.wrote(fd, low, n, part)
+            crc = crc32_combine(crc, part, n)
+        return crc
+
+    def note(self, fd: int, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """`data` is written at `offset` of the local output `fd` by its writer (headers, records): the certificate
+        takes its CRC-32s from memory (`Ledger.wrote_bytes`)."""
+        if self.ledger is not None:
+            self.ledger.wrote_bytes(fd, offset, data)
+
+    def _noted_crc(self, fd: int, offset: int, data: memoryview, crc: int) -> int:
+        """`crc` extended over `data`, written at `offset` of `fd`; with a certificate, noted block by block too."""
+        if self.ledger is None:
+            return crc32(data, crc)
+        from .certificate import block_parts
+
+        with data.cast("B") as view:
+            for low, high in block_parts(offset, offset + len(view)):
+                part = crc32(view[low - offset:high - offset])
+                self.ledger.wrote(fd, low, high - low, part)
+                crc = crc32_combine(crc, part, high - low)
+        return crc
 
     def _runs(self, fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
         """Data runs and holes covering [start, end) of the file `fd`. The data run last seen in each file is
@@ -363,19 +412,30 @@ class Copier:
         CRC-32 with `checksum` (computed on the bytes in flight, or through the page cache when the kernel
         copies), else 0."""
         crc = 0
-        for piece in self.pieces(entry, cast_to, box, in_kernel=True, into=None if checksum else (fd, offset)):
+        track = checksum or self._joins()
+        for piece in self.pieces(entry, cast_to, box, in_kernel=True, into=None if track else (fd, offset)):
             if isinstance(piece, SourceRange):
-                if checksum:
+                if track:
                     crc = self.copy_range(piece, fd, offset, crc)
                 else:
                     self._copy(piece, fd, offset, None)
                 offset += piece.length
             else:
-                if checksum:
-                    crc = crc32(piece, crc)
+                if track:
+                    crc = self._noted_crc(fd, offset, piece, crc)
                 self._pwrite(fd, piece, offset)
                 offset += len(piece)
-        return crc
+        return crc if checksum else 0
+
+    def _joins(self) -> bool:
+        """Whether the certificate joins the output's CRC-32s from those of the bytes written (`Ledger.written`):
+        checksummed in the writer threads as they are copied, instead of one pass reading the output back after.
+        Not with statistics (the values are mapped from the source then) or for a derived export (it reads its
+        files back for each tensor's CRC-32), nor in the paranoid mode that re-reads every output file."""
+        from . import certificate
+
+        ledger = self.ledger
+        return ledger is not None and not ledger.stats and not ledger.derived and not certificate.READBACK
 
     def write_many(self, fd: int, jobs: list[tuple[int, TensorEntry, str | None]], pool: ThreadPoolExecutor,
                    checksum: bool = False) -> list[int]:

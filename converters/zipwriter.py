@@ -48,8 +48,10 @@ _GATHER = 64 * 1024
 class ZipWriter:
     """Writes one torch.save archive into `fh` (sequential writes only), from its current position."""
 
-    def __init__(self, fh: BinaryIO, archive: str = "archive", start: int | None = None) -> None:
+    def __init__(self, fh: BinaryIO, archive: str = "archive", start: int | None = None,
+                 note: Callable[[int, bytes | bytearray | memoryview], None] | None = None) -> None:
         self.fh = fh
+        self.note = note  # told (file offset, bytes) of everything written here (a certificate's CRC-32s)
         self.base = fh.tell() if start is None else start
         self.pos = 0  # bytes written so far, relative to the archive start
         self.archive = archive
@@ -65,12 +67,16 @@ class ZipWriter:
         else:
             self._flush()
             self.fh.write(view)
+            if self.note is not None:
+                self.note(self.base + self.pos, view)
         self.pos += len(view)
 
     def _flush(self) -> None:
         """Write what `_write` gathered (before the file is used any other way: a seek, a kernel copy, the end)."""
         if self.pending:
             self.fh.write(self.pending)
+            if self.note is not None:  # the gathered bytes end at the archive's position
+                self.note(self.base + self.pos - len(self.pending), self.pending)
             self.pending = bytearray()
 
     def _header(self, name: bytes, size: int, at: int) -> bytes:
@@ -127,7 +133,10 @@ class ZipWriter:
         """The CRC-32 of a reserved member's bytes, once they are written: into its descriptor and directory entry."""
         bname, at, size, _, zip64 = self.entries[slot.entry]
         self.entries[slot.entry] = (bname, at, size, crc, zip64)
-        pwrite_all(self.fh.fileno(), _descriptor(crc, size), slot.data_at + size)
+        descriptor = _descriptor(crc, size)
+        pwrite_all(self.fh.fileno(), descriptor, slot.data_at + size)
+        if self.note is not None:
+            self.note(slot.data_at + size, descriptor)
 
     def add(self, name: str, data: bytes) -> None:
         self.write_member(name, [data], len(data))

@@ -273,3 +273,56 @@ def test_every_output_kind_has_a_certificate_that_finds_a_flipped_bit(tmp_path: 
     flip(path, offset + length // 2)  # a bit of what the export read, in the source
     assert f"source {path} bytes {offset}-{offset + length} (tensor {name}) differ from what the conversion read" \
         in check_certificate(str(out)).damaged
+
+
+def big_weights() -> dict[str, torch.Tensor]:
+    """Tensors whose bytes cross the manifest's 16 MiB blocks at odd places, in every kind of output."""
+    torch.manual_seed(1)
+    return {"a.weight": torch.randn(1000, 4099), "b.weight": torch.randn(777, 3001).half(),
+            "c.bias": torch.randn(12345), "d.weight": torch.randn(2048, 2500), "e": torch.arange(7)}
+
+
+def recomputed(out: Path) -> dict[str, tuple[int, list[int]]]:
+    """Every output file's CRC-32 and 16 MiB block CRC-32s, recomputed from the files on disk with zlib."""
+    found = {}
+    for name in json.loads(manifest_file(out).read_text())["files"]:
+        data = (out / name if out.is_dir() else out).read_bytes()
+        found[name] = (zlib.crc32(data), [zlib.crc32(data[i:i + (16 << 20)]) for i in range(0, len(data), 16 << 20)])
+    return found
+
+
+def manifest_file(out: Path) -> Path:
+    return out / MANIFEST if out.is_dir() else out.with_name(f"{out.name}.{MANIFEST}")
+
+
+@pytest.mark.parametrize("readback", [False, True])
+def test_recorded_file_and_block_crcs_equal_the_files_on_disk(tmp_path: Path, readback: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from converters import certificate as cert_mod
+
+    monkeypatch.setattr(cert_mod, "READBACK", readback)
+    source = tmp_path / "dcp"
+    dcp.save({"model": big_weights()}, checkpoint_id=str(source), no_dist=True)
+    read_back: list[str] = []
+    real = cert_mod.mapped_crcs
+
+    def spy(path: str, *args: object, **kwargs: object) -> object:
+        read_back.append(os.path.basename(path))
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cert_mod, "mapped_crcs", spy)
+    outputs = {"export": (tmp_path / "export", ConvertOptions(export=True)),
+               "torch": (tmp_path / "model.pt", ConvertOptions(to="torch")),
+               "reshard": (tmp_path / "resharded", ReshardOptions(world_size=2))}
+    for kind, (out, options) in outputs.items():
+        read_back.clear()
+        if isinstance(options, ReshardOptions):
+            reshard(str(source), str(out), options)
+        else:
+            convert(str(source), str(out), options)
+        files = json.loads(manifest_file(out).read_text())["files"]
+        assert any(info["bytes"] > 16 << 20 for info in files.values()), kind
+        assert {name: (info["crc32"], info["blocks"]) for name, info in files.items()} == recomputed(out), kind
+        assert check_certificate(str(out)).ok, kind
+        # every byte was checksummed as it was written: no output file is read back (DCP's .metadata is)
+        assert len(read_back) == (len(files) if readback else sum(n == ".metadata" for n in files)), kind

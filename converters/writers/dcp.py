@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from .. import dtypes, picklewriter
@@ -56,9 +57,10 @@ def _planner_path(path: tuple[str, ...]) -> tuple[Any, ...]:
 
 
 def _record(fh: Any, start: int, pickled: bytes, members: list[tuple[str, Any, int]],
-            copy_range: Callable[..., int] | None = None, serial: str | None = None) -> int:
-    """Write one torch.save archive at `start`; return its length."""
-    zw = ZipWriter(fh, archive="archive", start=start)
+            copy_range: Callable[..., int] | None = None, serial: str | None = None,
+            note: Callable[[int, Any], None] | None = None) -> int:
+    """Write one torch.save archive at `start`; return its length (`note`: told what is written where)."""
+    zw = ZipWriter(fh, archive="archive", start=start, note=note)
     zw.add("data.pkl", pickled)
     for name, chunks, size in members:
         zw.write_member(name, chunks, size, copy_range)
@@ -111,17 +113,20 @@ class RankPart:
         # piece.dtype is the output dtype: as a cast target it casts exactly when the plan did
         jobs = [(piece.entry, piece.dtype, piece.box) for piece in self.pieces]
         with out.open(self.name) as fh, (nullcontext(None) if out.local else copier.in_order(jobs)) as ahead:
+            note = partial(copier.note, fh.fileno()) if out.local else None
             for i, piece in enumerate(self.pieces):
                 nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
                 stream = ahead[i] if ahead is not None else copier.pieces(*jobs[i], in_kernel=True)
                 pickled = picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1]))
                 length = _record(fh, at, pickled, [("data/0", stream, nbytes)], copier.copy_range,
-                                 serial_id(self.serial, self.rank, i))
+                                 serial_id(self.serial, self.rank, i), note)
                 records.append((piece.name, piece.box[0], at, length, piece.box))
                 at += length
             for obj in self.objects:
                 blob = object_blob(writable_object(obj, copier.reader), serial_id(self.serial, self.rank, obj.name))
                 fh.write(blob)
+                if note is not None:
+                    note(at, blob)
                 records.append((obj.name, None, at, len(blob), None))
                 at += len(blob)
         return records

@@ -70,6 +70,7 @@ def write_file(out: Output, name: str, items: list[Planned], copier: Copier, cas
     with open(path, "wb") as fh:
         fd = fh.fileno()
         pwrite_all(fd, header, 0)
+        copier.note(fd, 0, header)
         offsets, at = [], len(header)
         for item in items:
             offsets.append(at)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .. import dtypes, picklewriter
@@ -63,7 +64,8 @@ class TorchPart:
             pairs.append((obj.path, writable_object(obj, copier.reader)))
         root = nest(pairs)
         with out.open(self.name) as fh:
-            zw = ZipWriter(fh, archive="archive", start=0)
+            note = partial(copier.note, fh.fileno()) if out.local else None
+            zw = ZipWriter(fh, archive="archive", start=0, note=note)
             zw.add("data.pkl", picklewriter.dumps(root))
             sizes = [dtypes.numel(entry.shape) * dtypes.itemsize(dtype) for _, entry, dtype in storages]
             if out.local and pool is not None:
