@@ -21,6 +21,12 @@ its own CRC-32s). A single-file output (`out.safetensors`, `model.pt`, `model.gg
 manifest: its manifest, certificate included, is written beside it as `<file>.ckpt-manifest.json`
 (`write_sidecar`, once the file is in place).
 
+The manifest's CRC-32 of each local output file and of each `BLOCK` of it are joined (`crc32_combine`) from
+the CRC-32s of the bytes written into it, taken as they are written (`Ledger.wrote`: kernel-copied ranges through
+the source's page cache, cut at the output's block edges; headers and slabs from memory); a file those do not
+tile exactly (a derived export's, one with statistics, DCP's `.metadata`), or every file with `READBACK`, is read
+back instead.
+
 `converters.verification.check_certificate` re-checks an output against it later.
 """
 
@@ -55,8 +61,9 @@ TINY = {"float64": 2.2250738585072014e-308, "float32": 1.1754943508222875e-38, "
 
 BLOCK = 16 << 20  # the manifest records a CRC-32 per block of each output file
 STEP = 4 << 20  # bytes read at a time
-#: re-read every output file for its CRC-32s even where the bytes written account for them (a paranoid mode)
-READBACK = os.environ.get("CKPT_CERTIFICATE_READBACK", "") not in ("", "0")
+#: re-read every output file for its CRC-32s even where the CRC-32s of the bytes written into it account for
+#: them (a paranoid mode: the output as the filesystem holds it, not as it was handed to the kernel)
+READBACK = False
 
 
 def block_parts(start: int, end: int) -> list[tuple[int, int]]:

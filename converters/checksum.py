@@ -72,4 +72,10 @@ def crc32_zeros(n: int, value: int = 0) -> int:
 def crc32_combine(crc: int, more: int, length: int) -> int:
     """The CRC-32 of a + b from `crc` (a's), `more` (b's) and b's `length`, reading neither, as zlib's
     crc32_combine: crc(a + b) = crc(b) ^ shift(crc(a)) ^ shift(0), shifting over `length` zero bytes."""
-    return more ^ crc32_zeros(length, crc) ^ crc32_zeros(length, 0)
+    return more ^ crc32_zeros(length, crc) ^ _zeros_crc(length)
+
+
+@lru_cache(maxsize=1024)
+def _zeros_crc(length: int) -> int:
+    """The CRC-32 of `length` zero bytes (the lengths `crc32_combine` joins over recur)."""
+    return crc32_zeros(length)

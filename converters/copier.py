@@ -193,8 +193,10 @@ class Copier:
         no copy into a buffer and out again, which cost more than the statistics themselves. `into` (the local
         output fd and offset the caller writes the pieces at, one after the other) defers the CRC-32 to the
         certificate's read-back of the output (`Ledger.defer`): the bytes are then mapped once, not twice.
-        Otherwise each piece carries the running CRC-32 the certificate read (`SourceRange.crc`), which
-        `copy_range` and `write_at` take as theirs (a zip member's, a record's) instead of mapping the bytes again."""
+        Otherwise, with statistics, each piece carries the running CRC-32 the certificate read (`SourceRange.crc`),
+        which `copy_range` and `write_at` take as theirs (a zip member's, a record's) instead of mapping the bytes
+        again; without, `copy_range` computes it where the piece lands (cut at the output's blocks, so the output's
+        CRC-32s are joined, not read back) and hands it to the certificate (`SourceRange.tally`)."""
         ledger = self.ledger
         if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
             ranges = direct_ranges(entry, box)
