@@ -12,8 +12,6 @@ this process), OUT_DIR/merged_by_peft.safetensors (`merge_and_unload()` of the t
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -84,9 +82,6 @@ def _spawn(rank: int, world_size: int, base: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from tests.ranks import spawn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    mp.spawn(_spawn, args=(2, sys.argv[1], sys.argv[2]), nprocs=2)
+    spawn(_spawn, 2, sys.argv[1], sys.argv[2])

@@ -11,8 +11,6 @@ gathered to OUT_DIR/full-N.pt, flat under the names scan gives them, for the tes
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -66,10 +64,7 @@ def _spawn(rank: int, world_size: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from tests.ranks import spawn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
-    mp.spawn(_spawn, args=(2, sys.argv[1]), nprocs=2)
+    spawn(_spawn, 2, sys.argv[1])
