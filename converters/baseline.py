@@ -8,19 +8,15 @@ the caller (the service registry), never written into the checkpoint's folder.
 
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from . import storage
-from .certificate import BLOCK, block_crcs
+from .certificate import BLOCK, block_crcs, mapped_crcs
 from .certificate_check import CertificateReport, _File
-from .checksum import crc32, crc32_combine
 from .errors import CkptError
-
-WINDOW = 2 << 20  # bytes mapped at a time
 
 
 @dataclass
@@ -75,29 +71,9 @@ def _stat(where: str) -> tuple[int, int | None]:
     return storage.size(where), None
 
 
-def _local_crcs(path: str, size: int) -> tuple[int, list[int]]:
-    """(whole CRC-32, one per BLOCK) of a local file, through short mappings (no copy, no lasting RSS)."""
-    whole, blocks = 0, []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for start in range(0, size, BLOCK):
-            end, crc, offset = min(size, start + BLOCK), 0, start
-            while offset < end:
-                high = min(end, offset + WINDOW)
-                with mmap.mmap(fd, high - offset, access=mmap.ACCESS_READ, offset=offset) as mapping, \
-                        memoryview(mapping) as view:
-                    crc = crc32(view, crc)
-                offset = high
-            blocks.append(crc)
-            whole = crc32_combine(whole, crc, end - start)
-    finally:
-        os.close(fd)
-    return whole, blocks
-
-
 def _crcs(where: str, size: int, reader: storage.RangeReader) -> tuple[int, list[int]]:
     if storage.is_local(where):
-        return _local_crcs(storage.local_path(where), size)
+        return mapped_crcs(storage.local_path(where))
     return block_crcs(_File(reader, where, size).readinto)
 
 

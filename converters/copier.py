@@ -123,6 +123,21 @@ class SourceRange:
     tally: Tally | None = field(default=None, compare=False)  # takes the CRC-32 `copy_range` computes for it
 
 
+def mapped_windows(fd: int, offset: int, length: int) -> Iterator[memoryview]:
+    """A local file range as views of short page-cache mappings, one `_CRC_WINDOW` from each window's start (so
+    every window but the last starts whole elements when `offset` does), each unmapped once the caller moves on: no
+    page stays in this process's RSS, threads never unmap each other's pages, and no byte is copied into a buffer.
+    The caller must not keep a view past its step."""
+    end = offset + length
+    while offset < end:
+        low = offset - offset % mmap.ALLOCATIONGRANULARITY
+        high = min(end, offset + _CRC_WINDOW)
+        with mmap.mmap(fd, high - low, access=mmap.ACCESS_READ, offset=low) as mapping, \
+                memoryview(mapping) as view, view[offset - low:] as part:
+            yield part
+        offset = high
+
+
 class Copier:
     """Streams tensors as raw bytes; holds at most `slab_bytes` (plus its cast copy) per thread."""
 
@@ -352,18 +367,9 @@ class Copier:
             src, dst = src + n, dst + n
 
     def _mapped_crc(self, path: str, offset: int, length: int, crc: int) -> int:
-        """CRC-32 of a local file range, read through the page cache without a copy: each window is its own
-        short mapping, unmapped at once, so no page stays in this process's RSS and threads never unmap each
-        other's pages. (Reading into a buffer instead costs a second memory copy of every byte.)"""
-        fd = self.reader.fd(path)
-        end = offset + length
-        while offset < end:
-            low = offset - offset % mmap.ALLOCATIONGRANULARITY
-            high = min(end, low + _CRC_WINDOW)
-            with mmap.mmap(fd, high - low, access=mmap.ACCESS_READ, offset=low) as mapping, \
-                    memoryview(mapping) as view:
-                crc = crc32(view[offset - low:], crc)
-            offset = high
+        """CRC-32 of a local file range, read through the page cache without a copy (`mapped_windows`)."""
+        for part in mapped_windows(self.reader.fd(path), offset, length):
+            crc = crc32(part, crc)
         return crc
 
     def _pieces_crc(self, pieces: list[SourceRange]) -> int:
@@ -389,16 +395,9 @@ class Copier:
         """`tally.add_values` each window of a local file range as mapped from the page cache (windows cut at
         whole elements: `offset` starts one, `_CRC_WINDOW` is a multiple of every element size); return `crc`
         extended over the range, in the same mapping."""
-        fd = self.reader.fd(path)
-        end = offset + length
-        while offset < end:
-            low = offset - offset % mmap.ALLOCATIONGRANULARITY
-            high = min(end, offset + _CRC_WINDOW)
-            with mmap.mmap(fd, high - low, access=mmap.ACCESS_READ, offset=low) as mapping, \
-                    memoryview(mapping) as view, view[offset - low:] as part:
-                crc = crc32(part, crc)
-                tally.add_values(part)
-            offset = high
+        for part in mapped_windows(self.reader.fd(path), offset, length):
+            crc = crc32(part, crc)
+            tally.add_values(part)
         return crc
 
     def _buffer(self, nbytes: int) -> memoryview:
