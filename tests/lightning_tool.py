@@ -23,6 +23,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import FSDPStrategy
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDP
+from ranks import end_rank  # run as a script (each rank too): tests/ is on sys.path
 
 
 class CpuFSDPStrategy(FSDPStrategy):
@@ -62,6 +63,7 @@ def main(out: str, resume: str | None = None, devices: int = 2) -> None:
     if fabric.global_rank == 0:
         with open(f"{out}/losses.json", "w") as fh:
             json.dump({"step": state["step"], "losses": losses}, fh)
+    end_rank()
 
 
 class TrainerFSDPStrategy(TrainerFSDP):
@@ -108,6 +110,7 @@ def trainer_main(out: str, devices: str, steps: str, resume: str | None = None) 
     if trainer.global_rank == 0:
         with open(f"{out}/losses.json", "w") as fh:
             json.dump(model.losses, fh)
+    end_rank()
 
 
 if __name__ == "__main__":
