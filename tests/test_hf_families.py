@@ -454,9 +454,33 @@ def test_import_refusals(tmp_path: Path) -> None:
     for fields, words in (({"rope_interleave": False}, "rope_interleave is false"),
                           ({"norm_topk_prob": False}, "norm_topk_prob is false"),
                           ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
-                          ({}, "rms_norm_eps is 1e-05, but transformers normalises the q and kv latents with 1e-06")):
+                          ({}, "rms_norm_eps is 1e-05, but transformers normalises the q and kv latents with 1e-06"),
+                          ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 4},
+                           "2 expert groups with 1 chosen for top 4: megatron-core ranks groups by their top 4 "
+                           "scores, transformers by their top 2")):
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**deepseek, **fields}))
         with pytest.raises(OptionError) as caught:
             import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
         assert words in str(caught.value) and "Megatron-core's DeepSeek layers do not express it" in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_group_routing_transformers_computes_otherwise() -> None:
+    """megatron-core ranks DeepSeek expert groups by the sum of their top (top k // groups chosen) scores,
+    transformers by their top 2: a Megatron model where those differ is refused in one line, not exported to route
+    other experts."""
+    from converters.hf_families.config import megatron_args, read_megatron
+    from converters.hf_families.mapping import check
+    from converters.hf_families.table import FAMILIES
+
+    hf = {"model_type": "deepseek_v3", **COMMON, "rms_norm_eps": 1e-6, "num_key_value_heads": 4, "n_routed_experts": 4,
+          "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "kv_lora_rank": 16,
+          "n_group": 2, "topk_group": 1}
+    args = megatron_args(hf, "hf")
+    check(FAMILIES["deepseek_v3"], read_megatron(args, "ckpt"), "ckpt")  # top 2 of 1 group: both take the top 2
+    with pytest.raises(OptionError) as caught:
+        check(FAMILIES["deepseek_v3"], read_megatron({**args, "moe_router_topk": 4}, "ckpt"), "ckpt")
+    assert str(caught.value) == ("ckpt: to_hf deepseek_v3: 2 expert groups with 1 chosen for top 4: megatron-core "
+                                 "ranks groups by their top 4 scores, transformers by their top 2, so "
+                                 "DeepseekV3ForCausalLM would route other experts; export without `to_hf` to keep "
+                                 "Megatron names")

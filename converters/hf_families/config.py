@@ -342,6 +342,16 @@ def megatron_args(hf: dict[str, Any], where: str) -> dict[str, Any]:
 DEEPSEEK_LATENT_EPS = 1e-6
 
 
+def deepseek_group_mismatch(top_k: int, groups: Any, group_topk: Any) -> str | None:
+    """Why group-limited routing would pick other experts on each side, or None: transformers ranks expert groups by
+    the sum of their top 2 scores, megatron-core's group_limited_topk by the sum of their top (top k // groups
+    chosen)."""
+    if not groups or int(groups) <= 1 or not group_topk or top_k // int(group_topk) == 2:
+        return None
+    return (f"{groups} expert groups with {group_topk} chosen for top {top_k}: megatron-core ranks groups by their "
+            f"top {top_k // int(group_topk)} scores, transformers by their top 2")
+
+
 def _deepseek_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3 in Megatron-LM's MLA and MoE arguments (Megatron-Bridge deepseek/common.py): first-k dense
     layers as a moe_layer_freq list, sigmoid routing with the expert bias, group top-k and scaling factor."""
@@ -363,6 +373,8 @@ def _deepseek_args(hf: dict[str, Any], where: str, args: dict[str, Any]) -> dict
     top_k = int(hf.get("num_experts_per_tok") or 1)
     if not hf.get("norm_topk_prob", True) and top_k > 1:
         raise fail("norm_topk_prob is false (megatron-core's sigmoid router renormalizes the top k)")
+    if (why := deepseek_group_mismatch(top_k, hf.get("n_group"), hf.get("topk_group"))) is not None:
+        raise fail(why)
     if float(hf.get("rms_norm_eps", DEEPSEEK_LATENT_EPS)) != DEEPSEEK_LATENT_EPS:
         raise fail(f"rms_norm_eps is {float(hf['rms_norm_eps']):g}, but transformers normalises the q and kv latents "
                    f"with {DEEPSEEK_LATENT_EPS:g} whatever the config says, and megatron-core's MLA uses one epsilon "

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import FormatError, OptionError
 from ..index import CheckpointIndex, TensorEntry
-from .config import FEATURE_WORDS, ModelConfig, hf_config, read_megatron
+from .config import FEATURE_WORDS, ModelConfig, deepseek_group_mismatch, hf_config, read_megatron
 from .table import FAMILIES, TOP, Family, Rule
 from .transforms import expert
 
@@ -40,6 +40,10 @@ def check(family: Family, mc: ModelConfig, where: str) -> None:
                           f"{family.architecture} uses {family.norm_eps:g} for some of its norms whatever its config "
                           "says, so its logits would differ; export without `to_hf` to keep Megatron names",
                           option="to_hf")
+    groups = (mc.extra.get("moe_router_num_groups"), mc.extra.get("moe_router_group_topk"))
+    if "sigmoid" in family.features and (why := deepseek_group_mismatch(mc.top_k, *groups)) is not None:
+        raise OptionError(f"{where}: to_hf {family.name}: {why}, so {family.architecture} would route other experts; "
+                          "export without `to_hf` to keep Megatron names", option="to_hf")
     extra = mc.features - family.features - family.optional
     missing = family.features - mc.features
     if not extra and not missing:
