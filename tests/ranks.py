@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch.distributed as dist
@@ -32,3 +34,12 @@ def spawn(target: Callable[..., None], world_size: int, *args: Any) -> None:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     mp.spawn(target, args=(world_size, *args), nprocs=world_size)
+
+
+def run_tool(module: str, out: Path) -> Path:
+    """Run a training tool of the tests (`python -m tests.MODULE OUT`: it spawns its ranks and saves under OUT) from
+    the repository root; OUT once it succeeded."""
+    proc = subprocess.run([sys.executable, "-m", f"tests.{module}", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from ckpt_service.settings import Settings
 from converters.baseline import compare_baseline, record_baseline, stamp
+from tests.ranks import run_tool
 
 from .conftest import ckptctl
 from .service_harness import run_here
@@ -75,9 +74,7 @@ def test_offline_scrub_without_a_manifest_says_how_to_get_checksums(tmp_path: Pa
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2-steps")
-    proc = subprocess.run([sys.executable, "-m", "tests.stats_job", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_tool("stats_job", out)
     return out
 
 

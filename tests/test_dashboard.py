@@ -20,6 +20,7 @@ import torch
 
 from api.dashboard.routes import CSP, STATIC
 from ckpt_service.jobs import JobOptions
+from tests.ranks import run_tool
 
 from .service_harness import Server, Tokens, job_spec, make_server, wait_for
 
@@ -672,9 +673,7 @@ def test_the_diff_view_names_the_changed_layers(tab: Tab, site: Site) -> None:
     from tests import stats_job
 
     out = site.data / "fsdp2"
-    proc = subprocess.run([sys.executable, "-m", "tests.stats_job", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_tool("stats_job", out)
     with site.server.client(site.tokens.write) as client:
         for step in range(1, stats_job.STEPS + 1):
             client.register(str(out / f"step-{step}"), metadata={"run": "fsdp2", "step": step})

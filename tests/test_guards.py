@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from typer.testing import CliRunner
 from ckptctl import app as cli
 from converters import OptionError, scan
 from converters.stats.guards import Bound, check, parse_bound, parse_bounds
+from tests.ranks import run_tool
 
 ENV = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"}
 #: the bounds the tests guard with: every tensor within |10|, and the layers' weights within an L2 norm of 100
@@ -109,9 +109,7 @@ def test_bad_bounds_exit_2_and_422_in_one_line(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2-guards")
-    proc = subprocess.run([sys.executable, "-m", "tests.guards_job", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_tool("guards_job", out)
     return out
 
 

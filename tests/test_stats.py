@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from safetensors.torch import save_file
 
 from converters.stats import diff, diffs, moments, scan
 from converters.stats import stats as scan_module
+from tests.ranks import run_tool
 
 NAN, INF = float("nan"), float("inf")
 REL = 1e-12  # float64 rounding: blockwise sums differ from torch's whole-tensor order in the last bits
@@ -309,9 +308,7 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests import stats_job
 
     out = tmp_path_factory.mktemp("fsdp2-steps")
-    proc = subprocess.run([sys.executable, "-m", "tests.stats_job", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_tool("stats_job", out)
     assert all((out / f"step-{n}").is_dir() for n in range(1, stats_job.STEPS + 1))
     return out
 
