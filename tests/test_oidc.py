@@ -8,6 +8,7 @@ import hmac
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -411,7 +412,10 @@ def test_whoami_lineage_alias_history_rules_and_pages_show_only_readable_roots(s
             client.close()
 
 
-def test_the_dashboard_signs_in_through_the_issuer_in_a_real_browser(site: Site) -> None:
+@contextmanager
+def browser_page(url: str) -> Iterator[tuple[Any, list[str]]]:
+    """A page of Debian's chromium (headless, driven by Playwright) opened at `url`, and the script errors it
+    raises."""
     chromium_path = Path("/usr/bin/chromium")
     if not chromium_path.exists():
         pytest.fail("/usr/bin/chromium is missing: install Debian's chromium (.ci/run does) for the browser tests")
@@ -425,38 +429,43 @@ def test_the_dashboard_signs_in_through_the_issuer_in_a_real_browser(site: Site)
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.set_default_timeout(20_000)
-            page.goto(f"{site.server.url}/")
-            page.wait_for_selector("#view-signin:not([hidden])")
-            page.click("#sso-link")  # to the issuer, with PKCE
-            page.wait_for_selector("input[name=login]")
-            assert page.url.startswith(f"{site.provider.issuer(0)}/interaction/")
-            page.fill("input[name=login]", "alice")
-            page.fill("input[name=password]", "x")
-            page.click("button[type=submit]")
-            page.wait_for_url(f"{site.provider.issuer(0)}/interaction/**")
-            page.click("button[type=submit]")  # consent
-            page.wait_for_selector("#view-jobs:not([hidden])")
-            assert page.text_content("#who") == "oidc:alice · write"
-            assert page.url == f"{site.server.url}/#/jobs"  # the handoff id is gone from the address bar
-            stored = page.evaluate("() => [sessionStorage.getItem('ckpt-token'), localStorage.length]")
-            assert stored[1] == 0 and stored[0].count(".") == 2  # the JWT, in this tab's session storage only
-            assert jwt.decode(stored[0], options={"verify_signature": False})["sub"] == "alice"
-            assert page.evaluate("() => sessionStorage.getItem('ckpt-id-token')").count(".") == 2
-            # signing out ends the issuer's session too (RP-initiated logout), then returns to the dashboard
-            page.click("#sign-out")
-            page.wait_for_url(f"{site.provider.issuer(0)}/session/end**")
-            page.click("button[name=logout][value=yes]")  # the issuer's own confirmation
-            page.wait_for_url(f"{site.server.url}/#/jobs")
-            page.wait_for_selector("#view-signin:not([hidden])")
-            assert page.evaluate("() => [sessionStorage.getItem('ckpt-token'), sessionStorage.getItem("
-                                 "'ckpt-id-token')]") == [None, None]
-            # the issuer forgot alice: signing in again asks for the login, not straight back with a token
-            page.click("#sso-link")
-            page.wait_for_selector("input[name=login]")
-            assert page.url.startswith(f"{site.provider.issuer(0)}/interaction/")
-            assert errors == []
+            page.goto(url)
+            yield page, errors
         finally:
             chromium.close()
+
+
+def test_the_dashboard_signs_in_through_the_issuer_in_a_real_browser(site: Site) -> None:
+    with browser_page(f"{site.server.url}/") as (page, errors):
+        page.wait_for_selector("#view-signin:not([hidden])")
+        page.click("#sso-link")  # to the issuer, with PKCE
+        page.wait_for_selector("input[name=login]")
+        assert page.url.startswith(f"{site.provider.issuer(0)}/interaction/")
+        page.fill("input[name=login]", "alice")
+        page.fill("input[name=password]", "x")
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{site.provider.issuer(0)}/interaction/**")
+        page.click("button[type=submit]")  # consent
+        page.wait_for_selector("#view-jobs:not([hidden])")
+        assert page.text_content("#who") == "oidc:alice · write"
+        assert page.url == f"{site.server.url}/#/jobs"  # the handoff id is gone from the address bar
+        stored = page.evaluate("() => [sessionStorage.getItem('ckpt-token'), localStorage.length]")
+        assert stored[1] == 0 and stored[0].count(".") == 2  # the JWT, in this tab's session storage only
+        assert jwt.decode(stored[0], options={"verify_signature": False})["sub"] == "alice"
+        assert page.evaluate("() => sessionStorage.getItem('ckpt-id-token')").count(".") == 2
+        # signing out ends the issuer's session too (RP-initiated logout), then returns to the dashboard
+        page.click("#sign-out")
+        page.wait_for_url(f"{site.provider.issuer(0)}/session/end**")
+        page.click("button[name=logout][value=yes]")  # the issuer's own confirmation
+        page.wait_for_url(f"{site.server.url}/#/jobs")
+        page.wait_for_selector("#view-signin:not([hidden])")
+        assert page.evaluate("() => [sessionStorage.getItem('ckpt-token'), sessionStorage.getItem("
+                             "'ckpt-id-token')]") == [None, None]
+        # the issuer forgot alice: signing in again asks for the login, not straight back with a token
+        page.click("#sso-link")
+        page.wait_for_selector("input[name=login]")
+        assert page.url.startswith(f"{site.provider.issuer(0)}/interaction/")
+        assert errors == []
 
 
 def test_the_audit_log_names_each_team_and_holds_the_refused_attempts(site: Site, teams: Teams) -> None:
@@ -589,11 +598,6 @@ def uri_id(client: httpx.Client, uri: Path) -> str:
 def test_the_dashboard_lineage_says_how_many_checkpoints_it_leaves_out(site: Site, teams: Teams) -> None:
     """Team A, signed in to the dashboard with its token, sees its own output of a shared checkpoint in the
     lineage picture and a line counting team B's output, which is not drawn."""
-    chromium_path = Path("/usr/bin/chromium")
-    if not chromium_path.exists():
-        pytest.fail("/usr/bin/chromium is missing: install Debian's chromium (.ci/run does) for the browser tests")
-    from playwright.sync_api import sync_playwright
-
     source = teams.shared / "pictured.safetensors"
     save_file({"w": torch.arange(3, dtype=torch.float32)}, str(source))
     admin_token, token_a = site.provider.token(ADMIN), site.provider.token(TEAM_A)
@@ -603,30 +607,20 @@ def test_the_dashboard_lineage_says_how_many_checkpoints_it_leaves_out(site: Sit
             assert job.status_code == 202, job.text
             teams.server.wait_job(job.json()["id"], ("succeeded",), token=admin_token)
         shared_id = uri_id(admin, source)
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(chromium_path), args=["--no-sandbox",
-                                              "--disable-gpu", "--disable-background-networking", "--no-first-run"])
-        try:
-            page = chromium.new_context().new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_default_timeout(20_000)
-            page.goto(f"{teams.server.url}/")
-            page.wait_for_selector("#view-signin:not([hidden])")
-            page.fill("#token", token_a)
-            page.press("#token", "Enter")
-            page.wait_for_selector("#view-jobs:not([hidden])")
-            assert page.text_content("#who") == "oidc:team-a-ci · admin"
-            page.goto(f"{teams.server.url}/#/checkpoints/{shared_id}")
-            page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
-            assert page.text_content("#lineage-hidden") == "1 checkpoint under roots you cannot read is not shown."
-            labels = page.eval_on_selector_all("svg.lineage-graph a.node-checkpoint", "ns => ns.map(n => "
-                                               "n.getAttribute('href'))")
-            assert sorted(labels) == sorted([f"#/checkpoints/{shared_id}",
-                                             f"#/checkpoints/{uri_id_with(token_a, teams, teams.a)}"])
-            assert errors == []
-        finally:
-            chromium.close()
+    with browser_page(f"{teams.server.url}/") as (page, errors):
+        page.wait_for_selector("#view-signin:not([hidden])")
+        page.fill("#token", token_a)
+        page.press("#token", "Enter")
+        page.wait_for_selector("#view-jobs:not([hidden])")
+        assert page.text_content("#who") == "oidc:team-a-ci · admin"
+        page.goto(f"{teams.server.url}/#/checkpoints/{shared_id}")
+        page.wait_for_selector("#view-checkpoint:not([hidden]) svg.lineage-graph")
+        assert page.text_content("#lineage-hidden") == "1 checkpoint under roots you cannot read is not shown."
+        labels = page.eval_on_selector_all("svg.lineage-graph a.node-checkpoint", "ns => ns.map(n => "
+                                           "n.getAttribute('href'))")
+        assert sorted(labels) == sorted([f"#/checkpoints/{shared_id}",
+                                         f"#/checkpoints/{uri_id_with(token_a, teams, teams.a)}"])
+        assert errors == []
 
 
 def uri_id_with(token: str, teams: Teams, folder: Path) -> str:
