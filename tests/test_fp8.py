@@ -185,6 +185,39 @@ def test_streamed_numpy_path_equals_torch(tmp_path, dtype, scheme, strategy):
         assert name != "model.layers.0.mlp.gate_proj.weight" or bool(q.float().isnan().any())
 
 
+@pytest.mark.parametrize("scheme,memory_limit,reads", [("FP8_DYNAMIC", 1 << 20, 1), ("FP8_BLOCK", 1 << 20, 1),
+                                                       ("FP8_TENSOR", 1 << 20, 2), ("FP8_TENSOR", 128 << 20, 1)])
+def test_reads_each_weight_once_and_streams_the_same_file(tmp_path, monkeypatch, scheme, memory_limit, reads):
+    """A local file is written at offsets: each quantized weight is read once, its scales taken from the same
+    slabs (a per-tensor scale over several slabs needs a pass of its own); streamed to object storage (scales first,
+    the weights read again) the files are the same bytes."""
+    import fsspec
+
+    from converters.quantize import export
+
+    weights = _hostile_weights(torch.bfloat16)  # 1100 rows: two slabs of a 1 MiB limit, one of a 128 MiB one
+    src = _folder(tmp_path, weights, {"model_type": "llama"})
+    read: dict[str, int] = {}
+    real = export.read_box
+
+    def counted(reader, entry, box, out):
+        read[entry.name] = read.get(entry.name, 0) + len(out)
+        return real(reader, entry, box, out)
+
+    monkeypatch.setattr(export, "read_box", counted)
+    export_fp8(str(src), str(tmp_path / "q"), scheme, memory_limit=memory_limit)
+    assert read == {name: (reads if name.endswith("_proj.weight") else 1) * w.numel() * w.element_size()
+                    for name, w in weights.items()}
+    target = f"memory://fp8-stream-{scheme}-{memory_limit}"
+    try:
+        export_fp8(str(src), target, scheme, memory_limit=memory_limit)
+        fs = fsspec.filesystem("memory")
+        for name in ("model.safetensors", "config.json"):
+            assert fs.cat_file(f"{target}/{name}") == (tmp_path / "q" / name).read_bytes(), name
+    finally:
+        fsspec.filesystem("memory").rm(target, recursive=True)
+
+
 def test_export_imports_no_torch(llama_bf16, tmp_path):
     """Importing torch alone costs ~1 CPU-s and ~190 MB of RSS: a finite checkpoint is quantized without it."""
     code = ("import sys; from converters.quantize import export_fp8; "

@@ -5,15 +5,21 @@ it was) plus the index, config.json with `quantization_config`, and the other si
 
 Streaming: one tensor at a time, in row slabs of `memory_limit // 64` bytes (at least 128 rows), read into one
 reused buffer and quantized in a few more (float32 quotient, FP8 copy) that are reused too: small slabs stay in
-the CPU's caches between the passes over them, and memory stays flat. The scales of a shard are computed first
-(small; one pass over each quantized weight), because a file holds its wider tensors first (safetensors' order,
-which keeps every tensor aligned) and so the scales before the FP8 weights; the weights are then read again and
-written quantized slab by slab. The output appears only when complete (`open_output`).
+the CPU's caches between the passes over them, and memory stays flat. A file holds its wider tensors first
+(safetensors' order, which keeps every tensor aligned), so a weight's scales come before the FP8 weights; but the
+whole layout (header, every offset) is known before any data is written, so a local file is written at offsets:
+each quantized weight is read once, its FP8 slabs written in place as they are quantized while the slab's scales
+(its rows', its 128-row bands') are taken from the same slab in memory, and the scales (small) are written into
+the places left for them once the shard's weights are done. A per-tensor scale needs the whole weight's |max|
+first: such a weight is read twice, unless it fits in one slab. Object storage takes a stream in file order: there
+the scales of a shard are computed first (one pass over each of its weights) and the weights read again. The
+output appears only when complete (`open_output`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,7 +27,7 @@ import numpy as np
 
 from .. import dtypes, heap, storage
 from ..certificate import Ledger, certify_derived
-from ..copier import DEFAULT_MEMORY_LIMIT
+from ..copier import DEFAULT_MEMORY_LIMIT, pwrite_all
 from ..errors import FormatError, OptionError
 from ..index import TensorEntry
 from ..jsonsafe import loads
@@ -93,8 +99,7 @@ class _Quantizer:
         """The bytes and shape of each slab of whole rows (a multiple of 128), handed to the certificate's ledger
         when `record` (the pass whose bytes are written: a second pass would only take the CRC-32s again)."""
         rows, cols = entry.shape
-        row_bytes = max(cols * dtypes.itemsize(entry.dtype), 1)
-        step = max(BLOCK[0], self.budget // row_bytes // BLOCK[0] * BLOCK[0])
+        row_bytes, step = cols * dtypes.itemsize(entry.dtype), self.rows_per_slab(entry)
         tally = self.ledger.reading(entry) if self.ledger is not None and record else None
         for start in range(0, rows, step):
             n = min(step, rows - start)
@@ -105,7 +110,12 @@ class _Quantizer:
         if tally is not None:
             tally.close()
 
+    def rows_per_slab(self, entry: TensorEntry) -> int:
+        row_bytes = max(entry.shape[1] * dtypes.itemsize(entry.dtype), 1)
+        return max(BLOCK[0], self.budget // row_bytes // BLOCK[0] * BLOCK[0])
+
     def scale(self, entry: TensorEntry) -> np.ndarray:
+        """The scales of `entry`: those its FP8 pass took (`weight`), else from a pass over it of their own."""
         found = self.scales.get(entry.name)
         if found is None:
             strategy, slab = self.chosen.strategy, self._slab
@@ -119,20 +129,33 @@ class _Quantizer:
         return found
 
     def weight(self, entry: TensorEntry) -> Iterator[memoryview]:
-        scale, strategy = self.scale(entry), self.chosen.strategy
+        """The FP8 bytes of `entry`, slab by slab. Unless its scales are known already (`scale`), each slab's
+        scales (its rows', its 128-row bands', or a per-tensor weight's when it is one slab) come from the slab
+        itself, in the same read, and are kept once the last slab is out; a per-tensor weight larger than a slab
+        needs its |max| first: `scale` reads it once more."""
+        strategy = self.chosen.strategy
+        known = self.scales.get(entry.name)
+        if known is None and strategy == "tensor" and entry.shape[0] > self.rows_per_slab(entry):
+            known = self.scale(entry)
+        taken: list[np.ndarray] = []  # the scales of each slab, when not known
         at = 0
         for view, shape in self.slabs(entry, record=True):
-            if strategy == "channel":
-                part = scale[at: at + shape[0]]
-            elif strategy == "block":
-                part = scale[at // BLOCK[0]: (at + shape[0] + BLOCK[0] - 1) // BLOCK[0]]
-            else:
-                part = scale
-            at += shape[0]
-            if not view:
-                continue
             rows = self._slab.widen(view, entry.dtype, shape)
-            yield self._slab.quantize(rows, part, entry.dtype, strategy).data.cast("B")
+            if known is None:
+                part = fp8.scale_of(self._slab.amax(rows, strategy), entry.dtype)
+                taken.append(part)
+            elif strategy == "channel":
+                part = known[at: at + shape[0]]
+            elif strategy == "block":
+                part = known[at // BLOCK[0]: (at + shape[0] + BLOCK[0] - 1) // BLOCK[0]]
+            else:
+                part = known
+            at += shape[0]
+            if view:
+                yield self._slab.quantize(rows, part, entry.dtype, strategy).data.cast("B")
+        if known is None:
+            self.scales[entry.name] = np.concatenate(taken) if taken else fp8.scale_of(
+                np.zeros(fp8.scale_shape(entry.shape, strategy), dtype=np.float32), entry.dtype)
 
 
 def _copy_blocks(quantizer: _Quantizer, entry: TensorEntry) -> Iterator[memoryview]:
@@ -177,7 +200,45 @@ def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantiz
     items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
     planned = [Planned(item.name, TensorEntry(item.name, item.dtype, item.shape, []), item.dtype) for item in items]
     header = header_bytes(planned, {"format": "pt"})
-    for item in items:  # the scales first: a file holds them before the FP8 weights
+    if out.local:
+        _write_at_offsets(out, name, header, items, quantizer)
+    else:
+        _write_in_order(out, name, header, items, quantizer)
+    for item in items:  # a weight's scale is written with it or in a later shard: done with both now
+        if item.kind == "scale":
+            quantizer.scales.pop(item.entry.name, None)
+
+
+def _blocks(item: _Item, quantizer: _Quantizer) -> Iterator[memoryview]:
+    return quantizer.weight(item.entry) if item.kind == "weight" else _copy_blocks(quantizer, item.entry)
+
+
+def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer) -> None:
+    """A local file: every tensor but the scales at its offset in file order (each weight read once, its scales
+    taken on the way), then the scales into the places left for them."""
+    offsets, at = [], len(header)
+    for item in items:
+        offsets.append(at)
+        at += item.nbytes
+    with open(out.path(name), "wb") as fh:
+        fd = fh.fileno()
+        pwrite_all(fd, header, 0)
+        for item, start in zip(items, offsets, strict=True):
+            if item.kind != "scale":
+                for block in _blocks(item, quantizer):
+                    pwrite_all(fd, block, start)
+                    start += len(block)
+        for item, start in zip(items, offsets, strict=True):
+            if item.kind == "scale":  # its weight came before it in this shard or in an earlier one
+                pwrite_all(fd, quantizer.scale(item.entry).tobytes(), start)
+        os.ftruncate(fd, at)
+    out.record(name, at)
+
+
+def _write_in_order(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer) -> None:
+    """A stream (object storage): the shard's scales first (a pass over each weight of their own), as the file
+    holds them before the FP8 weights, then everything in file order."""
+    for item in items:
         if item.kind == "scale":
             quantizer.scale(item.entry)
     with out.open(name) as fh:
@@ -186,13 +247,8 @@ def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantiz
             if item.kind == "scale":
                 fh.write(quantizer.scale(item.entry).tobytes())
                 continue
-            blocks = quantizer.weight(item.entry) if item.kind == "weight" else \
-                _copy_blocks(quantizer, item.entry)
-            for block in blocks:
+            for block in _blocks(item, quantizer):
                 fh.write(block)
-    for item in items:  # a weight's scale is written with it or in a later shard: done with both now
-        if item.kind == "scale":
-            quantizer.scales.pop(item.entry.name, None)
 
 
 def _config(side_data: dict[str, bytes], source: str, chosen: Scheme, ignored: list[str]) -> bytes:
