@@ -169,6 +169,26 @@ def test_progress_counts_every_byte_read(sample: tuple[Path, dict[str, torch.Ten
     assert compared[-1] == (both, both, len(found.tensors))
 
 
+def test_every_float16_and_bfloat16_value_is_taken_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both are made float32 from their bits (subnormals, signed zeros, infinities and NaN payloads included), in
+    blocks with and without non-finite values; with denormals-are-zero arithmetic float16 takes numpy's casts."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    g = torch.Generator().manual_seed(2)
+    made = {"f16_all": bits.view(torch.float16), "bf16_all": bits.clone().view(torch.bfloat16),
+            "f16_subnormal": (torch.randn(5000, generator=g) * 1e-5).half(),
+            "f16_top": torch.tensor([65504.0, -65504.0, 0.5, -0.0]).half()}
+    path = tmp_path / "halves.safetensors"
+    save_file(made, str(path))
+    monkeypatch.setattr(moments, "SUB_BLOCK", 4096)  # finite blocks (fast) and blocks with NaN or inf (slow)
+    got = scan(str(path)).by_name()
+    for name, t in made.items():
+        assert_matches(got[name], t)
+    monkeypatch.setattr(moments, "_exact_subnormals", lambda: False)
+    got = scan(str(path)).by_name()
+    for name, t in made.items():
+        assert_matches(got[name], t)
+
+
 def test_float64_overflow_is_written_as_a_string_in_json(tmp_path: Path) -> None:
     path = tmp_path / "huge.safetensors"
     save_file({"w": torch.tensor([1e200, -1e200], dtype=torch.float64)}, str(path))
