@@ -10,10 +10,12 @@ the CPU's caches between the passes over them, and memory stays flat. A file hol
 whole layout (header, every offset) is known before any data is written, so a local file is written at offsets:
 each quantized weight is read once, its FP8 slabs written in place as they are quantized while the slab's scales
 (its rows', its 128-row bands') are taken from the same slab in memory, and the scales (small) are written into
-the places left for them once the shard's weights are done. A per-tensor scale needs the whole weight's |max|
-first: such a weight is read twice, unless it fits in one slab. Object storage takes a stream in file order: there
-the scales of a shard are computed first (one pass over each of its weights) and the weights read again. The
-output appears only when complete (`open_output`).
+the places left for them once the shard's weights are done. Meanwhile the tensors kept as they are (embeddings,
+`lm_head`, norms: most of the bytes when the source is float32) take the copier's ordinary path in two threads
+(`copy_file_range`, in the kernel, when the source holds them whole). A per-tensor scale needs the whole weight's
+|max| first: such a weight is read twice, unless it fits in one slab. Object storage takes a stream in file order:
+there the scales of a shard are computed first (one pass over each of its weights) and the weights read again.
+The output appears only when complete (`open_output`).
 """
 
 from __future__ import annotations
@@ -21,20 +23,22 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import dtypes, heap, storage
 from ..certificate import Ledger, certify_derived
-from ..copier import DEFAULT_MEMORY_LIMIT, pwrite_all
+from ..config import ContextPool
+from ..copier import DEFAULT_MEMORY_LIMIT, Copier, pwrite_all
 from ..errors import FormatError, OptionError
 from ..index import TensorEntry
 from ..jsonsafe import loads
 from ..modelview import model_view
 from ..output import Output, open_output
 from ..sidefiles import CONFIG, collect
-from ..tensorio import read_box, slabs
+from ..tensorio import read_box
 from ..writers.safetensors import Planned, header_bytes, write_shards
 from . import fp8
 from .config import BLOCK, Scheme, quantization_config, scheme
@@ -42,6 +46,7 @@ from .select import compile_ignore, select
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 SOURCE_FLOATS = ("float32", "bfloat16", "float16")
+COPY_THREADS = 2  # the copies' threads, beside the one quantizing (this machine: 2 cores)
 
 
 @dataclass
@@ -158,20 +163,6 @@ class _Quantizer:
                 np.zeros(fp8.scale_shape(entry.shape, strategy), dtype=np.float32), entry.dtype)
 
 
-def _copy_blocks(quantizer: _Quantizer, entry: TensorEntry) -> Iterator[memoryview]:
-    """The bytes of a tensor kept as it is, slab by slab through the quantizer's read buffer."""
-    tally = quantizer.ledger.reading(entry) if quantizer.ledger is not None else None
-    for box in slabs(entry.shape, dtypes.itemsize(entry.dtype), quantizer.budget):
-        nbytes = dtypes.numel(box[1]) * dtypes.itemsize(entry.dtype)
-        if nbytes:
-            view = quantizer.read(entry, box)
-            if tally is not None:
-                tally.add(view, view)
-            yield view
-    if tally is not None:
-        tally.close()
-
-
 def _plan(tensors: dict[str, TensorEntry], quantized: set[str], chosen: Scheme) -> list[_Item]:
     items = []
     for name, entry in tensors.items():
@@ -196,46 +187,54 @@ def _plan(tensors: dict[str, TensorEntry], quantized: set[str], chosen: Scheme) 
     return sorted(items, key=lambda item: item.name)
 
 
-def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantizer) -> None:
+def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantizer, copier: Copier) -> None:
     items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
     planned = [Planned(item.name, TensorEntry(item.name, item.dtype, item.shape, []), item.dtype) for item in items]
     header = header_bytes(planned, {"format": "pt"})
     if out.local:
-        _write_at_offsets(out, name, header, items, quantizer)
+        _write_at_offsets(out, name, header, items, quantizer, copier)
     else:
-        _write_in_order(out, name, header, items, quantizer)
+        _write_in_order(out, name, header, items, quantizer, copier)
     for item in items:  # a weight's scale is written with it or in a later shard: done with both now
         if item.kind == "scale":
             quantizer.scales.pop(item.entry.name, None)
 
 
-def _blocks(item: _Item, quantizer: _Quantizer) -> Iterator[memoryview]:
-    return quantizer.weight(item.entry) if item.kind == "weight" else _copy_blocks(quantizer, item.entry)
-
-
-def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer) -> None:
-    """A local file: every tensor but the scales at its offset in file order (each weight read once, its scales
-    taken on the way), then the scales into the places left for them."""
+def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer,
+                      copier: Copier) -> None:
+    """A local file: the copies at their offsets in the copier's threads while this one writes the FP8 weights at
+    theirs (each read once, its scales taken on the way), then the scales into the places left for them."""
     offsets, at = [], len(header)
     for item in items:
         offsets.append(at)
         at += item.nbytes
-    with open(out.path(name), "wb") as fh:
+    with open(out.path(name), "wb") as fh, ContextPool(copier.threads, thread_name_prefix="ckpt-fp8") as pool:
         fd = fh.fileno()
         pwrite_all(fd, header, 0)
-        for item, start in zip(items, offsets, strict=True):
-            if item.kind != "scale":
-                for block in _blocks(item, quantizer):
-                    pwrite_all(fd, block, start)
-                    start += len(block)
-        for item, start in zip(items, offsets, strict=True):
-            if item.kind == "scale":  # its weight came before it in this shard or in an earlier one
-                pwrite_all(fd, quantizer.scale(item.entry).tobytes(), start)
+        copies = [pool.submit(copier.write_at, fd, start, item.entry)
+                  for item, start in zip(items, offsets, strict=True) if item.kind == "copy"]
+        try:
+            for item, start in zip(items, offsets, strict=True):
+                if item.kind == "weight":
+                    for block in quantizer.weight(item.entry):
+                        pwrite_all(fd, block, start)
+                        start += len(block)
+            for item, start in zip(items, offsets, strict=True):
+                if item.kind == "scale":  # its weight came before it in this shard or in an earlier one
+                    pwrite_all(fd, quantizer.scale(item.entry).tobytes(), start)
+            done, _ = wait(copies, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()
+        finally:
+            for future in copies:
+                future.cancel()
+            wait(copies)  # no thread writes to fd after it is closed
         os.ftruncate(fd, at)
     out.record(name, at)
 
 
-def _write_in_order(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer) -> None:
+def _write_in_order(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer,
+                    copier: Copier) -> None:
     """A stream (object storage): the shard's scales first (a pass over each weight of their own), as the file
     holds them before the FP8 weights, then everything in file order."""
     for item in items:
@@ -247,7 +246,7 @@ def _write_in_order(out: Output, name: str, header: bytes, items: list[_Item], q
             if item.kind == "scale":
                 fh.write(quantizer.scale(item.entry).tobytes())
                 continue
-            for block in _blocks(item, quantizer):
+            for block in quantizer.weight(item.entry) if item.kind == "weight" else copier.stream(item.entry):
                 fh.write(block)
 
 
@@ -299,6 +298,8 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
         # a slab of the source, its float32 widening and quotient, its FP8 copy: a few slabs at once
         ledger = Ledger(view.uri, view.format, derived="fp8")  # what is read, for the certificate
         quantizer = _Quantizer(reader, chosen, max(memory_limit // 64, 1024 * 1024), ledger)
+        copier = Copier(reader, memory_limit // 16, threads=COPY_THREADS)  # the tensors kept as they are
+        copier.ledger = ledger
         report = [f"{chosen.name}: {len(chosen_modules.quantized)} Linear weights to FP8; kept: "
                   + (", ".join(chosen_modules.ignored) or "none"), side.report()]
         if chosen.strategy == "block":
@@ -309,7 +310,8 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
                               "activation groups need whole groups at inference")
         with open_output(target, overwrite, "safetensors") as out:
             out.about["quantization"] = {"scheme": chosen.name, "ignore": checked}
-            write_shards(out, items, max_shard_size, lambda o, name, shard: _write_shard(o, name, shard, quantizer),
+            write_shards(out, items, max_shard_size,
+                         lambda o, name, shard: _write_shard(o, name, shard, quantizer, copier),
                          {name: config_bytes if name == CONFIG else data for name, data in side.data.items()})
             certify_derived(out, ledger)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
