@@ -90,13 +90,18 @@ def _buffer(length: int) -> np.ndarray:
     return buf
 
 
-def _put(store: Store, digest: str, length: int, hashed: str, fd: int, offset: int, where: str) -> None:
+def _put(store: Store, digest: str, length: int, hashed: str, fd: int, offset: int, where: str,
+         writing: threading.Lock) -> None:
     """Chunk `digest` verified and written at `offset` of the target file open as `fd` (a worker's whole share).
     A local store's chunk is read through a memory map (no copy); a raw one is then copied by the kernel
-    (copy_file_range) from the file whose bytes were hashed."""
+    (copy_file_range) from the file whose bytes were hashed. One worker writes the file at a time (`writing`):
+    the kernel serialises writes to one file anyway, and a worker waiting for its lock spins on a core the
+    other could decode on; waiting here it sleeps."""
     try:
         if not store.local:
-            _pwrite(fd, _chunk(store, digest, length, hashed), offset)
+            data = _chunk(store, digest, length, hashed)
+            with writing:
+                _pwrite(fd, data, offset)
             return
         try:
             src = os.open(store.where(chunk_key(digest)), os.O_RDONLY)
@@ -111,9 +116,10 @@ def _put(store: Store, digest: str, length: int, hashed: str, fd: int, offset: i
                         same = HASHES[hashed](payload) == digest
                     if not same:
                         raise _damaged(store, digest, "does not match its hash")
-                    _copy(src, fd, length, offset)
+                    with writing:
+                        _copy(src, fd, length, offset)
                     return
-                why = _decoded_to(view, digest, length, hashed, fd, offset)
+                why = _decoded_to(view, digest, length, hashed, fd, offset, writing)
             if why:
                 raise _damaged(store, digest, why)
         finally:
@@ -122,7 +128,8 @@ def _put(store: Store, digest: str, length: int, hashed: str, fd: int, offset: i
         raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
 
 
-def _decoded_to(view: memoryview, digest: str, length: int, hashed: str, fd: int, offset: int) -> str | None:
+def _decoded_to(view: memoryview, digest: str, length: int, hashed: str, fd: int, offset: int,
+                writing: threading.Lock) -> str | None:
     """Decodes a stored chunk, checks it and writes it at `offset` of `fd`; why it is damaged, else None."""
     if view[0] == codec.RAW:
         return "does not match its hash"  # a raw chunk of the wrong length
@@ -132,7 +139,8 @@ def _decoded_to(view: memoryview, digest: str, length: int, hashed: str, fd: int
         return "does not decode"
     if len(data) != length or HASHES[hashed](data) != digest:
         return "does not match its hash"
-    _pwrite(fd, data, offset)
+    with writing:
+        _pwrite(fd, data, offset)
     return None
 
 
@@ -207,11 +215,12 @@ def _write_local(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], whe
         fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError as e:
         raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
+    writing = threading.Lock()
     try:
         with InFlight[None](pool, AHEAD) as flight:
             offset = 0
             for digest, length, _ in entry["chunks"]:
-                flight.submit(_put, st, digest, length, hashed, fd, offset, where)
+                flight.submit(_put, st, digest, length, hashed, fd, offset, where, writing)
                 offset += length
             flight.drain()
         os.fchmod(fd, entry["mode"] or 0o644)
