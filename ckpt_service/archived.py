@@ -90,7 +90,7 @@ def check_archive(archive_store: str, archive_id: str, source: str, scratch: str
     """The archive gives `source` back whole: restored into a folder under `scratch` (every chunk's hash checked by
     the restore) and compared byte for byte with the files at `source`; the copy is removed. FormatError in one line
     naming the first file that differs (the original is then kept)."""
-    from converters import restore_archive
+    from converters import manifest_sidecar, restore_archive, storage
 
     os.makedirs(scratch, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="archive-check-", dir=scratch) as folder:
@@ -100,6 +100,12 @@ def check_archive(archive_store: str, archive_id: str, source: str, scratch: str
         originals = _files(source)
         if len(originals) == 1 and len(restored) == 1 and "" in restored:  # a single-file checkpoint
             originals = {"": next(iter(originals.values()))}
+            beside = manifest_sidecar(source)  # its manifest (an output of ours), archived with it
+            name = beside.rstrip("/").rsplit("/", 1)[-1]
+            if storage.exists(beside):
+                originals[name] = beside
+            if os.path.lexists(manifest_sidecar(copy)):
+                restored[name] = manifest_sidecar(copy)
         if sorted(restored) != sorted(originals):
             differ = sorted(set(restored) ^ set(originals))
             raise FormatError(f"archive {archive_id} in {archive_store} does not hold the files of {source} "

@@ -226,6 +226,51 @@ def test_a_single_file_restores_as_that_file(tmp_path: Path) -> None:
     assert filecmp.cmp(v1 / "model.safetensors", tmp_path / "back.safetensors", shallow=False)
 
 
+def test_a_single_file_output_keeps_its_manifest_and_restores_certified(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from typer.testing import CliRunner
+
+    from ckptctl import app as cli
+    from converters import ConvertOptions, convert
+
+    torch.manual_seed(0)
+    dcp.save({"model": {"a.weight": torch.randn(64, 32), "b.weight": torch.randn(16, 32).half()}},
+             checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    out = tmp_path / "run" / "out.safetensors"
+    convert(str(tmp_path / "dcp"), str(out), ConvertOptions(export=True))
+    beside = tmp_path / "run" / "out.safetensors.ckpt-manifest.json"  # certificate.sidecar: written by the export
+    originals = {p: p.read_bytes() for p in (out, beside)}
+    store = str(tmp_path / "store")
+    result = archive(str(out), store)
+    assert result.files == 2 and result.logical_bytes == sum(len(b) for b in originals.values())
+    from ckpt_service.archived import check_archive  # retention's check before it deletes: both files compared
+
+    check_archive(store, result.archive_id, str(out), str(tmp_path / "scratch"))
+    beside.write_bytes(originals[beside] + b" ")
+    with pytest.raises(FormatError, match=r"out\.safetensors\.ckpt-manifest\.json does not restore to the bytes of"):
+        check_archive(store, result.archive_id, str(out), str(tmp_path / "scratch"))
+    beside.write_bytes(originals[beside])
+    out.unlink()  # what retention deletes: the file and its manifest
+    beside.unlink()
+    restored = restore(store, result.archive_id, str(out))
+    assert restored == [str(out), str(beside)]
+    assert {p: p.read_bytes() for p in (out, beside)} == originals
+    verified = CliRunner().invoke(cli, ["verify", "--certificate", str(out)], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert verified.exit_code == 0 and f"OK {out} matches its certificate" in verified.output, verified.output
+    with pytest.raises(TargetError, match=r"out\.safetensors exists"):
+        restore(store, result.archive_id, str(out))
+    out.unlink()
+    with pytest.raises(TargetError, match=r"out\.safetensors\.ckpt-manifest\.json exists"):  # not overwritten
+        restore(store, result.archive_id, str(out))
+    assert sorted(os.listdir(tmp_path / "run")) == ["out.safetensors.ckpt-manifest.json"]
+    path = Path(store) / "manifests" / f"{result.archive_id}.json"
+    doc = json.loads(path.read_text())
+    doc["files"][1]["name"] = "elsewhere.json"  # a single file's archive holds nothing but it and its manifest
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match="a single file lists files other than itself and its manifest beside it"):
+        restore(store, result.archive_id, str(tmp_path / "back.safetensors"))
+
+
 def test_a_damaged_chunk_is_named_with_the_archives_using_it(tmp_path: Path) -> None:
     v1, v2 = _versions(tmp_path)
     store = tmp_path / "store"

@@ -4,6 +4,9 @@
  "files": [{"name", "size", "mode", "chunks": [[hash, length, stored_length], ...]}],
  "logical_bytes", "unique_bytes", "stored_bytes", "new_bytes", "new_stored_bytes"}
 
+A single-file checkpoint (`single_file`) lists the file, then the manifest that was beside it if there was one
+(`<file>.ckpt-manifest.json`, `certificate.sidecar`), restored beside the restored file.
+
 Format ckpt-archive/1 (no "hash": its chunks are addressed by SHA-256) is still read and restored.
 Read back, every field is checked: a manifest that is not one of ours is refused in one line."""
 
@@ -13,6 +16,7 @@ import json
 import re
 from typing import Any
 
+from ..certificate import sidecar
 from ..errors import FormatError
 from ..pathsafety import bad_name
 from .hashing import BLAKE3, SHA256
@@ -76,6 +80,8 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
             total += chunk[1]
         if total != size:
             raise bad(f"files[{i}] ({name}): its chunks hold {total} bytes, not its size {size}")
+    if doc.get("single_file") and len(files) > 1 and [f["name"] for f in files[1:]] != [sidecar(files[0]["name"])]:
+        raise bad("a single file lists files other than itself and its manifest beside it")
     return doc
 
 

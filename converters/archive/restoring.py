@@ -14,6 +14,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from ..certificate import sidecar
 from ..errors import FormatError, TargetError
 from ..remote import filesystem, remote_call, translate_errors
 from ..uris import is_local, join, local_path
@@ -162,38 +163,54 @@ def _pwrite(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 def restore(store: str, archive_id: str, target: str) -> list[str]:
     """Writes archive `archive_id` of `store` to `target` (a folder, or the file itself for a single-file
-    checkpoint), which must not exist yet; returns the files written. A local target appears whole or not at
-    all (written beside it under a temporary name, then renamed); remote files are each put whole, and those
-    written are removed again when the restore fails."""
+    checkpoint), which must not exist yet; returns the files written. A single file's manifest archived with it
+    is written beside it (`<target>.ckpt-manifest.json`; its certificate names the file, so `verify
+    --certificate` passes on a file restored under its own name). A local target appears whole or not at all
+    (written beside it under a temporary name, then renamed, a single file's manifest before the file); remote
+    files are each put whole, and those written are removed again when the restore fails."""
     st = Store(store)
     doc = read(st, archive_id)
     hashed = hash_name(doc)
     target = target.rstrip("/")
-    _check_target(target)
-    single = bool(doc.get("single_file")) and len(doc["files"]) == 1
+    single = bool(doc.get("single_file"))
+    finals = _places(doc, target, single)
+    for where in finals if single else [target]:
+        _check_target(where)
     local = is_local(target)
     stage = f"{local_path(target)}.restoring-{uuid.uuid4().hex[:8]}" if local else target
+    staged = _places(doc, stage, single)
     written: list[str] = []
+    placed: list[str] = []
     try:
         with ThreadPoolExecutor(WORKERS) as pool:
-            for entry in doc["files"]:
-                where = stage if single else join(stage, entry["name"])
+            for entry, where in zip(doc["files"], staged, strict=True):
                 (_write_local if local else _write)(st, pool, entry, where, hashed)
                 written.append(where)
         if local:
-            os.replace(stage, local_path(target))
+            for temporary, final in reversed(list(zip(staged, finals, strict=True))) if single else [(stage, target)]:
+                os.replace(temporary, local_path(final))
+                placed.append(local_path(final))
     except BaseException:
         if local:
-            if os.path.isdir(stage):
-                shutil.rmtree(stage, ignore_errors=True)
-            elif os.path.lexists(stage):
-                os.remove(stage)
+            for path in [*(staged if single else [stage]), *placed]:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif os.path.lexists(path):
+                    os.remove(path)
         else:
             for where in written:
                 with contextlib.suppress(Exception):
                     remote_call(where, "rm_file")
         raise
-    return [target if single else join(target, e["name"]) for e in doc["files"]]
+    return finals
+
+
+def _places(doc: dict[str, Any], root: str, single: bool) -> list[str]:
+    """Where each of the archive's files goes under `root`: a single file at `root` and its manifest beside it,
+    a folder's files in it."""
+    if single:
+        return [root, sidecar(root)][:len(doc["files"])]
+    return [join(root, entry["name"]) for entry in doc["files"]]
 
 
 def _check_target(target: str) -> None:

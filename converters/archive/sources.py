@@ -7,6 +7,7 @@ import stat
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..certificate import sidecar
 from ..errors import SourceError
 from ..pathsafety import bad_name
 from ..remote import filesystem, translate_errors
@@ -22,7 +23,9 @@ class SourceFile:
 
 
 def list_files(source: str) -> tuple[list[SourceFile], bool]:
-    """The checkpoint's files, sorted by name, and whether `source` is a single file."""
+    """The checkpoint's files, sorted by name, and whether `source` is a single file. A single file's manifest
+    beside it (`<file>.ckpt-manifest.json`, `certificate.sidecar`: an output of ours, its CRC-32s and certificate)
+    follows it, so a restore gives the file back certified."""
     source = source.rstrip("/")
     if is_local(source):
         return _local(local_path(source))
@@ -30,7 +33,12 @@ def list_files(source: str) -> tuple[list[SourceFile], bool]:
     with translate_errors(source):
         if fs.isfile(path):
             info = fs.info(path)
-            return [SourceFile(basename(source), source, int(info["size"]), 0o644)], True
+            files = [SourceFile(basename(source), source, int(info["size"]), 0o644)]
+            beside = sidecar(source)
+            _, beside_path = filesystem(beside)
+            if fs.isfile(beside_path):
+                files.append(SourceFile(sidecar(basename(source)), beside, int(fs.info(beside_path)["size"]), 0o644))
+            return files, True
         found = fs.find(path, detail=True)
     if not found:
         raise SourceError(f"archive: {source} holds no files; give a checkpoint folder or file", uri=source)
@@ -55,7 +63,8 @@ def _local(root: str) -> tuple[list[SourceFile], bool]:
     except FileNotFoundError:
         raise SourceError(f"archive: no such checkpoint {root}", uri=root) from None
     if stat.S_ISREG(top.st_mode):
-        return [SourceFile(os.path.basename(root), root, top.st_size, stat.S_IMODE(top.st_mode))], True
+        return [SourceFile(os.path.basename(root), root, top.st_size, stat.S_IMODE(top.st_mode)),
+                *_local_sidecar(root)], True
     if not stat.S_ISDIR(top.st_mode):
         raise SourceError(f"archive: {root} is neither a folder nor a file", uri=root)
     files = []
@@ -74,6 +83,21 @@ def _local(root: str) -> tuple[list[SourceFile], bool]:
     if not files:
         raise SourceError(f"archive: {root} holds no files; give a checkpoint folder or file", uri=root)
     return sorted(files, key=lambda f: f.name), False
+
+
+def _local_sidecar(root: str) -> list[SourceFile]:
+    """The manifest beside the local file `root`, if there is one (a folder of that name is none of ours)."""
+    beside = sidecar(root)
+    try:
+        info = os.lstat(beside)
+    except FileNotFoundError:
+        return []
+    if stat.S_ISLNK(info.st_mode):
+        raise SourceError(f"archive: {beside} (the manifest beside {root}) is a symbolic link; replace it by the file "
+                          "it names (restore writes plain files)", uri=beside)
+    if not stat.S_ISREG(info.st_mode):
+        return []
+    return [SourceFile(sidecar(os.path.basename(root)), beside, info.st_size, stat.S_IMODE(info.st_mode))]
 
 
 def open_read(uri: str) -> IO[bytes]:
