@@ -150,9 +150,10 @@ class ServiceClient:
         return self._request("GET", f"/v1/checkpoints/{checkpoint_id}", params={"tensors": tensors})
 
     def checkpoints(self, name: str | None = None, tag: str | None = None, format: str | None = None,
-                    limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
+                    limit: int = 50, cursor: str | None = None, archived: bool = False) -> dict[str, Any]:
         params = {k: v for k, v in {"name": name, "tag": tag, "format": format, "limit": limit,
-                                    "cursor": cursor}.items() if v is not None}
+                                    "cursor": cursor, "archived": "true" if archived else None}.items()
+                  if v is not None}
         return self._request("GET", "/v1/checkpoints", params=params)
 
     def lineage(self, checkpoint_id: str) -> dict[str, Any]:

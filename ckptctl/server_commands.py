@@ -222,18 +222,25 @@ def print_checkpoint(c: dict[str, Any]) -> None:
 def checkpoints_list(name: Annotated[str | None, typer.Option("--name")] = None,
                      tag: Annotated[str | None, typer.Option("--tag")] = None,
                      format: Annotated[str | None, typer.Option("--format")] = None,
-                     limit: Annotated[int, typer.Option("--limit")] = 50, as_json: AsJson = False,
-                     server: Server = DEFAULT_SERVER, token: Token = None) -> None:
-    """List registered checkpoints."""
+                     limit: Annotated[int, typer.Option("--limit")] = 50,
+                     archived: Annotated[bool, typer.Option("--archived", help="Instead of the live checkpoints, "
+                                                            "those an archive store holds, live or with their files "
+                                                            "deleted (restorable).")] = False,
+                     as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
+    """List registered checkpoints (with --archived, the archived ones and where each is archived)."""
     with connect(server, token) as client:
-        page = client.checkpoints(name, tag, format, limit)
+        page = client.checkpoints(name, tag, format, limit, archived=archived)
     if as_json:
         out.print_json(json.dumps(page))
         return
-    table = make_table("id", "name", "format", "world size", "size", "tags", "uri")
+    table = make_table("id", "name", "format", "world size", "size", "tags", "uri",
+                       *(("files", "archived in", "stored") if archived else ()))
     for c in page["items"]:
+        where = [(a["store"], a["archive_id"], human(a["stored_bytes"])) for a in c.get("archives") or []]
         table.add_row(c["id"], c["name"], shown(c["format"]), shown(c["world_size"]), human(c["total_bytes"] or 0),
-                      ",".join(c["tags"]), c["uri"])
+                      ",".join(c["tags"]), c["uri"],
+                      *(("deleted" if c.get("deleted_at") else "on disk", ", ".join(f"{s} ({i})" for s, i, _ in where),
+                         ", ".join(b for _, _, b in where)) if archived else ()))
     out.print(table)
 
 

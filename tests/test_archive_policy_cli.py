@@ -68,10 +68,19 @@ def test_an_archive_policy_from_the_cli_archives_then_deletes_and_gc_reports_byt
         listed = json.loads(cli("checkpoints", "list", "--json"))["items"]
         archived = {c["uri"]: c for c in listed}
         assert str(steps[2]) in archived and archived[str(steps[2])]["archives"] == []
-        with server.http() as http:
-            restorable = http.get("/v1/checkpoints", params={"archived": "true"}).json()["items"]
+        restorable = json.loads(cli("checkpoints", "list", "--archived", "--json"))["items"]
+        with server.http() as http:  # the flag asks what the API's filter answers
+            assert restorable == http.get("/v1/checkpoints", params={"archived": "true"}).json()["items"]
         added = sum(c["archives"][0]["new_stored_bytes"] for c in restorable)
         assert sorted(c["uri"] for c in restorable) == [str(steps[0]), str(steps[1])]
+        header, *lines = [line.split("\t") for line in cli("checkpoints", "list", "--archived").splitlines()]
+        rows = {cells[0]: dict(zip(header, cells, strict=True)) for cells in lines}
+        assert sorted(rows) == sorted(c["id"] for c in restorable)
+        for c in restorable:  # the table: files deleted, the store and archive id, its stored bytes
+            (archive,) = c["archives"]
+            assert {k: rows[c["id"]][k] for k in ("uri", "files", "archived in", "stored")} == {
+                "uri": c["uri"], "files": "deleted", "archived in": f"{archive['store']} ({archive['archive_id']})",
+                "stored": human(archive["stored_bytes"])}
         assert report[-1] == (f"3 checkpoint(s), {human(freed)} ({human(moved)} of it archived first, adding "
                               f"{human(added)} to the archive stores)")
     finally:
