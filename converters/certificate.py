@@ -24,8 +24,7 @@ manifest: its manifest, certificate included, is written beside it as `<file>.ck
 The manifest's CRC-32 of each local output file and of each `BLOCK` of it are joined (`crc32_combine`) from
 the CRC-32s of the bytes written into it, taken as they are written (`Ledger.wrote`: kernel-copied ranges through
 the source's page cache, cut at the output's block edges; headers and slabs from memory); a file those do not
-tile exactly (a derived export's, one with statistics, DCP's `.metadata`), or every file with `READBACK`, is read
-back instead.
+tile exactly (a derived export's, DCP's `.metadata`), or every file with `READBACK`, is read back instead.
 
 `converters.verification.check_certificate` re-checks an output against it later.
 """

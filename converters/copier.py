@@ -207,11 +207,11 @@ class Copier:
         `stats` their statistics) are computed through short mappings of the page cache the kernel copies from:
         no copy into a buffer and out again, which cost more than the statistics themselves. `into` (the local
         output fd and offset the caller writes the pieces at, one after the other) defers the CRC-32 to the
-        certificate's read-back of the output (`Ledger.defer`): the bytes are then mapped once, not twice.
-        Otherwise, with statistics, each piece carries the running CRC-32 the certificate read (`SourceRange.crc`),
-        which `copy_range` and `write_at` take as theirs (a zip member's, a record's) instead of mapping the bytes
-        again; without, `copy_range` computes it where the piece lands (cut at the output's blocks, so the output's
-        CRC-32s are joined, not read back) and hands it to the certificate (`SourceRange.tally`)."""
+        certificate's read-back of the output (`Ledger.defer`): the bytes are then mapped once, not twice (with
+        statistics, each piece carries the running CRC-32 the certificate read with them, `SourceRange.crc`, which
+        `write_at` takes as its own). Otherwise `copy_range` computes it where the piece lands (cut at the output's
+        blocks, so the output's CRC-32s are joined, not read back), with statistics in the same mapping, and hands
+        it to the certificate (`SourceRange.tally`)."""
         ledger = self.ledger
         if in_kernel and self._direct and self.out_dtype(entry, cast_to) == entry.dtype:
             ranges = direct_ranges(entry, box)
@@ -220,7 +220,7 @@ class Copier:
                 defer = tally is not None and tally.src is None and into is not None
                 copied = []
                 crc = 0
-                lazy = tally is not None and not defer and tally.src is None
+                lazy = tally is not None and into is None
                 for uri, offset, length in ranges:
                     piece = SourceRange(local_path(uri), offset, length)
                     if lazy and tally is not None:  # `copy_range` checksums it as it copies, where it lands
@@ -256,25 +256,31 @@ class Copier:
         if piece.crc is not None and crc == piece.crc_before:  # the caller's CRC-32 runs as the certificate's
             self._copy(piece, fd, dst, None)
             return piece.crc
-        out = self._copy(piece, fd, dst, crc)
-        if piece.tally is not None and crc == piece.crc_before:  # the certificate's CRC-32 runs as the caller's
+        takes = piece.tally is not None and crc == piece.crc_before  # the certificate's CRC-32 runs as the caller's
+        out = self._copy(piece, fd, dst, crc, piece.tally if takes else None)
+        if takes and piece.tally is not None:
             piece.tally.add_crc(out)
         return out
 
-    def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None) -> int:
+    def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None, tally: Tally | None = None) -> int:
         """Copy the data runs of `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new
-        files), skipping holes; extend `crc` (unless None) over every byte. A range ending in a hole gets its
-        last byte written, so the file is as long as a dense copy would make it."""
+        files), skipping holes; extend `crc` (unless None) over every byte, and with `tally` (statistics) take
+        the piece's values into it in the same mapping (`_landed_tally`). A range ending in a hole gets its last
+        byte written, so the file is as long as a dense copy would make it."""
         src_fd = self.reader.fd(piece.path)
         end = piece.offset + piece.length
         if end > os.fstat(src_fd).st_size:
             raise _truncated(piece.path, end)
+        runs_crc = crc
+        if crc is not None and tally is not None and tally.src is not None:
+            crc, runs_crc = self._landed_tally(piece, fd, dst, crc, tally), None
         last_is_hole = False
         for start, stop, is_data in self._runs(src_fd, piece.offset, end):
             last_is_hole = not is_data
             at = dst + start - piece.offset
-            if crc is not None:
-                crc = self._landed_crc(piece.path if is_data else None, start, stop - start, fd, at, crc)
+            if runs_crc is not None:
+                crc = runs_crc = self._landed_crc(piece.path if is_data else None, start, stop - start, fd, at,
+                                                  runs_crc)
             if is_data:
                 self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
         if last_is_hole:
@@ -295,6 +301,25 @@ class Copier:
             part = self._mapped_crc(path, offset + low - at, n, 0) if path is not None else crc32_zeros(n)
             ledger.wrote(fd, low, n, part)
             crc = crc32_combine(crc, part, n)
+        return crc
+
+    def _landed_tally(self, piece: SourceRange, fd: int, dst: int, crc: int, tally: Tally) -> int:
+        """`crc` extended over `piece`, which lands at `dst` in the output `fd`, and its values taken into `tally`
+        (statistics), in one pass over short mappings of the page cache (windows of whole elements, holes read as
+        zeros); each part inside one of the output's blocks is checksummed alone and recorded (`Ledger.wrote`),
+        so the output's CRC-32s are joined, not read back."""
+        from .certificate import block_parts
+
+        at = dst
+        for part in mapped_windows(self.reader.fd(piece.path), piece.offset, piece.length):
+            tally.add_values(part)
+            for low, high in block_parts(at, at + len(part)):
+                with part[low - at:high - at] as inside:
+                    value = crc32(inside)
+                if self.ledger is not None:
+                    self.ledger.wrote(fd, low, high - low, value)
+                crc = crc32_combine(crc, value, high - low)
+            at += len(part)
         return crc
 
     def note(self, fd: int, offset: int, data: bytes | bytearray | memoryview) -> None:
@@ -431,12 +456,12 @@ class Copier:
     def _joins(self) -> bool:
         """Whether the certificate joins the output's CRC-32s from those of the bytes written (`Ledger.written`):
         checksummed in the writer threads as they are copied, instead of one pass reading the output back after.
-        Not with statistics (the values are mapped from the source then) or for a derived export (it reads its
+        With statistics too (taken in the same mapping, `_landed_tally`). Not for a derived export (it reads its
         files back for each tensor's CRC-32), nor in the paranoid mode that re-reads every output file."""
         from . import certificate
 
         ledger = self.ledger
-        return ledger is not None and not ledger.stats and not ledger.derived and not certificate.READBACK
+        return ledger is not None and not ledger.derived and not certificate.READBACK
 
     def write_many(self, fd: int, jobs: list[tuple[int, TensorEntry, str | None]], pool: ThreadPoolExecutor,
                    checksum: bool = False) -> list[int]:

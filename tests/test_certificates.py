@@ -8,6 +8,7 @@ and byte range.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import zlib
@@ -313,7 +314,11 @@ def test_recorded_file_and_block_crcs_equal_the_files_on_disk(tmp_path: Path, re
     monkeypatch.setattr(cert_mod, "mapped_crcs", spy)
     outputs = {"export": (tmp_path / "export", ConvertOptions(export=True)),
                "torch": (tmp_path / "model.pt", ConvertOptions(to="torch")),
-               "reshard": (tmp_path / "resharded", ReshardOptions(world_size=2))}
+               "reshard": (tmp_path / "resharded", ReshardOptions(world_size=2)),
+               # statistics are taken in the same mappings as the CRC-32s: still nothing read back
+               "export --stats": (tmp_path / "export-stats", ConvertOptions(export=True, stats=True)),
+               "torch --stats": (tmp_path / "stats.pt", ConvertOptions(to="torch", stats=True)),
+               "reshard --stats": (tmp_path / "resharded-stats", ReshardOptions(world_size=2, stats=True))}
     for kind, (out, options) in outputs.items():
         read_back.clear()
         if isinstance(options, ReshardOptions):
@@ -326,3 +331,11 @@ def test_recorded_file_and_block_crcs_equal_the_files_on_disk(tmp_path: Path, re
         assert check_certificate(str(out)).ok, kind
         # every byte was checksummed as it was written: no output file is read back (DCP's .metadata is)
         assert len(read_back) == (len(files) if readback else sum(n == ".metadata" for n in files)), kind
+        if "stats" in kind:  # and every tensor's statistics were taken, once: those of the source
+            stats = json.loads(manifest_file(out).read_text())["certificate"]["stats"]
+            assert len(stats) == len(big_weights()), kind
+            for name, tensor in big_weights().items():
+                side = next(v for k, v in stats.items() if k.removeprefix("model.") == name)  # keys as cleaned
+                assert side["check"] == "equal" and side["source"]["count"] == tensor.numel(), kind
+                assert math.isclose(side["source"]["mean"], tensor.double().mean().item(), rel_tol=1e-12,
+                                    abs_tol=1e-15), kind
