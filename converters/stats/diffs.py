@@ -39,7 +39,7 @@ from ..tensorio import compare_slab, read_box, same_bytes, slabs
 from ..transforms import KeyOptions
 from ..writers.objects import load_object
 from . import moments
-from .moments import SUPPORTED, Widener, json_number, numpy_dtype
+from .moments import SUPPORTED, Widener, json_number, numpy_dtype, sum_squares
 from .stats import reading, select
 
 
@@ -203,8 +203,8 @@ class _Pair:
             self.diff.unmatched_nonfinite += unmatched
             top = math.inf if unmatched else float(np.abs(d).max())
         self.diff.max_abs_diff = max(self.diff.max_abs_diff, top)
-        self.diff_sq += float(np.einsum("i,i->", d, d))
-        self.sq += float(np.einsum("i,i->", b, b))
+        self.diff_sq += sum_squares(d)
+        self.sq += sum_squares(b)
         if not self.diff.differs:
             if self.diff.unmatched_nonfinite:
                 self.diff.differs = True
@@ -251,7 +251,7 @@ def _sum_squares(wide: Widener, values: np.ndarray) -> float:
         x = wide.load(values[start: start + step])
         if not np.isfinite(x).all():
             x = x[np.isfinite(x)]
-        total += float(np.einsum("i,i->", x, x))
+        total += sum_squares(x)
     return total
 
 

@@ -158,15 +158,28 @@ def _exact_subnormals() -> bool:
 def sums(d: np.ndarray) -> tuple[float, float]:
     """(sum of squares, sum) of the float64 array `d`, by BLAS dots over rows of `ROW` elements (single-threaded:
     no BLAS threads spinning on shared cores; several times faster than einsum)."""
-    rows = d.size // ROW
-    body, tail = d[: rows * ROW].reshape(rows, 1, ROW), d[rows * ROW:]
-    with np.errstate(over="ignore", invalid="ignore"):  # a sum of squares beyond float64 is inf, as reported
-        ss = float(np.dot(tail, tail))
+    rows, body, tail = _rows(d)
+    with np.errstate(over="ignore", invalid="ignore"):  # a sum beyond float64 is inf, as reported
         s = float(tail.sum())
         if rows:
-            ss += float(np.matmul(body, body.reshape(rows, ROW, 1)).sum())
             s += float(np.matmul(body, _ones()).sum())
-    return ss, s
+    return sum_squares(d), s
+
+
+def sum_squares(d: np.ndarray) -> float:
+    """The sum of squares of the float64 array `d` (as `sums`)."""
+    rows, body, tail = _rows(d)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ss = float(np.dot(tail, tail))
+        if rows:
+            ss += float(np.matmul(body, body.reshape(rows, ROW, 1)).sum())
+    return ss
+
+
+def _rows(d: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """`d` as rows of `ROW` elements (shaped for batched dots) and the rest."""
+    rows = d.size // ROW
+    return rows, d[: rows * ROW].reshape(rows, 1, ROW), d[rows * ROW:]
 
 
 _ONES: list[np.ndarray] = []
