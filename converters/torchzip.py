@@ -27,6 +27,7 @@ _EOCD_SIG = b"PK\x05\x06"
 _EOCD64_LOC_SIG = b"PK\x06\x07"
 HEAD_READ = 4096  # bytes read from an archive's start to find its first members
 TAIL_READ = 65536 + 22  # bytes read from an archive's end to find its zip directory (a comment fits in it)
+SHORT_TAIL = 4096  # ... read first: a zip without a comment ends in its directory's end records
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,12 @@ def _walk_local_headers(head: bytes, base: int, limit: int) -> tuple[list[Member
     return members, bool(members) and any(m.name.endswith("data.pkl") for m in members)
 
 
+def _needs_zip64(tail: bytes, at: int) -> bool:
+    """Whether the end of central directory record at `at` of `tail` leaves its counts to a zip64 record."""
+    entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
+    return cd_offset == 0xFFFFFFFF or entries == 0xFFFF or cd_size == 0xFFFFFFFF
+
+
 def _damaged(label: str, what: str) -> FormatError:
     return FormatError(f"{label}: damaged zip directory ({what}); the file is damaged or not a PyTorch checkpoint")
 
@@ -139,15 +146,22 @@ def _damaged(label: str, what: str) -> FormatError:
 def _central_members(reads: _Reads, base: int, length: int, label: str) -> list[Member]:
     """Members from the zip's central directory; every size and offset is checked against `length` (the
     archive's real extent) before anything is read or allocated."""
-    tail_len = min(length, TAIL_READ)
-    tail = reads.keep(base + length - tail_len, tail_len)
-    at = tail.rfind(_EOCD_SIG)
+    # the end records are looked for in the last SHORT_TAIL bytes first (where they are unless the zip has a
+    # comment), then in the last TAIL_READ: the last signature in a suffix is the last one in the longer read
+    tail_len = min(length, SHORT_TAIL)
+    while True:
+        tail = reads.keep(base + length - tail_len, tail_len)
+        at = tail.rfind(_EOCD_SIG)
+        zip64 = at >= 0 and at + 22 <= len(tail) and _needs_zip64(tail, at)
+        loc = tail.rfind(_EOCD64_LOC_SIG, 0, at) if zip64 else 0
+        if (at >= 0 and loc >= 0) or tail_len == min(length, TAIL_READ):
+            break
+        tail_len = min(length, TAIL_READ)
     if at < 0 or at + 22 > len(tail):
         raise FormatError(f"{label}: not a torch.save archive (no zip directory); "
                           "the file is damaged or not a PyTorch checkpoint")
     entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, at + 10)
-    if cd_offset == 0xFFFFFFFF or entries == 0xFFFF or cd_size == 0xFFFFFFFF:
-        loc = tail.rfind(_EOCD64_LOC_SIG, 0, at)
+    if zip64:
         if loc < 0 or loc + 20 > at:
             raise _damaged(label, "zip64 locator missing")
         (eocd64_offset,) = struct.unpack_from("<Q", tail, loc + 8)
