@@ -16,7 +16,9 @@ from __future__ import annotations
 import codecs
 import io
 import pickle
+import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, ClassVar
 
 from . import dtypes
@@ -115,24 +117,132 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler lets us add opcodes
     dispatch[list] = save_list
 
 
+_BATCH = pickle._Pickler._BATCHSIZE  # items per APPENDS / SETITEMS
+_U16 = struct.Struct("<H").pack
+_I32 = struct.Struct("<i").pack
+_U32 = struct.Struct("<I").pack
+_F64 = struct.Struct(">d").pack
+
+
+class _Emitter:
+    """Writes what `_Pickler` writes for the values a checkpoint's pickles are made of (plain data, `Global`,
+    `Call`, `Obj`, `Pairs`, `Persistent`, dtypes, sizes), byte for byte, in one call per value instead of the
+    pure-Python pickler's several; any other value (bytes, sets, devices, OrderedDicts, ...) is `_Pickler`'s.
+    Without a memo every value's bytes depend on it alone, so the two can take turns."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.buf = io.BytesIO()
+        self.pickler = _Pickler(self.buf, protocol=2)
+        self.pickler.fast = True  # no memo: every object is written where it appears
+
+    def slow(self, obj: Any) -> None:
+        self.buf.seek(0)
+        self.buf.truncate()
+        self.pickler.save(obj)
+        self.out.append(self.buf.getvalue())
+
+    def emit(self, obj: Any) -> None:  # one branch per kind, as `_Pickler.save`
+        kind, out = type(obj), self.out
+        if kind is str:
+            data = obj.encode("utf-8", "surrogatepass")
+            out.append(pickle.BINUNICODE + _U32(len(data)) + data)
+        elif kind is int and 0 <= obj <= 0xFF:
+            out.append(pickle.BININT1 + bytes((obj,)))
+        elif kind is int and 0 <= obj <= 0xFFFF:
+            out.append(pickle.BININT2 + _U16(obj))
+        elif kind is int and -0x80000000 <= obj <= 0x7FFFFFFF:
+            out.append(pickle.BININT + _I32(obj))
+        elif kind is tuple or kind is Size:
+            if kind is Size:  # torch.Size(tuple)
+                out.append(pickle.GLOBAL + b"torch\nSize\n")
+                self.emit((tuple(obj),))
+                out.append(pickle.REDUCE)
+            elif not obj:
+                out.append(pickle.EMPTY_TUPLE)
+            elif len(obj) <= 3:
+                for item in obj:
+                    self.emit(item)
+                out.append(_TUPLE_CODES[len(obj)])
+            else:
+                out.append(pickle.MARK)
+                for item in obj:
+                    self.emit(item)
+                out.append(pickle.TUPLE)
+        elif kind is Global:
+            out.append(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        elif kind is Call:
+            self.emit(obj.func)
+            self.emit(obj.args)
+            out.append(pickle.REDUCE)
+        elif kind is Obj:
+            self.emit(obj.cls)
+            out.append(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+            self.emit(obj.state)
+            out.append(pickle.BUILD)
+        elif kind is dict or kind is Pairs:
+            out.append(pickle.EMPTY_DICT)
+            self.items(list(obj.items()) if kind is dict else obj, pickle.SETITEM, pickle.SETITEMS)
+        elif kind is list:
+            out.append(pickle.EMPTY_LIST)
+            self.items(obj, pickle.APPEND, pickle.APPENDS)
+        elif obj is None:
+            out.append(pickle.NONE)
+        elif kind is bool:
+            out.append(pickle.NEWTRUE if obj else pickle.NEWFALSE)
+        elif kind is float:
+            out.append(pickle.BINFLOAT + _F64(obj))
+        elif kind is DType:
+            out.append(pickle.GLOBAL + f"torch\n{obj}\n".encode())
+        elif kind is Persistent and type(obj.pid) is tuple:
+            self.emit(obj.pid)
+            out.append(pickle.BINPERSID)
+        else:
+            self.slow(obj)
+
+    def items(self, items: list[Any], one: bytes, many: bytes) -> None:
+        """A list's items or a dict's (key, value) pairs in batches, as `_batch_appends`/`_batch_setitems`."""
+        pairs = many == pickle.SETITEMS
+        for start in range(0, len(items), _BATCH):
+            batch = items[start:start + _BATCH]
+            if len(batch) > 1:
+                self.out.append(pickle.MARK)
+            for item in batch:
+                if pairs:
+                    key, value = item
+                    self.emit(key)
+                    self.emit(value)
+                else:
+                    self.emit(item)
+            self.out.append(many if len(batch) > 1 else one)
+
+
+_TUPLE_CODES = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
+
+
 def dumps(obj: Any, label: str = "") -> bytes:
     """Pickle `obj` (protocol 2, no memo); FormatError naming `label` for a value it must not write."""
-    buf = io.BytesIO()
-    pickler = _Pickler(buf, protocol=2)
-    pickler.fast = True  # no memo: every object is written where it appears
+    emitter = _Emitter()
     try:
-        pickler.dump(obj)
+        emitter.emit(obj)
     except FormatError as exc:
         raise FormatError(f"{label}: {exc}" if label else str(exc)) from None
     except RecursionError:
         raise FormatError(f"{label}: nested too deeply to write" if label else "nested too deeply to write") from None
-    return buf.getvalue()
+    return b"".join((pickle.PROTO, b"\x02", *emitter.out, pickle.STOP))
 
 
 ORDERED_DICT = Global("collections", "OrderedDict")
 REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
 REBUILD_TENSOR_V3 = Global("torch._utils", "_rebuild_tensor_v3")
 UNTYPED_STORAGE = Global("torch.storage", "UntypedStorage")
+
+
+@lru_cache(maxsize=4096)
+def tensor_pickle(storage_key: str, dtype: str, shape: tuple[int, ...], location: str = "cpu") -> bytes:
+    """`dumps(tensor(...))`: the pickle of a record of one tensor, made once per dtype and shape (a DCP file
+    holds a record per chunk, most of them alike: every layer's, on every rank)."""
+    return dumps(tensor(storage_key, dtype, shape, location))
 
 
 def tensor(storage_key: str, dtype: str, shape: tuple[int, ...], location: str = "cpu") -> Call:

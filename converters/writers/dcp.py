@@ -117,7 +117,7 @@ class RankPart:
             for i, piece in enumerate(self.pieces):
                 nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
                 stream = ahead[i] if ahead is not None else copier.pieces(*jobs[i], in_kernel=True)
-                pickled = picklewriter.dumps(picklewriter.tensor("0", piece.dtype, piece.box[1]))
+                pickled = picklewriter.tensor_pickle("0", piece.dtype, tuple(piece.box[1]))
                 length = _record(fh, at, pickled, [("data/0", stream, nbytes)], copier.copy_range,
                                  serial_id(self.serial, self.rank, i), note)
                 records.append((piece.name, piece.box[0], at, length, piece.box))
