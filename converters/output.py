@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 from . import storage, upload
 from .checksum import crc32
 from .errors import TargetError
+from .jsonsafe import dumps_indented
 from .names import MANIFEST, WRITING, tmp_prefix
 from .upload import UPLOAD_BLOCK
 
@@ -106,7 +107,7 @@ class Output:
         doc = {"format": kind, "created_by": "ckpt-service", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                          time.gmtime()),
                **self.about, "files": {name: info for name, info in sorted(self.files.items())}}
-        return json.dumps(doc, indent=2).encode()
+        return dumps_indented(doc).encode()
 
 
 def remove_tree(path: str | os.PathLike[str], ignore_errors: bool = True) -> None:
