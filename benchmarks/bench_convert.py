@@ -1021,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     git, sources = git_state(), engine_sources()
     # bytecode as an installed package has it (PYTHONDONTWRITEBYTECODE would have every run compile again)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "converters", "ckpt_service", "api"], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "converters", "ckpt_service", "api", "ckptctl"], cwd=ROOT,
                    check=False, stdout=subprocess.DEVNULL)
     rows: list[Row] = []
     sizes: dict[str, Any] = {}
