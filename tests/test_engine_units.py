@@ -334,3 +334,54 @@ def test_torch_file_filled_in_parallel_equals_the_streamed_one(tmp_path: Path) -
     assert loaded.keys() == state.keys()
     for key, value in state.items():
         assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value)
+
+
+# --- pickles and manifests written fast: the same bytes as the reference writers ----------------------------
+
+
+def test_pickle_writer_writes_the_bytes_the_pure_python_pickler_writes() -> None:
+    """`picklewriter.dumps` writes common values itself, one call each: byte for byte what `pickle`'s own
+    pure-Python pickler (the reference, which still writes the other values) writes, and Python reads it back."""
+    import io
+    import math
+    import pickle
+
+    from converters import picklewriter as pw
+    from converters.unpickle import Device, DType, OpaqueBytes, OrderedDictStub, Size
+
+    odict = OrderedDictStub()
+    odict["w"] = [1, 2]
+    odict.attrs = {"": {"version": 1}}
+    plain = {"ints": [0, 1, 255, 256, 65535, 65536, -1, -129, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**70, -2**80],
+             "floats": [0.0, -0.0, 1.5, math.inf, -math.inf, 1e-300], "text": ["", "a", "\u00e9\u4e2d", "x" * 300],
+             "flags": (None, True, False), "tuples": [(), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4)],
+             "long": list(range(2001)), "wide": {f"k{i}": i for i in range(1001)}, "exact": list(range(1000)),
+             "bytes": b"\x00\xff", "set": {1, 2}, "complex": 1 + 2j, "nested": {"a": [[{"b": ({},)}]]}}
+    marked = {"plain": plain, "dtype": DType("bfloat16"), "size": Size((2, 3)), "device": Device("cuda:0"),
+              "odict": odict, "bytesio": OpaqueBytes(b"data", 1),
+              "record": pw.tensor("0", "float8_e4m3fn", (4, 8)), "legacy": pw.tensor("1", "float32", (3,)),
+              "obj": pw.Obj(pw.Global("m", "C"), {"x": pw.Call(pw.Global("m", "f"), (1,))}),
+              "pairs": pw.Pairs([(pw.Obj(pw.Global("m", "K"), {}), 1), ("k", 2)])}
+    for value in (plain, marked):
+        buf = io.BytesIO()
+        reference = pw._Pickler(buf, protocol=2)
+        reference.fast = True
+        reference.dump(value)
+        assert pw.dumps(value) == buf.getvalue()
+    assert pickle.loads(pw.dumps(plain)) == plain
+    assert pw.tensor_pickle("0", "float32", (3,)) == pw.dumps(pw.tensor("0", "float32", (3,)))
+    with pytest.raises(FormatError, match="entry 'x': cannot write a object value"):
+        pw.dumps({"a": [object()]}, label="entry 'x'")
+
+
+def test_manifest_json_is_the_text_json_dumps_writes() -> None:
+    import math
+
+    from converters.jsonsafe import dumps_indented
+
+    doc = {"s": "a\"\\\n\u00e9\ud800", "n": [None, True, False, 0, -7, 2**70, 0.1, -0.0, math.inf, -math.inf],
+           "e": [[], {}, ()], "t": (1, (2, [3, {"x": {}}])), 3: "int key", 2.5: "float key", True: "bool key",
+           None: "none key", "nan": math.nan}
+    assert dumps_indented(doc) == json.dumps(doc, indent=2)
+    with pytest.raises(TypeError, match="set is not JSON serializable"):  # handed to json.dumps, which refuses it
+        dumps_indented({"x": {1, 2}})
