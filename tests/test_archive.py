@@ -17,6 +17,7 @@ Run as a script (`python -m tests.test_archive FOLDER STEPS`) for the DCP series
 from __future__ import annotations
 
 import filecmp
+import itertools
 import json
 import os
 import socket
@@ -149,6 +150,55 @@ def test_content_defined_cuts_move_only_around_an_insertion() -> None:
 
 
 # ---- archive, restore, gc on checkpoints the engine reads ---------------------------------------------------
+
+
+@pytest.mark.parametrize("fallback", [None, "open", "third write"])
+def test_a_direct_file_written_out_of_order_in_unaligned_chunks_holds_every_byte(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: str | None) -> None:
+    """Restore's target file (`direct.DirectFile`): chunks at any offsets and lengths (inside one block, across a
+    block edge, whole blocks, an unaligned end) written by two threads in any order hold the bytes, through direct
+    I/O, or through the page cache when the filesystem refuses direct I/O at open or on a later write."""
+    import fcntl
+    from concurrent.futures import ThreadPoolExecutor
+
+    from converters.archive import direct
+
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 3 * direct.ALIGN * 7 + 123, dtype=np.uint8)
+    cuts = sorted({0, len(data), 5, 17, 4095, 4096, 4097, 3 * 4096, 3 * 4096 + 1, *rng.integers(0, len(data), 12)})
+    chunks = list(itertools.pairwise(int(c) for c in cuts))
+    rng.shuffle(chunks)
+    real_open, real_pwrite, writes = os.open, os.pwrite, []
+
+    def refusing_open(path: Any, flags: int, *args: Any) -> int:
+        if flags & direct._DIRECT and fallback == "open":
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    def refusing_pwrite(fd: int, buf: Any, offset: int) -> int:
+        writes.append(fd)
+        if fallback == "third write" and len(writes) == 3 and fcntl.fcntl(fd, fcntl.F_GETFL) & direct._DIRECT:
+            raise OSError(22, "Invalid argument")  # a filesystem wanting another alignment
+        return real_pwrite(fd, buf, offset)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    path = str(tmp_path / "out.bin")
+    target = direct.DirectFile(path, len(data))
+    assert target.direct == (fallback != "open")
+
+    def put(start: int, stop: int) -> None:
+        lead = start % direct.ALIGN
+        buf = direct.aligned(lead + stop - start)[lead:]
+        buf[:] = data[start:stop]
+        target.write(buf, start)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda c: put(*c), chunks))
+    target.close(0o640)
+    assert target.direct == (fallback is None)
+    assert (tmp_path / "out.bin").read_bytes() == data.tobytes()
+    assert os.stat(path).st_mode & 0o777 == 0o640
 
 
 def _versions(tmp_path: Path) -> tuple[Path, Path]:

@@ -5,7 +5,7 @@ fsspec location, restored byte for byte.
   once (`chunks/<h[:2]>/<h>`, h its BLAKE3 hash (`hashing`), compressed by `codec` where that pays), writes
   `manifests/<id>.json`;
 - `restore(store, id, target)`: the files back, every chunk's hash checked (a damaged chunk: one line naming
-  it and the archives that use it);
+  it and the archives that use it), a local target's files written in place through direct I/O (`direct`);
 - `gc(store)`: deletes chunks no manifest references, safe under concurrent archives (`collect`);
 - `list_archives(store)`."""
 

@@ -144,8 +144,18 @@ def _join_some(stored: bytes | memoryview, length: int, out: np.ndarray | None) 
 
 
 def decode(stored: bytes | memoryview, length: int, out: np.ndarray | None = None) -> bytes | memoryview:
-    """The raw bytes of a stored chunk of `length` bytes (split planes joined into `out`, a uint8 array of at least
-    `length` bytes, when given); ValueError when it is not a chunk this module wrote."""
+    """The raw bytes of a stored chunk of `length` bytes; ValueError when it is not a chunk this module wrote.
+    With `out` (a uint8 array of at least `length` bytes) they are in out[:length] (split planes joined there,
+    other encodings copied there), unless they are not `length` bytes long (a damaged chunk)."""
+    data = _decode(stored, length, out if out is not None and len(out) >= length else None)
+    if out is None or len(out) < length or len(data) != length:
+        return data
+    if not np.may_share_memory(np.frombuffer(data, np.uint8), out):
+        out[:length] = np.frombuffer(data, np.uint8)
+    return memoryview(out[:length].data)
+
+
+def _decode(stored: bytes | memoryview, length: int, out: np.ndarray | None) -> bytes | memoryview:
     if not stored:
         raise ValueError("empty")
     tag = stored[0]
@@ -159,5 +169,5 @@ def decode(stored: bytes | memoryview, length: int, out: np.ndarray | None = Non
             raise ValueError("wrong length")
         return join_planes(planes, stored[1])
     if tag == SOME_PLANES and len(stored) > 2:
-        return _join_some(stored, length, out if out is not None and len(out) >= length else None)
+        return _join_some(stored, length, out)
     raise ValueError(f"unknown encoding {tag}")

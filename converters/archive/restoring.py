@@ -20,6 +20,7 @@ from ..remote import filesystem, remote_call, translate_errors
 from ..uris import is_local, join, local_path
 from . import codec
 from .chunking import PIECE
+from .direct import ALIGN, DirectFile, aligned
 from .hashing import HASHES
 from .inflight import InFlight
 from .manifest import hash_name, ids, read
@@ -27,7 +28,6 @@ from .store import Store, chunk_key
 
 WORKERS = 2
 AHEAD = 6  # chunks fetched and decoded ahead of the one being written
-COPY = 8 << 20  # bytes a copy_file_range call asks for
 
 
 def list_archives(store: str) -> list[dict[str, Any]]:
@@ -62,14 +62,15 @@ def _damaged(store: Store, digest: str, why: str) -> FormatError:
                        uri=store.where(chunk_key(digest)))
 
 
-def _chunk(store: Store, digest: str, length: int, hashed: str) -> bytes | memoryview:
+def _chunk(store: Store, digest: str, length: int, hashed: str, out: np.ndarray | None = None) -> bytes | memoryview:
+    """Chunk `digest` fetched, decoded (into `out` when given) and its hash checked."""
     stored = store.get(chunk_key(digest))
     why = None
     if stored is None:
         why = "is missing"
     else:
         try:
-            data = codec.decode(stored, length)
+            data = codec.decode(stored, length, out)
         except Exception:  # zstd's own errors, a bad tag: the chunk is damaged
             why = "does not decode"
         else:
@@ -84,81 +85,55 @@ _buffers = threading.local()
 
 
 def _buffer(length: int) -> np.ndarray:
-    """This worker thread's buffer for decoded chunks (reused: no fresh pages to fault in for every chunk)."""
+    """This worker thread's buffer for decoded chunks, aligned for direct I/O (reused: no fresh pages to fault in
+    for every chunk)."""
     buf = getattr(_buffers, "buf", None)
     if buf is None or len(buf) < length:
-        buf = _buffers.buf = np.empty(max(length, PIECE), np.uint8)
+        buf = _buffers.buf = aligned(max(length, PIECE + ALIGN))
     return buf
 
 
-def _put(store: Store, digest: str, length: int, hashed: str, fd: int, offset: int, where: str,
-         writing: threading.Lock) -> None:
-    """Chunk `digest` verified and written at `offset` of the target file open as `fd` (a worker's whole share).
-    A local store's chunk is read through a memory map (no copy); a raw one is then copied by the kernel
-    (copy_file_range) from the file whose bytes were hashed. One worker writes the file at a time (`writing`):
-    the kernel serialises writes to one file anyway, and a worker waiting for its lock spins on a core the
-    other could decode on; waiting here it sleeps."""
+def _put(store: Store, digest: str, length: int, hashed: str, target: DirectFile, offset: int, where: str) -> None:
+    """Chunk `digest` decoded into this worker's buffer at `offset` modulo ALIGN, its hash checked, and written at
+    `offset` of `target` (a worker's whole share). A local store's chunk is read through a memory map."""
     try:
+        lead = offset % ALIGN
+        out = _buffer(lead + length)[lead:lead + length]
         if not store.local:
-            data = _chunk(store, digest, length, hashed)
-            with writing:
-                _pwrite(fd, data, offset)
-            return
-        try:
-            src = os.open(store.where(chunk_key(digest)), os.O_RDONLY)
-        except FileNotFoundError:
-            raise _damaged(store, digest, "is missing") from None
-        try:
-            if os.fstat(src).st_size == 0:
-                raise _damaged(store, digest, "does not decode")
-            with mmap.mmap(src, 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-                if view[0] == codec.RAW and len(view) == length + 1:
-                    with view[1:] as payload:
-                        same = HASHES[hashed](payload) == digest
-                    if not same:
-                        raise _damaged(store, digest, "does not match its hash")
-                    with writing:
-                        _copy(src, fd, length, offset)
-                    return
-                why = _decoded_to(view, digest, length, hashed, fd, offset, writing)
-            if why:
-                raise _damaged(store, digest, why)
-        finally:
-            os.close(src)
+            _chunk(store, digest, length, hashed, out)
+        else:
+            _decoded_into(store, digest, length, hashed, out)
+        target.write(out, offset)
     except OSError as e:
         raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
 
 
-def _decoded_to(view: memoryview, digest: str, length: int, hashed: str, fd: int, offset: int,
-                writing: threading.Lock) -> str | None:
-    """Decodes a stored chunk, checks it and writes it at `offset` of `fd`; why it is damaged, else None."""
-    if view[0] == codec.RAW:
-        return "does not match its hash"  # a raw chunk of the wrong length
+def _decoded_into(store: Store, digest: str, length: int, hashed: str, out: np.ndarray) -> None:
+    """A local store's chunk, read through a memory map, decoded into `out` and its hash checked."""
     try:
-        data = codec.decode(view, length, _buffer(length))
+        src = os.open(store.where(chunk_key(digest)), os.O_RDONLY)
+    except FileNotFoundError:
+        raise _damaged(store, digest, "is missing") from None
+    try:
+        if os.fstat(src).st_size == 0:
+            raise _damaged(store, digest, "does not decode")
+        with mmap.mmap(src, 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            why = _why_damaged(view, digest, length, hashed, out)
+    finally:
+        os.close(src)
+    if why:
+        raise _damaged(store, digest, why)
+
+
+def _why_damaged(view: memoryview, digest: str, length: int, hashed: str, out: np.ndarray) -> str | None:
+    """Decodes a stored chunk into `out` and checks its hash; why it is damaged, else None."""
+    try:
+        data = codec.decode(view, length, out)
     except Exception:  # zstd's own errors, a bad tag: the chunk is damaged
         return "does not decode"
-    if len(data) != length or HASHES[hashed](data) != digest:
+    if len(data) != length or HASHES[hashed](data) != digest:  # data: out's bytes (a damaged chunk's own view)
         return "does not match its hash"
-    with writing:
-        _pwrite(fd, data, offset)
     return None
-
-
-def _copy(src: int, fd: int, length: int, offset: int) -> None:
-    done = 0
-    while done < length:
-        n = os.copy_file_range(src, fd, min(COPY, length - done), 1 + done, offset + done)
-        if n <= 0:
-            raise OSError(f"copy_file_range copied {n} bytes")
-        done += n
-
-
-def _pwrite(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def restore(store: str, archive_id: str, target: str) -> list[str]:
@@ -225,24 +200,28 @@ def _check_target(target: str) -> None:
 
 
 def _write_local(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: str, hashed: str) -> None:
-    """The file's chunks fetched, verified and written in place by the workers (each at its offset), at most
-    AHEAD at once."""
+    """The file's chunks fetched, verified and written in place by the workers (each at its offset, `DirectFile`),
+    at most AHEAD at once."""
     try:
         os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
-        fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        target = DirectFile(where, entry["size"])
     except OSError as e:
         raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
-    writing = threading.Lock()
+    done = False
     try:
         with InFlight[None](pool, AHEAD) as flight:
             offset = 0
             for digest, length, _ in entry["chunks"]:
-                flight.submit(_put, st, digest, length, hashed, fd, offset, where, writing)
+                flight.submit(_put, st, digest, length, hashed, target, offset, where)
                 offset += length
             flight.drain()
-        os.fchmod(fd, entry["mode"] or 0o644)
+        done = True
     finally:
-        os.close(fd)
+        try:
+            target.close(entry["mode"] or 0o644 if done else None)
+        except OSError as e:
+            if done:
+                raise TargetError(f"restore: cannot write {where}: {e.strerror or e}", uri=where) from None
 
 
 def _write(st: Store, pool: ThreadPoolExecutor, entry: dict[str, Any], where: str, hashed: str) -> None:
