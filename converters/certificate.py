@@ -16,10 +16,10 @@ manifest's `certificate`:
 An export that computes its output (GGUF, FP8, a merged adapter) or renames it (an adapter alone) is
 `derived`: the tensors it reads itself are handed to a `Ledger` through `reading` (and those the copier
 copies, as above), and its certificate holds `read` (per source tensor: the ranges and the CRC-32 of the
-values read) and `tensors` (per output tensor its CRC-32, computed while each output file is read back for
-its own CRC-32s). A single-file output (`out.safetensors`, `model.pt`, `model.gguf`) has no folder for a
-manifest: its manifest, certificate included, is written beside it as `<file>.ckpt-manifest.json`
-(`write_sidecar`, once the file is in place).
+values read) and `tensors` (per output tensor its CRC-32, taken as it is written where the writer hands them
+over, else computed while each output file is read back for its own CRC-32s). A single-file output
+(`out.safetensors`, `model.pt`, `model.gguf`) has no folder for a manifest: its manifest, certificate included,
+is written beside it as `<file>.ckpt-manifest.json` (`write_sidecar`, once the file is in place).
 
 The manifest's CRC-32 of each local output file and of each `BLOCK` of it are joined (`crc32_combine`) from
 the CRC-32s of the bytes written into it, taken as they are written (`Ledger.wrote`: kernel-copied ranges through
@@ -148,6 +148,11 @@ class Tally:
 
             self.src.add(np.frombuffer(view, dtype=numpy_dtype(self.entry.dtype)))
 
+    def extend(self, crc: int, length: int) -> None:
+        """Take the next `length` bytes read, whose CRC-32 is `crc` (a slab checksummed in another thread), as
+        `add(view, view)` would (no statistics: a derived export's reads have none)."""
+        self.src_crc = self.out_crc = crc32_combine(self.src_crc, crc, length)
+
     def add_crc(self, crc: int) -> None:
         """A piece the kernel copied unchanged: `crc` is both CRC-32s extended over it."""
         self.src_crc = self.out_crc = crc
@@ -190,6 +195,15 @@ class Ledger:
         key = file_key(fd)
         with self._lock:
             self.written.setdefault(key, []).append((start, length, crc))
+
+    def unwrite(self, fd: int, start: int, length: int) -> None:
+        """[start, start + length) of the local output `fd` is about to be written again (a copy merged in
+        place): forget the CRC-32s noted inside it; its new bytes are noted as they are written."""
+        key = file_key(fd)
+        with self._lock:
+            noted = self.written.get(key)
+            if noted is not None:
+                noted[:] = [r for r in noted if not (start <= r[0] and r[0] + r[1] <= start + length)]
 
     def wrote_bytes(self, fd: int, start: int, data: bytes | bytearray | memoryview) -> None:
         """`data` was written at `start` of the local output file `fd`: its CRC-32s, block by block, from memory."""
@@ -295,17 +309,23 @@ def certify(out: Any, copier: Any, view: CheckpointIndex) -> None:
     out.about["certificate"] = ledger.certificate(view)
 
 
-def certify_derived(out: Any, ledger: Ledger) -> None:
+def certify_derived(out: Any, ledger: Ledger, written: dict[str, tuple[str, int]] | None = None) -> None:
     """The certificate of a derived export (`Ledger.derived`): what it read from the source, and each output
-    tensor's CRC-32 (safetensors files, read back with the files' own CRC-32s in one pass)."""
+    tensor's CRC-32: from `written` (tensor -> (file, CRC-32), taken as the writer wrote it; the files' own
+    CRC-32s joined from `Ledger.wrote`'s), else read back from the safetensors files with the files' own
+    CRC-32s in one pass."""
     tensors: dict[str, list[dict[str, Any]]] = {}
 
     def spans_of(name: str, path: str) -> dict[str, tuple[int, int]]:
         return safetensors_spans(path) if path.endswith(".safetensors") else {}
 
-    for (name, spans), crcs in file_crcs(out, ledger, spans_of).items():
-        for tensor, crc in zip(spans, crcs, strict=True):
-            tensors[tensor] = [{"box": None, "crc32": crc, "file": name}]
+    if written is not None:
+        file_crcs(out, ledger)
+        tensors = {tensor: [{"box": None, "crc32": crc, "file": name}] for tensor, (name, crc) in written.items()}
+    else:
+        for (name, spans), crcs in file_crcs(out, ledger, spans_of).items():
+            for tensor, crc in zip(spans, crcs, strict=True):
+                tensors[tensor] = [{"box": None, "crc32": crc, "file": name}]
     out.about["certificate"] = {"source": {"uri": ledger.source, "format": ledger.source_format},
                                 "derived": ledger.derived, "tensors": dict(sorted(tensors.items())),
                                 "read": ledger.read_doc()}

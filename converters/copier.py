@@ -358,6 +358,13 @@ class Copier:
                 crc = crc32_combine(crc, part, high - low)
         return crc
 
+    def write_noted(self, fd: int, data: memoryview, offset: int) -> int:
+        """Write `data` at `offset` of the local output `fd` (in turn with the other writers of it); return its
+        CRC-32, taken from memory and with a certificate noted block by block (`Ledger.wrote`)."""
+        crc = self._noted_crc(fd, offset, data, 0)
+        self._pwrite(fd, data, offset)
+        return crc
+
     def _runs(self, fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
         """Data runs and holes covering [start, end) of the file `fd`. The data run last seen in each file is
         remembered (threads share it), so that the many ranges of a dense file cost no system call."""

@@ -101,20 +101,26 @@ def test_peft_folder_merged_equals_merge_and_unload(base: Path, tmp_path: Path, 
 
 
 def test_merged_in_row_slabs_is_the_same(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Merged 3 output rows at a time (2 for down_proj: slabs of 384 bytes): no bit changes (each row is its
-    own), on disk and streamed to object storage."""
+    """Merged 5 output rows at a time (4 for down_proj: slabs of 640 bytes, never fewer than 4 rows, a last slab
+    of 1-3 rows joined to the one before): no bit changes (each row is its own), on disk and streamed to object
+    storage."""
     from converters.adapters import export as adapter_export
     from converters.adapters import merge
 
-    monkeypatch.setattr(adapter_export, "MIN_SLAB", 3 * 32 * 4)
+    monkeypatch.setattr(adapter_export, "MIN_SLAB", 5 * 32 * 4)
     monkeypatch.setattr(adapter_export, "SLAB_SHARE", 1 << 30)  # every slab is MIN_SLAB
-    read, slabs = merge.Workspace.read, []
+    slabs: list[str] = []
 
-    def counted(self: merge.Workspace, purpose: str, *args: object) -> torch.Tensor:
-        slabs.append(purpose)
-        return read(self, purpose, *args)  # type: ignore[arg-type]
+    def counting(method: str) -> object:
+        original = getattr(merge.Workspace, method)
 
-    monkeypatch.setattr(merge.Workspace, "read", counted)
+        def counted(self: merge.Workspace, purpose: str, *args: object) -> torch.Tensor:
+            slabs.append(purpose)
+            return original(self, purpose, *args)
+        return counted
+
+    for method in ("read", "pread"):  # rows from the source (an upload), or from the base's copy in the output
+        monkeypatch.setattr(merge.Workspace, method, counting(method))
     for variant in ("lora", "dora"):
         model = peft_model(base, variant)
         model.save_pretrained(tmp_path / variant)
@@ -126,9 +132,24 @@ def test_merged_in_row_slabs_is_the_same(base: Path, tmp_path: Path, monkeypatch
         export_merged(str(tmp_path / variant), f"memory://merged-{variant}", str(base), memory_limit=1 << 20)
         uploaded = load(fsspec.filesystem("memory").cat(f"memory://merged-{variant}/model.safetensors"))
         assert all(torch.equal(uploaded[k], v) for k, v in want.items())
-    # slabs per layer: lora q 11 (32 rows / 3), v 6, o 11, down 16 (2 rows); dora q 11, k 6, gate 16; two layers, two
-    # exports each
-    assert slabs.count("weight") == 2 * 2 * ((11 + 6 + 11 + 16) + (11 + 6 + 16))
+    # slabs per layer: lora q 6 (32 rows: 5 x 5 + 7), v 3 (16: 5, 5, 6), o 6, down 8 (4 rows); dora q 6, k 3,
+    # gate 9 (48: 8 x 5 + 8); two layers, two exports each
+    assert slabs.count("weight") == 2 * 2 * ((6 + 3 + 6 + 8) + (6 + 3 + 9))
+
+
+def test_row_slabs_have_at_least_four_rows() -> None:
+    """MKL's product of 1-3 rows rounds otherwise than the same rows of the whole product: no slab is that short."""
+    from converters.adapters.export import row_slabs
+
+    assert row_slabs(10, 3) == [(0, 4), (4, 6)]
+    assert row_slabs(2048, 95)[-1] == (1995, 53)
+    assert row_slabs(2, 100) == [(0, 2)]
+    assert row_slabs(33, 8) == [(0, 8), (8, 8), (16, 8), (24, 9)]
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 64), torch.randn(40, 8)
+    whole = b @ a
+    for start, count in row_slabs(40, 1):
+        assert torch.equal(torch.matmul(b[start:start + count].clone(), a), whole[start:start + count])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -3,13 +3,16 @@ base with the adapter merged into it, as PEFT's `merge_and_unload()` leaves it, 
 
 Any source the engine reads (PEFT's own folder, a DCP/FSDP, Accelerate or DeepSpeed training checkpoint) is
 opened through `load_index` under its wrapper-cleaned model names; the adapter is found by structure (`detect`).
-The merged export writes each output file at known offsets: the tensors it leaves as they are (embeddings,
-norms, every non-target weight, modules_to_save copies) take the copier's ordinary path in two threads
-(`copy_file_range` when uncast), while a LoRA Linear is merged in row slabs of 1/128 of `memory_limit` in two
-reused workspaces, one slab written by a writer thread while the next is computed (torch at one intra-op
-thread); torch itself is imported in the background meanwhile. 2.14 GB fp32 base + rank-64 LoRA on every
-Linear (benchmarks/merge_adapter.py, 2 loaded cores): 264 MB peak RSS (225 MB of it torch's import), 2.5x the
-plain export's time (was 3-6x): torch's import (~1 s) and writing 1.6 GB of new bytes are the floor here.
+The merged export writes each output file at known offsets: every base tensor is first copied into place by the
+copier's ordinary path in two threads (`copy_file_range` when uncast: the kernel takes the output's new pages,
+the dear part of writing a file, while torch is still being imported in the background), and a LoRA Linear is
+then merged into its copy in row slabs of 1/128 of `memory_limit`, read back from the page cache, merged and
+overwritten in place by two workers side by side (torch at one intra-op thread each); an embedding,
+fan_in_fan_out or cast weight is computed from the source instead. Every CRC-32 of the certificate is taken as
+the bytes are read or written (no read-back). 2.14 GB fp32 base + rank-64 LoRA on every Linear
+(benchmarks/merge_adapter.py, 2 cores shared with other work): ~260 MB peak RSS (225 MB of it torch's import);
+torch's import (1-1.5 CPU-s, which the copies overlap) and the GEMMs (52 GFLOP, ~0.75 CPU-s) are what the plain
+export does not pay.
 The output appears only when complete.
 """
 
@@ -18,17 +21,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 from .. import dtypes, storage
 from ..certificate import Ledger, certify_derived
+from ..checksum import crc32
 from ..copier import DEFAULT_MEMORY_LIMIT, Copier
 from ..errors import FormatError, OptionError
 from ..formats import load_index
 from ..index import CheckpointIndex, TensorEntry
 from ..jsonsafe import read_json
-from ..output import open_output
+from ..output import Output, open_output
 from ..sidefiles import collect
 from ..transforms import KeyOptions, apply
 from ..writers.safetensors import write_shards
@@ -36,7 +41,7 @@ from .detect import Adapter, LoraModule, find_adapter
 from .inspection import describe
 from .lora_settings import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings, settings_for
 from .peft_folder import adapter_config, config_bytes, saved_names
-from .shard_writer import Item, copied, write_file
+from .shard_writer import Computed, Item, Slab, Where, copied, write_file
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +51,9 @@ if TYPE_CHECKING:
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MIN_SLAB = 1 << 20  # bytes: the smallest row slab a LoRA Linear is merged in (tests lower it)
 SLAB_SHARE = 128  # a row slab is at most 1/SLAB_SHARE of memory_limit (two workspaces of a few slabs each)
+#: the fewest rows a slab has: MKL multiplies a product of 1-3 rows by another kernel, whose sums round otherwise
+#: than the whole product's rows (torch 2.13, every rank and width tried), so such slabs would not be PEFT's bits
+MIN_ROWS = 4
 
 
 @dataclass
@@ -120,16 +128,21 @@ def export_adapter(source: str, target: str, *, adapter: str | None = None, alph
         copier.ledger = Ledger(opened.index.uri, opened.index.format, derived="adapter")  # for the certificate
         with open_output(target, overwrite, "safetensors") as out:
             out.about["adapter_export"] = {"adapter": opened.adapter.name}
-            write_file(out, ADAPTER_WEIGHTS, items, copier)
+            written = _named(ADAPTER_WEIGHTS, write_file(out, ADAPTER_WEIGHTS, items, copier))
             with out.open(ADAPTER_CONFIG) as fh:
                 fh.write(config_bytes(doc))
-            certify_derived(out, copier.ledger)
+            certify_derived(out, copier.ledger, written if out.local else None)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         report = [f"adapter {opened.adapter.name!r}: {len(opened.adapter.modules)} LoRA modules, "
                   f"{len(opened.adapter.replaced)} modules_to_save tensors", *reader.fetch_note()]
         return AdapterResult(target, describe(opened.adapter, settings, opened.index.tensors), outputs, report)
     finally:
         reader.close()
+
+
+def _named(file: str, crcs: dict[str, int]) -> dict[str, tuple[str, int]]:
+    """Tensor -> (its file, its CRC-32), as `certify_derived` takes them."""
+    return {tensor: (file, crc) for tensor, crc in crcs.items()}
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
@@ -146,34 +159,50 @@ def _import_torch() -> threading.Thread:
     return thread
 
 
+def row_slabs(rows: int, step: int) -> list[tuple[int, int]]:
+    """(start, count) of each slab of `step` rows (at least MIN_ROWS) of a weight of `rows` rows; a last slab of
+    fewer than MIN_ROWS joins the one before it."""
+    step = max(step, MIN_ROWS)
+    slabs = [(start, min(step, rows - start)) for start in range(0, rows, step)]
+    if len(slabs) > 1 and slabs[-1][1] < MIN_ROWS:
+        start, count = slabs[-2]
+        slabs[-2:] = [(start, count + slabs[-1][1])]
+    return slabs
+
+
 class _Merger:
     """The merged tensors of one adapter: base weights from `base`, adapter tensors from `lora` (indexes of model
-    tensors, both read through `reader`). A row slab is computed in one of two workspaces in turn, so the slab
-    yielded stays valid until the one after next is asked for (one is written while the next is computed)."""
+    tensors, both read through `reader`). A slab is computed in its worker thread's own workspace (reused from
+    slab to slab: flat memory), by torch at one intra-op thread in each worker."""
 
     def __init__(self, reader: storage.RangeReader, lora: CheckpointIndex, adapter: Adapter, settings: LoraSettings,
                  cast_to: str | None, memory_limit: int) -> None:
         self.reader, self.lora, self.adapter, self.settings = reader, lora, adapter, settings
         self.cast_to, self.budget = cast_to, max(memory_limit // SLAB_SHARE, MIN_SLAB)
-        self.spaces: list[merge.Workspace] = []
-        self.turn = 0
+        self.local = threading.local()  # each worker's workspace
         self.threads: int | None = None  # torch's intra-op threads before the merge set them to one
         self.ledger: Ledger | None = None  # the certificate's record of what is read
 
-    def _space(self) -> merge.Workspace:
-        """The next workspace. The first call sets torch to one intra-op thread: the slabs are small, the writes
-        and copies run in threads of their own, and on a busy machine torch's spinning workers cost several times
-        the merge itself (2.3 GB base: 2.3 s with one thread, 9-19 s with two on 2 loaded cores)."""
+    def _one_thread(self) -> None:
+        """Torch at one intra-op thread (this thread, and MKL's setting for all): the slabs are small and two
+        workers merge side by side, and on a busy machine torch's spinning workers cost several times the merge
+        itself (2.3 GB base: 2.3 s with one thread, 9-19 s with two on 2 loaded cores). The first call records the
+        setting `close` restores."""
         import torch
 
+        if self.threads is None:
+            self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def _space(self) -> merge.Workspace:
+        """This worker thread's workspace (made, and torch set to one thread in it, on its first slab)."""
         from . import merge
 
-        if not self.spaces:
-            self.spaces = [merge.Workspace(), merge.Workspace()]
-            self.threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-        self.turn ^= 1
-        return self.spaces[self.turn]
+        space: merge.Workspace | None = getattr(self.local, "space", None)
+        if space is None:
+            self._one_thread()
+            space = self.local.space = merge.Workspace()
+        return space
 
     def close(self) -> None:
         """Give torch its intra-op threads back."""
@@ -204,52 +233,87 @@ class _Merger:
             self.ledger.read_whole(entry, _bytes(tensor))
         return tensor
 
-    def weight(self, module: LoraModule, base: TensorEntry) -> Callable[[], Iterator[memoryview]]:
+    def _row_slab(self, module: LoraModule, base: TensorEntry, a: torch.Tensor, magnitude: torch.Tensor | None,
+                  where: Where | None, rows: tuple[int, int], crcs: list[tuple[int, int]]) -> memoryview:
+        """Output rows [start, start + n) of a LoRA or DoRA Linear, in this worker's workspace; the base rows are
+        read from the source, or from the base's copy in the output (`where`: its fd and offset); the CRC-32s of
+        the rows read from the source go to `crcs` (for the certificate, joined in order later)."""
+        from . import merge
+
+        space = self._space()
+        start, n = rows
+        if where is None:
+            weight = space.read("weight", self.reader, base, rows)
+        else:
+            row_bytes = dtypes.numel(base.shape[1:]) * dtypes.itemsize(base.dtype)
+            weight = space.pread("weight", where[0], where[1] + start * row_bytes, (n, *base.shape[1:]), base.dtype)
+        b = space.read("b", self.reader, self.lora.tensors[module.b], rows)
+        if self.ledger is not None:
+            crcs.extend((crc32(_bytes(tensor)), tensor.nbytes) for tensor in ((b,) if where else (weight, b)))
+        delta = merge.delta_rows(a, b, self.settings.scaling(module.name, module.rank), space)
+        if magnitude is not None:
+            return self._out(merge.merge_dora(weight, delta, magnitude[start: start + n], False), space)
+        return self._out(merge.merge_lora(weight, delta), space)
+
+    def in_place(self, module: LoraModule, base: TensorEntry, out_dtype: str) -> bool:
+        """Whether `module`'s base weight can be copied into the output as it is and merged there: merged in row
+        slabs (a Linear, not fan_in_fan_out) and written in its own dtype."""
+        return module.kind == "linear" and not self.settings.fan_in_fan_out and out_dtype == base.dtype
+
+    def weight(self, module: LoraModule, base: TensorEntry, out_dtype: str) -> Callable[[Where | None], Computed]:
+        """The merged weight: `where` (its base's copy in the output, when `in_place`) or None (read the source)."""
         scaling = self.settings.scaling(module.name, module.rank)
         fifo = self.settings.fan_in_fan_out and module.kind == "linear"
+        size = dtypes.itemsize(out_dtype)
 
-        def blocks() -> Iterator[memoryview]:
+        def compute(where: Where | None) -> Computed:
             from . import merge
 
+            self._one_thread()
             a = self._read(module.a)
             magnitude = self._read(module.magnitude) if module.magnitude else None
             if module.kind == "embedding" or fifo:
-                weight = self._whole(base)
-                delta = merge.delta_weight(a, self._read(module.b), scaling, fifo, module.kind == "embedding")
-                yield self._out(merge.merge_dora(weight, delta, magnitude, fifo) if magnitude is not None
-                                else merge.merge_lora(weight, delta))
-                return
+                def whole() -> memoryview:
+                    weight = self._whole(base)
+                    delta = merge.delta_weight(a, self._read(module.b), scaling, fifo, module.kind == "embedding")
+                    return self._out(merge.merge_dora(weight, delta, magnitude, fifo) if magnitude is not None
+                                     else merge.merge_lora(weight, delta))
+                return Computed(iter([Slab(dtypes.numel(base.shape) * size, whole)]))
             rows_out, cols = base.shape
-            row_bytes = max(cols * 4, 1)
-            step = max(1, self.budget // row_bytes)
-            b_entry = self.lora.tensors[module.b]
-            tallies = [self.ledger.reading(e) for e in (base, b_entry)] if self.ledger is not None else []
-            for start in range(0, rows_out, step):
-                n = min(step, rows_out - start)
-                space = self._space()
-                weight = space.read("weight", self.reader, base, (start, n))
-                b = space.read("b", self.reader, b_entry, (start, n))
-                for tally, tensor in zip(tallies, (weight, b)):
-                    tally.add(_bytes(tensor), _bytes(tensor))
-                delta = merge.delta_rows(a, b, scaling, space)
-                if magnitude is not None:
-                    yield self._out(merge.merge_dora(weight, delta, magnitude[start: start + n], False), space)
-                else:
-                    yield self._out(merge.merge_lora(weight, delta), space)
-            for tally in tallies:
-                tally.close()
-            merge.release()  # DoRA's temporaries
-        return blocks
+            parts = row_slabs(rows_out, self.budget // max(cols * 4, 1))
+            crcs: list[list[tuple[int, int]]] = [[] for _ in parts]  # per slab: (CRC-32, bytes) of base, lora_B
 
-    def bias(self, module: LoraModule, base: TensorEntry) -> Callable[[], Iterator[memoryview]]:
+            def slabs() -> Iterator[Slab]:
+                for rows, read in zip(parts, crcs):
+                    run = partial(self._row_slab, module, base, a, magnitude, where, rows, read)
+                    yield Slab(rows[1] * cols * size, run)
+
+            def done() -> None:
+                if self.ledger is not None:  # (the copy's reads are the copier's)
+                    entries = (self.lora.tensors[module.b],) if where else (base, self.lora.tensors[module.b])
+                    tallies = [self.ledger.reading(e) for e in entries]
+                    for slab in crcs:
+                        for tally, (crc, nbytes) in zip(tallies, slab, strict=True):
+                            tally.extend(crc, nbytes)
+                    for tally in tallies:
+                        tally.close()
+                merge.release()  # DoRA's temporaries
+            return Computed(slabs(), done)
+        return compute
+
+    def bias(self, module: LoraModule, base: TensorEntry, out_dtype: str) -> Callable[[Where | None], Computed]:
         scaling = self.settings.scaling(module.name, module.rank)
 
-        def blocks() -> Iterator[memoryview]:
+        def compute(_: Where | None) -> Computed:
             from . import merge
 
             assert module.b_bias
-            yield self._out(merge.merge_bias(self._whole(base), self._read(module.b_bias), scaling))
-        return blocks
+            b_bias = module.b_bias
+
+            def run() -> memoryview:
+                return self._out(merge.merge_bias(self._whole(base), self._read(b_bias), scaling))
+            return Computed(iter([Slab(dtypes.numel(base.shape) * dtypes.itemsize(out_dtype), run)]))
+        return compute
 
 
 def _base_tensors(opened: _Opened, base: str | None, base_format: str | None,
@@ -332,9 +396,11 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
                                       "adapter was trained on", key=name)
                 items.append(copied(name, saved, cast_to))
             elif module is not None and name == module.weight:
-                items.append(Item(name, out_dtype, entry.shape, blocks=merger.weight(module, entry)))
+                copy = entry if merger.in_place(module, entry, out_dtype) else None  # merged into its copy
+                items.append(Item(name, out_dtype, entry.shape, copy, merger.weight(module, entry, out_dtype)))
             elif name in merged_bias:
-                items.append(Item(name, out_dtype, entry.shape, blocks=merger.bias(merged_bias[name], entry)))
+                compute = merger.bias(merged_bias[name], entry, out_dtype)
+                items.append(Item(name, out_dtype, entry.shape, compute=compute))
             else:
                 items.append(copied(name, entry, cast_to))
         for item in items:
@@ -344,8 +410,12 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
             out.about["adapter_merge"] = {"adapter": opened.adapter.name, "dtype": cast_to}
             copier = _copier(reader, memory_limit)
             copier.ledger = merger.ledger = Ledger(opened.index.uri, opened.index.format, derived="merge")
-            write_shards(out, items, max_shard_size, lambda o, n, i: write_file(o, n, i, copier), side.data)
-            certify_derived(out, copier.ledger)
+            written: dict[str, tuple[str, int]] = {}
+
+            def write(o: Output, name: str, shard: list[Item]) -> None:
+                written.update(_named(name, write_file(o, name, shard, copier)))
+            write_shards(out, items, max_shard_size, write, side.data)
+            certify_derived(out, copier.ledger, written if out.local else None)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         variants = ", ".join(sorted(opened.adapter.variants))
         report = [f"merged adapter {opened.adapter.name!r} ({variants}) into {len(opened.adapter.modules)} modules, "

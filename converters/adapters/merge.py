@@ -15,6 +15,8 @@ element and every row norm depends on its own row only, so memory stays bounded 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .. import heap
@@ -83,6 +85,22 @@ class Workspace:
             box = ((rows[0], *(0,) * (len(shape) - 1)), shape)
             read_box(reader, entry, box, tensor.view(-1).view(torch.uint8).numpy().data.cast("B"))
         return tensor
+
+    def pread(self, purpose: str, fd: int, offset: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` read from the local file `fd` at `offset` into this workspace."""
+        tensor = self.get(purpose, shape, torch_dtype(dtype))
+        pread_into(fd, offset, tensor.view(-1).view(torch.uint8).numpy().data.cast("B"))
+        return tensor
+
+
+def pread_into(fd: int, offset: int, view: memoryview) -> None:
+    """Fill `view` from the local file `fd` at `offset` (bytes this process wrote there: never short)."""
+    got = 0
+    while got < len(view):
+        more = os.preadv(fd, [view[got:]], offset + got)
+        if more <= 0:
+            raise OSError(f"output file ends before byte {offset + len(view)}")
+        got += more
 
 
 def delta_rows(a: torch.Tensor, b: torch.Tensor, scaling: float, space: Workspace) -> torch.Tensor:
