@@ -62,7 +62,10 @@ class DirectFile:
             pieces = [(offset, end)] if first > last else [
                 *([(offset, first)] if offset < first else []), *([(last, end)] if last < end else [])]
             for start, stop in pieces:
-                self._gather(data[start - offset:stop - offset], start, stop)
+                if self.direct:
+                    self._gather(data[start - offset:stop - offset], start, stop)
+                else:  # refused just now: the rest of the chunk through the page cache too
+                    _pwrite(self.fd, data[start - offset:stop - offset], start)
 
     def _gather(self, part: np.ndarray, start: int, stop: int) -> None:
         """Bytes [start, stop) of a block others share: written when the block is complete."""
