@@ -270,7 +270,7 @@ class Moments:
             m2 = max(ss - n * delta * delta, 0.0)
         else:
             d = np.subtract(d, delta, out=self._wide.buffer(n))
-            m2 = sums(d)[0]
+            m2 = sum_squares(d)
         mean = k + delta
         self._add_sq(m2 + n * mean * mean)
         self._combine(n, mean, m2)
