@@ -4,7 +4,7 @@ base with the adapter merged into it, as PEFT's `merge_and_unload()` leaves it, 
 Any source the engine reads (PEFT's own folder, a DCP/FSDP, Accelerate or DeepSpeed training checkpoint) is
 opened through `load_index` under its wrapper-cleaned model names; the adapter is found by structure (`detect`).
 The merged export writes each output file at known offsets: every base tensor is first copied into place by the
-copier's ordinary path in two threads (`copy_file_range` when uncast: the kernel takes the output's new pages,
+copier's ordinary path in one thread (`copy_file_range` when uncast: the kernel takes the output's new pages,
 the dear part of writing a file, while torch is still being imported in the background), and a LoRA Linear is
 then merged into its copy in row slabs of 1/128 of `memory_limit`, read back from the page cache, merged and
 overwritten in place by two workers side by side (torch at one intra-op thread each); an embedding,
@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 MIN_SLAB = 1 << 20  # bytes: the smallest row slab a LoRA Linear is merged in (tests lower it)
 SLAB_SHARE = 128  # a row slab is at most 1/SLAB_SHARE of memory_limit (two workspaces of a few slabs each)
+#: the merged export's copier threads: its copies run while torch is imported, the longer of the two (~1.6 CPU-s
+#: against ~1.2 for a 2.14 GB base), which a second copier would take a core from; the kernel writes one file one
+#: writer at a time anyway
+COPY_THREADS = 1
 #: the fewest rows a slab has: MKL multiplies a product of 1-3 rows by another kernel, whose sums round otherwise
 #: than the whole product's rows (torch 2.13, every rank and width tried), so such slabs would not be PEFT's bits
 MIN_ROWS = 4
@@ -90,10 +94,11 @@ def _open(source: str, reader: storage.RangeReader, source_format: str | None, a
     return _Opened(index, found, settings)
 
 
-def _copier(reader: storage.RangeReader, memory_limit: int) -> Copier:
-    """The copier of the tensors an export writes unchanged (uncast: in the kernel, no buffer), in two threads
-    with a sixteenth of the memory budget (casting slabs of 1/96: torch and the merge's slabs have the rest)."""
-    return Copier(reader, memory_limit // 16, threads=2)
+def _copier(reader: storage.RangeReader, memory_limit: int, threads: int = 2) -> Copier:
+    """The copier of the tensors an export writes unchanged (uncast: in the kernel, no buffer), in `threads`
+    threads with a sixteenth of the memory budget (casting slabs of 1/(48 x threads): torch and the merge's slabs
+    have the rest)."""
+    return Copier(reader, memory_limit // 16, threads=threads)
 
 
 def _check_common(memory_limit: int, max_shard_size: int, target: str) -> None:
@@ -408,7 +413,7 @@ def export_merged(source: str, target: str, base: str | None = None, *, adapter:
         side = collect(base or source, config_from, cast_to)
         with open_output(target, overwrite, "safetensors") as out:
             out.about["adapter_merge"] = {"adapter": opened.adapter.name, "dtype": cast_to}
-            copier = _copier(reader, memory_limit)
+            copier = _copier(reader, memory_limit, COPY_THREADS)
             copier.ledger = merger.ledger = Ledger(opened.index.uri, opened.index.format, derived="merge")
             written: dict[str, tuple[str, int]] = {}
 
