@@ -13,6 +13,7 @@ CI needs: pip install compressed-tensors==0.20.1 && pip install --no-deps llmcom
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,52 @@ def test_reads_each_weight_once_and_streams_the_same_file(tmp_path, monkeypatch,
             assert fs.cat_file(f"{target}/{name}") == (tmp_path / "q" / name).read_bytes(), name
     finally:
         fsspec.filesystem("memory").rm(target, recursive=True)
+
+
+@pytest.mark.parametrize("scheme", ["FP8_BLOCK", "FP8_TENSOR"])
+def test_certificate_crcs_taken_as_written(tmp_path, monkeypatch, scheme):
+    """Every byte of a local shard is checksummed as it is written (copies as they land, FP8 slabs and scales from
+    memory, out of file order): no safetensors file is read back, yet the manifest's file and 16 MiB block CRC-32s
+    and each tensor's CRC-32 are zlib's of the files on disk, over shards and blocks cut at odd places."""
+    import zlib
+
+    from converters import certificate as cert_mod
+    from converters import check_certificate
+    from converters.names import MANIFEST
+
+    torch.manual_seed(5)
+    weights = {"model.embed_tokens.weight": torch.randn(2500, 2001),  # 20 MB float32, kept: the copier's
+               "model.layers.0.mlp.up_proj.weight": torch.randn(3001, 4100),  # over a 16 MiB block in FP8
+               "model.layers.0.mlp.down_proj.weight": torch.randn(1000, 2999).to(torch.bfloat16),
+               "model.layers.0.input_layernorm.weight": torch.ones(2001)}
+    src = _folder(tmp_path, weights, {"model_type": "llama"})
+    read_back: list[str] = []
+    real = cert_mod.mapped_crcs
+
+    def spy(path, *args, **kwargs):
+        read_back.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(cert_mod, "mapped_crcs", spy)
+    out = tmp_path / "q"
+    export_fp8(str(src), str(out), scheme, memory_limit=1 << 20, max_shard_size=24 << 20)
+    doc = json.loads((out / MANIFEST).read_text())
+    shards = sorted(n for n in doc["files"] if n.endswith(".safetensors"))
+    assert len(shards) > 1 and not [n for n in read_back if n.endswith(".safetensors")], read_back
+    assert any(doc["files"][n]["bytes"] > 16 << 20 for n in shards)
+    tensors = doc["certificate"]["tensors"]
+    for name in shards:
+        data = (out / name).read_bytes()
+        assert doc["files"][name]["crc32"] == zlib.crc32(data)
+        assert doc["files"][name]["blocks"] == [zlib.crc32(data[i:i + (16 << 20)])
+                                                for i in range(0, len(data), 16 << 20)]
+        (n,) = struct.unpack("<Q", data[:8])
+        for tensor, info in json.loads(data[8:8 + n]).items():
+            if tensor != "__metadata__":
+                low, high = (8 + n + int(o) for o in info["data_offsets"])
+                assert tensors[tensor] == [{"box": None, "crc32": zlib.crc32(data[low:high]), "file": name}], tensor
+    assert len(tensors) == len(weights) + 2
+    assert check_certificate(str(out)).ok
 
 
 def test_export_imports_no_torch(llama_bf16, tmp_path):

@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import dtypes, heap, storage
 from ..certificate import Ledger, certify_derived
+from ..checksum import crc32_combine
 from ..config import ContextPool
 from ..copier import DEFAULT_MEMORY_LIMIT, Copier, pwrite_all
 from ..errors import FormatError, OptionError
@@ -187,50 +188,63 @@ def _plan(tensors: dict[str, TensorEntry], quantized: set[str], chosen: Scheme) 
     return sorted(items, key=lambda item: item.name)
 
 
-def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantizer, copier: Copier) -> None:
+def _write_shard(out: Output, name: str, items: list[_Item], quantizer: _Quantizer, copier: Copier) -> dict[str, int]:
+    """One shard; locally, each of its tensors' CRC-32s as written (`_write_at_offsets`), remotely none."""
     items = sorted(items, key=lambda item: dtypes.safetensors_order(item.dtype, item.name))
     planned = [Planned(item.name, TensorEntry(item.name, item.dtype, item.shape, []), item.dtype) for item in items]
     header = header_bytes(planned, {"format": "pt"})
+    crcs: dict[str, int] = {}
     if out.local:
-        _write_at_offsets(out, name, header, items, quantizer, copier)
+        crcs = _write_at_offsets(out, name, header, items, quantizer, copier)
     else:
         _write_in_order(out, name, header, items, quantizer, copier)
     for item in items:  # a weight's scale is written with it or in a later shard: done with both now
         if item.kind == "scale":
             quantizer.scales.pop(item.entry.name, None)
+    return crcs
 
 
 def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer,
-                      copier: Copier) -> None:
+                      copier: Copier) -> dict[str, int]:
     """A local file: the copies at their offsets in the copier's threads while this one writes the FP8 weights at
-    theirs (each read once, its scales taken on the way), then the scales into the places left for them."""
+    theirs (each read once, its scales taken on the way), then the scales into the places left for them. Returns
+    each tensor's CRC-32, taken as its bytes are written (the copies' from the page cache as they land, the rest
+    from memory), and the certificate notes every byte's CRC-32s block by block (`Ledger.wrote`): nothing is read
+    back."""
     offsets, at = [], len(header)
     for item in items:
         offsets.append(at)
         at += item.nbytes
+    crcs: dict[str, int] = {}
     with open(out.path(name), "wb") as fh, ContextPool(copier.threads, thread_name_prefix="ckpt-fp8") as pool:
         fd = fh.fileno()
         pwrite_all(fd, header, 0)
-        copies = [pool.submit(copier.write_at, fd, start, item.entry)
-                  for item, start in zip(items, offsets, strict=True) if item.kind == "copy"]
+        copier.note(fd, 0, header)
+        copies = {item.name: pool.submit(copier.write_at, fd, start, item.entry, None, None, True)
+                  for item, start in zip(items, offsets, strict=True) if item.kind == "copy"}
         try:
             for item, start in zip(items, offsets, strict=True):
                 if item.kind == "weight":
+                    crc = 0
                     for block in quantizer.weight(item.entry):
-                        pwrite_all(fd, block, start)
+                        crc = crc32_combine(crc, copier.write_noted(fd, block, start), len(block))
                         start += len(block)
+                    crcs[item.name] = crc
             for item, start in zip(items, offsets, strict=True):
                 if item.kind == "scale":  # its weight came before it in this shard or in an earlier one
-                    pwrite_all(fd, quantizer.scale(item.entry).tobytes(), start)
-            done, _ = wait(copies, return_when=FIRST_EXCEPTION)
+                    data = memoryview(quantizer.scale(item.entry).tobytes())
+                    crcs[item.name] = copier.write_noted(fd, data, start)
+            done, _ = wait(copies.values(), return_when=FIRST_EXCEPTION)
             for future in done:
                 future.result()
         finally:
-            for future in copies:
+            for future in copies.values():
                 future.cancel()
-            wait(copies)  # no thread writes to fd after it is closed
+            wait(copies.values())  # no thread writes to fd after it is closed
         os.ftruncate(fd, at)
     out.record(name, at)
+    crcs.update({tensor: future.result() for tensor, future in copies.items()})
+    return crcs
 
 
 def _write_in_order(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer,
@@ -310,10 +324,14 @@ def export_fp8(source: str, target: str, scheme_name: str = "FP8_DYNAMIC", ignor
                               "activation groups need whole groups at inference")
         with open_output(target, overwrite, "safetensors") as out:
             out.about["quantization"] = {"scheme": chosen.name, "ignore": checked}
-            write_shards(out, items, max_shard_size,
-                         lambda o, name, shard: _write_shard(o, name, shard, quantizer, copier),
+            written: dict[str, tuple[str, int]] = {}  # tensor -> (its file, its CRC-32 as written)
+
+            def write(o: Output, name: str, shard: list[_Item]) -> None:
+                written.update({tensor: (name, crc) for tensor, crc in
+                                _write_shard(o, name, shard, quantizer, copier).items()})
+            write_shards(out, items, max_shard_size, write,
                          {name: config_bytes if name == CONFIG else data for name, data in side.data.items()})
-            certify_derived(out, ledger)
+            certify_derived(out, ledger, written if out.local else None)
             outputs = [(n, f["bytes"]) for n, f in out.files.items()]
         report.extend(reader.fetch_note())
         return Fp8Result(target, chosen.name, chosen_modules.quantized, chosen_modules.ignored, outputs, report)
