@@ -205,11 +205,16 @@ class Ledger:
             if noted is not None:
                 noted[:] = [r for r in noted if not (start <= r[0] and r[0] + r[1] <= start + length)]
 
-    def wrote_bytes(self, fd: int, start: int, data: bytes | bytearray | memoryview) -> None:
-        """`data` was written at `start` of the local output file `fd`: its CRC-32s, block by block, from memory."""
+    def wrote_bytes(self, fd: int, start: int, data: bytes | bytearray | memoryview) -> int:
+        """`data` was written at `start` of the local output file `fd`: its CRC-32s, block by block, from memory;
+        returns the CRC-32 of the whole of `data` (joined from the blocks')."""
+        crc = 0
         with memoryview(data) as raw, raw.cast("B") as view:
             for low, high in block_parts(start, start + len(view)):
-                self.wrote(fd, low, high - low, crc32(view[low - start:high - start]))
+                part = crc32(view[low - start:high - start])
+                self.wrote(fd, low, high - low, part)
+                crc = crc32_combine(crc, part, high - low)
+        return crc
 
     def reading(self, entry: TensorEntry, box: Box | None = None) -> Tally:
         """A source tensor (or box of one) that a derived export reads itself: `add(view, view)` each slab, in

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import dtypes, heap, storage
 from ..certificate import Ledger, certify_derived
-from ..checksum import crc32_combine
+from ..checksum import crc32, crc32_combine
 from ..config import ContextPool
 from ..copier import DEFAULT_MEMORY_LIMIT, Copier, pwrite_all
 from ..errors import FormatError, OptionError
@@ -216,6 +216,7 @@ def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item],
         offsets.append(at)
         at += item.nbytes
     crcs: dict[str, int] = {}
+    ledger = copier.ledger
     with open(out.path(name), "wb") as fh, ContextPool(copier.threads, thread_name_prefix="ckpt-fp8") as pool:
         fd = fh.fileno()
         pwrite_all(fd, header, 0)
@@ -227,13 +228,13 @@ def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item],
                 if item.kind == "weight":
                     crc = 0
                     for block in quantizer.weight(item.entry):
-                        crc = crc32_combine(crc, copier.write_noted(fd, block, start), len(block))
+                        crc = crc32_combine(crc, _write(fd, block, start, ledger), len(block))
                         start += len(block)
                     crcs[item.name] = crc
             for item, start in zip(items, offsets, strict=True):
                 if item.kind == "scale":  # its weight came before it in this shard or in an earlier one
                     data = memoryview(quantizer.scale(item.entry).tobytes())
-                    crcs[item.name] = copier.write_noted(fd, data, start)
+                    crcs[item.name] = _write(fd, data, start, ledger)
             done, _ = wait(copies.values(), return_when=FIRST_EXCEPTION)
             for future in done:
                 future.result()
@@ -245,6 +246,15 @@ def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item],
     out.record(name, at)
     crcs.update({tensor: future.result() for tensor, future in copies.items()})
     return crcs
+
+
+def _write(fd: int, data: memoryview, offset: int, ledger: Ledger | None) -> int:
+    """Write `data` at `offset` of the local output `fd` and return its CRC-32, noted block by block for the
+    certificate (`Ledger.wrote_bytes`). Not in turn with the copier's writes (`Copier.write_noted`): this thread
+    would wait out a whole kernel copy, quantizing nothing meanwhile; the kernel orders the writes itself."""
+    crc = ledger.wrote_bytes(fd, offset, data) if ledger is not None else crc32(data)
+    pwrite_all(fd, data, offset)
+    return crc
 
 
 def _write_in_order(out: Output, name: str, header: bytes, items: list[_Item], quantizer: _Quantizer,
