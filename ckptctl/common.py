@@ -1,13 +1,12 @@
 """What every `ckptctl` command shares: the app, the consoles, one-line errors with their exit codes, the
-progress bar, the job commands' flags, generated from the request models (`job_requests`), and the help and
-usage style of every command (`Command`: `SOURCE TARGET`, `--limit INTEGER`, switches without a type).
+progress bar, and the help and usage style of every command (`Command`: `SOURCE TARGET`, `--limit INTEGER`,
+switches without a type). The job commands' flags, made from the request models, live in `flags`.
 
 Away from a terminal (a pipe, a file), output is never wrapped or cut: long lines stay whole and tables are
 one tab-separated record per line."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import sys
@@ -16,21 +15,33 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
 import typer
-from pydantic import ValidationError
 from typer.core import TyperArgument, TyperCommand
 
-from ckpt_service.job_requests import REQUESTS, JobRequest, build, default_of, flag_of, problems, shape
 from ckpt_service.service_errors import exit_code, worded
-from ckpt_service.units import exact
 from converters import CkptError
+
+from .listing import Listing
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-#: help fills the terminal's width (click caps it at 80 unless told otherwise)
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+
+#: help fills the terminal's width (click caps it at 80 unless told otherwise); the request models and their
+#: flags load only with a command that uses them (`--help` lists the commands from `listing.COMMANDS`)
+app = typer.Typer(cls=Listing, add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   context_settings={"max_content_width": 400},
                   help="Convert, reshard, export and verify sharded PyTorch checkpoints, offline and streaming.")
+
+
+@app.callback()
+def _group() -> None:
+    # a callback makes typer build a group also when it holds one command (`ckptctl CMD` builds only CMD)
+    pass
+
+
+#: the one top-level command this process runs (`ckptctl CMD ...`), set by `ckptctl.main` before it imports
+#: CMD's module: `flags.job_command` makes no other top-level command. None: every command (`ckptctl.app`)
+invoked: str | None = None
 
 
 class LazyConsole:
@@ -134,6 +145,8 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def flag_name(field: str | None) -> str | None:
     """The flag of a job option named as a request field (`options.overwrite` -> `--overwrite`), else None."""
+    from ckpt_service.job_requests import REQUESTS, flag_of
+
     name = (field or "").removeprefix("options.")
     for model in REQUESTS.values():
         if field and field.startswith("options.") and name in model.model_fields:
@@ -187,97 +200,6 @@ def progress_bar(quiet: bool) -> Iterator[Callable[[Any], None] | None]:
             bar.update(task, completed=p.done_bytes, total=p.total_bytes or None)
 
         yield update
-
-
-# -- flags from the request models -----------------------------------------------------------------
-
-
-def cli_type(annotation: Any) -> Any:
-    """The command-line type of a model field: bool, int, float, list[str], or str (choices and sizes, which
-    the model checks)."""
-    return {"bool": bool, "int": int, "float": float, "list": list[str]}.get(shape(annotation).kind, str)
-
-
-def choices_of(annotation: Any) -> tuple[str, ...]:
-    """The values a choice field takes (`Literal[...] | None` included), else ()."""
-    return shape(annotation).choices
-
-
-def default_words(model: type[JobRequest], name: str, kind: Any, default: Any) -> str:
-    """A field's default as help text: `Default: 5GB.`, `Default: --clean-keys.`; nothing for an off switch or
-    an empty list."""
-    decls = flag_of(model, name).decls[0].split("/")
-    if kind is bool:
-        if default is None:
-            unset = flag_of(model, name).unset
-            return f" Default: {unset}." if unset else ""
-        if len(decls) == 1:
-            return " Default: on." if default else ""
-        return f" Default: {decls[0] if default else decls[1]}."
-    if default in (None, []):
-        return ""
-    return f" Default: {exact(default) if isinstance(default, int) and kind is str else default}."
-
-
-def option_parameters(model: type[JobRequest]) -> list[inspect.Parameter]:
-    """One keyword parameter per model field, with the field's flag, help and default. Options other than
-    flags default to None ("not given"), so the model's default applies; the help says that default in words.
-    Choices are listed as the value's placeholder, lists are repeatable flags."""
-    params = []
-    for name, info in model.model_fields.items():
-        kind = cli_type(info.annotation)
-        default = default_of(info)
-        if info.is_required():
-            value = inspect.Parameter.empty
-        elif kind is bool:
-            value = default
-        else:
-            value = None
-        choices = choices_of(info.annotation)
-        metavar = flag_of(model, name).metavar or ("[" + "|".join(choices) + "]" if choices else None)
-        text = (info.description or "") + (" Repeatable." if kind == list[str] else "") + \
-            ("" if info.is_required() else default_words(model, name, kind, default))
-        option = typer.Option(*flag_of(model, name).decls, help=text.strip(), show_default=False, metavar=metavar)
-        annotation: Any = Annotated[kind if value is inspect.Parameter.empty or kind is bool else kind | None, option]
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value, annotation=annotation))
-    return params
-
-
-def request_from(model: type[JobRequest], values: dict[str, Any]) -> Any:
-    """The request model from command-line values; a refusal is one line naming the flag (exit 2)."""
-    try:
-        return build(model.kind, values)
-    except ValidationError as exc:
-        name, message = problems(exc)[0]
-        decl = flag_of(model, name).decls[0].split("/")[0] if name in model.model_fields else name
-        fail(f"{decl}: {message}")
-
-
-def job_command(group: typer.Typer, model: type[JobRequest], arguments: list[tuple[str, str]],
-                extras: list[inspect.Parameter], run: Callable[..., None], name: str | None = None,
-                help: str | None = None) -> None:
-    """Register `run(request, *arguments, **extras)` as command `name` of `group`, taking `arguments`
-    (name, help) positionally, the model's options as flags, then the `extras` parameters."""
-    positional = [inspect.Parameter(arg, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                    annotation=Annotated[str, typer.Argument(help=text, show_default=False)])
-                  for arg, text in arguments]
-    params = positional + option_parameters(model) + extras
-
-    def command(**kwargs: Any) -> None:
-        values = {field: kwargs.pop(field) for field in model.model_fields}
-        request = request_from(model, values)
-        run(request, *(kwargs.pop(arg) for arg, _ in arguments), **kwargs)
-
-    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    command.__doc__ = help or model.__doc__
-    command.__name__ = name or model.kind
-    group.command(name or model.kind)(command)
-
-
-def keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
-    """An extra command parameter (e.g. `quiet: Quiet = False`) for `job_command`."""
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
 # -- help and usage --------------------------------------------------------------------------------

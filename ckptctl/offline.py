@@ -28,12 +28,11 @@ from .common import (
     err,
     errors,
     fail,
-    job_command,
-    keyword,
     make_table,
     out,
     progress_bar,
 )
+from .flags import job_command, keyword
 
 
 def print_result(result: Any, as_json: bool) -> None:

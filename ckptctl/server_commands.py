@@ -22,7 +22,8 @@ from ckpt_service.job_requests import JobRequest
 from ckpt_service.service_errors import DIFFERENT, ClientError, exit_code
 from ckpt_service.units import human
 
-from .common import AsJson, From, Quiet, app, err, fail, in_cli_words, job_command, keyword, make_table, out, shown
+from .common import AsJson, From, Quiet, app, err, fail, in_cli_words, make_table, out, shown
+from .flags import job_command, keyword
 
 Server = Annotated[str, typer.Option("--server", envvar="CKPT_SERVER", help="Service URL.")]
 Token = Annotated[str | None, typer.Option("--token", envvar="CKPT_TOKEN", show_default=False,

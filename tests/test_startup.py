@@ -3,11 +3,14 @@
 The real CLI entry runs in a fresh interpreter on a tiny checkpoint made here with torch's own savers, then
 reports what it imported: no torch on the offline paths of DCP and safetensors input (the closed unpickler
 reads them), nothing of the service (HTTP app, job store, job models), and for an offline command none of
-the other command modules. A heavy top-level import added anywhere on these paths fails here."""
+the other command modules and no other command than the one it runs; `--help` imports no command module at
+all, and lists the commands (`ckptctl.listing.COMMANDS`) as the commands themselves say it. A heavy
+top-level import added anywhere on these paths fails here."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +20,10 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 import typer.main
+from typer._click.utils import make_default_short_help  # typer vendors click
 
-from ckptctl import OFFLINE_COMMANDS, app
+from ckptctl import MODULES, OFFLINE_COMMANDS, app
+from ckptctl.listing import COMMANDS
 
 #: never imported by an offline command on DCP or safetensors input, nor by `--help` (top-level packages)
 HEAVY = {"torch", "numpy", "ml_dtypes", "safetensors", "fastapi", "starlette", "uvicorn", "httpx", "psycopg",
@@ -72,13 +77,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str
     return root / "dcp", root / "model.safetensors", weights
 
 
-def test_export_loads_only_the_offline_commands_and_no_torch(tiny: tuple[Path, Path, dict], tmp_path: Path) -> None:
+def test_export_builds_only_export_and_no_torch(tiny: tuple[Path, Path, dict], tmp_path: Path) -> None:
     src, _, weights = tiny
     got = run_cli("export", str(src), str(tmp_path / "out"), "-q")
     assert got["code"] == 0
     assert heavy_in(got["modules"]) == []
     assert [m for m in got["modules"] if m in NOT_OFFLINE] == []
-    assert set(got["commands"]) == OFFLINE_COMMANDS  # main registered offline's commands, and only those
+    assert got["commands"] == ["export"]  # main built the command it runs, and no other (nor their flags)
     assert [m for m in got["modules"] if m in OTHER_WRITERS] == []  # a safetensors output needs no pickle writer
     assert "ckptctl.offline" in got["modules"]
     out = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -105,13 +110,67 @@ def test_offline_commands_import_no_torch_nor_service(command: tuple[str, ...], 
     assert "ckptctl.offline" in got["modules"]
 
 
-def test_help_lists_every_command_without_the_service_stack() -> None:
+def test_help_lists_every_command_without_building_one() -> None:
     got = run_cli("--help")
     assert got["code"] == 0
     assert heavy_in(got["modules"]) == []
-    assert got["commands"] == sorted(typer.main.get_command(app).commands)  # every command, as the package has them
-    assert {"submit", "jobs", "serve", "worker", "checkpoints"} | OFFLINE_COMMANDS <= set(got["commands"])
-    assert {"ckptctl.server_commands", "ckptctl.manage", "ckptctl.serving"} <= set(got["modules"])
+    assert got["commands"] == []  # the listing (`listing.COMMANDS`) is all it shows
+    assert {f"ckptctl.{name}" for name in MODULES} & set(got["modules"]) == set()
+    assert {"ckpt_service.job_requests", "ckpt_service.job_kinds", "pydantic"} & set(got["modules"]) == set()
+    assert list(COMMANDS) == list(typer.main.get_command(app).commands)  # every command, in the package's order
+    assert {"submit", "jobs", "serve", "worker", "checkpoints"} | OFFLINE_COMMANDS <= set(COMMANDS)
+
+
+#: the help of `ckptctl ARGS` for each ARGS in argv[2], as `ckptctl` prints it to a pipe, from `ckptctl.app` with
+#: the modules in argv[1] imported
+HELP = """
+import contextlib, io, json, os, sys
+import ckptctl
+from ckptctl import common
+ckptctl.load(tuple(json.loads(sys.argv[1])))
+texts = []
+for args in json.loads(sys.argv[2]):
+    for width in ("80", "200"):
+        os.environ["COLUMNS"] = width
+        with contextlib.redirect_stdout(io.StringIO()) as text:
+            code = common.app(args, prog_name="ckptctl", standalone_mode=False)
+        texts.append([args, width, code, text.getvalue()])
+print(json.dumps(texts))
+"""
+
+
+def help_texts(modules: tuple[str, ...], commands: list[list[str]]) -> list[list]:
+    proc = subprocess.run([sys.executable, "-c", HELP, json.dumps(modules), json.dumps(commands)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_listing_reads_as_the_commands_say_it() -> None:
+    """`ckptctl --help` from the listing alone is the help of the package with every command built, at any width."""
+    every = help_texts(MODULES, [["--help"]])
+    for _, width, code, text in every:
+        proc = subprocess.run([sys.executable, "-m", "ckptctl", "--help"], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "COLUMNS": width, "TERM": "dumb"})
+        assert (proc.returncode, proc.stdout) == (code, text), width
+
+
+def test_each_summary_is_what_click_shows_of_the_help() -> None:
+    """A command's one-line help, shortened to any width, reads the same from its summary as from its help."""
+    for name, command in typer.main.get_command(app).commands.items():  # type: ignore[attr-defined]
+        for width in range(10, 400, 3):
+            assert make_default_short_help(COMMANDS[name].summary, width) == command.get_short_help_str(width), name
+
+
+@pytest.mark.parametrize("modules", sorted({entry.modules for entry in COMMANDS.values()}))
+def test_each_command_is_made_by_its_listed_modules(modules: tuple[str, ...]) -> None:
+    """The modules `listing.COMMANDS` names for a command make all of it: its help (and a group's, each
+    sub-command's) with only those imported is the one the package with every module gives."""
+    names = [name for name, entry in COMMANDS.items() if entry.modules == modules]
+    full = typer.main.get_command(app).commands
+    args = [[name, "--help"] for name in names]
+    args += [[name, sub, "--help"] for name in names for sub in getattr(full[name], "commands", ())]
+    assert help_texts(modules, args) == help_texts(MODULES, args)
 
 
 def test_importing_converters_loads_only_its_errors() -> None:
@@ -141,10 +200,10 @@ INSPECT_PACKAGES = {"typer", "shellingham", "annotated_doc", "rich", "pydantic",
                     "typing_extensions", "typing_inspection", "isal", "ckptctl", "ckpt_service", "converters"}
 #: the modules of ours it may import: the offline command, the job kinds and their engine calls, the engine's
 #: readers; no writer but the output's common parts, nothing of the service
-INSPECT_OURS = {"ckptctl", "ckptctl.common", "ckptctl.offline", "ckpt_service", "ckpt_service.service_errors",
-                "ckpt_service.executor", "ckpt_service.helpers", "ckpt_service.job_kinds", "ckpt_service.archived",
-                "ckpt_service.job_requests", "ckpt_service.logs", "ckpt_service.roots", "ckpt_service.summary",
-                "ckpt_service.units"}
+INSPECT_OURS = {"ckptctl", "ckptctl.common", "ckptctl.flags", "ckptctl.listing", "ckptctl.offline", "ckpt_service",
+                "ckpt_service.service_errors", "ckpt_service.executor", "ckpt_service.helpers",
+                "ckpt_service.job_kinds", "ckpt_service.archived", "ckpt_service.job_requests", "ckpt_service.logs",
+                "ckpt_service.roots", "ckpt_service.summary", "ckpt_service.units"}
 #: standard-library stacks an inspect has no use for (event loop, TLS, HTTP, SQLite, processes; pydantic's plugin
 #: lookup, importlib.metadata, brings `email` and `socket`)
 INSPECT_NEVER = {"asyncio", "ssl", "http", "sqlite3", "multiprocessing"}
