@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -77,6 +79,67 @@ def test_channel_scales_and_values_exact():
     assert q[1].float().tolist() == [0.0] * 4
     assert q[2].float().tolist() == (w[2] / third).to(E4M3).float().tolist()
     assert q[2, 0].item() == -448.0
+
+
+def _edge_float32s() -> np.ndarray:
+    """float32 patterns around every FP8 rounding edge (each FP8 value and each midpoint between neighbours, 1 ulp
+    either side, both signs), subnormals, zeros, 448 to 480, inf and NaNs with small and large payloads, and 4M
+    random patterns over all 2^32."""
+    codes = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    points = np.concatenate([codes, (codes[:-1] + codes[1:]) / 2, [448, 456, 464, 472, 480, 1e30, 2.0 ** -10,
+                                                                    2.0 ** -9 * 1.5, 1e-45, 1e-38]])
+    exact = points.astype(np.float32).view(np.uint32).astype(np.int64)
+    near = np.concatenate([exact + d for d in (-2, -1, 0, 1, 2, 0x8000, 0x18000, -0x8000, -0x18000, 0x7FFF, 0x8001)])
+    near = near.clip(0, 0x7F800000).astype(np.uint32)
+    special = np.array([0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x7FBFFFFF, 0x7F808000, 0x7FFF8000],
+                       dtype=np.uint32)
+    rng = np.random.default_rng(7)
+    spread = rng.integers(0, 1 << 32, 1 << 22, dtype=np.uint64).astype(np.uint32)
+    positive = np.concatenate([near, special, spread & 0x7FFFFFFF])
+    return np.concatenate([positive, positive | 0x80000000]).view(np.float32)
+
+
+def test_fp8_tables_and_rounding_equal_ml_dtypes():
+    """The numpy casts (tables of every bfloat16 and float16 pattern, bfloat16 rounding by bit arithmetic, a float32
+    looked up by its upper half with the lower half's "anything set" ORed in) give ml_dtypes' bytes: every 16-bit
+    pattern, float32 edges and random patterns, through the very path `Slab.quantize` takes."""
+    from converters.quantize import fp8
+
+    fp8_dtype = ml_dtypes.float8_e4m3fn
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    assert np.array_equal(fp8.FROM_BF16, patterns.view(ml_dtypes.bfloat16).astype(fp8_dtype).view(np.uint8))
+    assert np.array_equal(fp8.FROM_F16, patterns.view(np.float16).astype(fp8_dtype).view(np.uint8))
+    values = _edge_float32s()
+    with np.errstate(all="ignore"):
+        assert np.array_equal(fp8.fp8_codes(values.view(np.uint32)), values.astype(fp8_dtype).view(np.uint8))
+        assert np.array_equal(fp8.bf16_bits(values), values.astype(ml_dtypes.bfloat16).view(np.uint16))
+    # Slab.quantize with unit scales: its own division, clamp, rounding to the dtype and cast, slab by slab
+    finite = values[np.abs(values) <= 448]
+    cols = 512
+    finite = finite[: finite.size // cols * cols].reshape(-1, cols)
+    kinds = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    for dtype, kind in kinds.items():
+        slab = fp8.Slab()
+        rows = finite  # the quotients, rounded to `dtype` first and then to FP8
+        ones = np.ones((rows.shape[0], 1), dtype=np.float32)
+        for at in range(0, rows.shape[0], 1024):
+            part = rows[at: at + 1024]
+            with np.errstate(all="ignore"):
+                want = part.astype(kind).astype(fp8_dtype).view(np.uint8)
+            assert np.array_equal(slab.quantize(part, ones[at: at + 1024], dtype, "channel"), want), dtype
+    # NaN and inf quotients (a weight holding them) stay NaN with their sign, as ml_dtypes keeps it
+    odd = np.array([[np.nan, -np.nan, np.inf, -np.inf] * 32], dtype=np.float32)
+    for dtype, kind in kinds.items():
+        got = fp8.Slab().quantize(odd, np.ones((1, 1), np.float32), dtype, "channel")
+        assert np.array_equal(got, odd.clip(-448, 448).astype(kind).astype(fp8_dtype).view(np.uint8)), dtype
+    # scales: rounded to the dtype (bfloat16 NaN as 0x7FC0 with its sign), zero as the dtype's eps, their bytes
+    amax = np.concatenate([np.abs(values[:4096]), np.zeros(3, np.float32)])
+    for dtype, kind in kinds.items():
+        with np.errstate(all="ignore"):
+            want = (amax / np.float32(448)).astype(kind)
+        want[want == 0] = ml_dtypes.finfo(kind).eps
+        with np.errstate(all="ignore"):
+            assert fp8.scale_bytes(fp8.scale_of(amax, dtype), dtype) == want.tobytes(), dtype
 
 
 def test_block_scales_pad_with_ceil_and_tensor_scale():

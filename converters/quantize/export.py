@@ -82,7 +82,7 @@ class _Item:
 
 class _Quantizer:
     """Scales and FP8 slabs of the quantized weights, read through `reader` in slabs of about `budget` bytes
-    (numpy and ml_dtypes in reused buffers: `fp8.Slab`)."""
+    (numpy in reused buffers: `fp8.Slab`)."""
 
     def __init__(self, reader: storage.RangeReader, chosen: Scheme, budget: int, ledger: Ledger | None = None) -> None:
         self.reader, self.chosen, self.budget = reader, chosen, budget
@@ -233,7 +233,7 @@ def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item],
                     crcs[item.name] = crc
             for item, start in zip(items, offsets, strict=True):
                 if item.kind == "scale":  # its weight came before it in this shard or in an earlier one
-                    data = memoryview(quantizer.scale(item.entry).tobytes())
+                    data = memoryview(fp8.scale_bytes(quantizer.scale(item.entry), item.dtype))
                     crcs[item.name] = _write(fd, data, start, ledger)
             done, _ = wait(copies.values(), return_when=FIRST_EXCEPTION)
             for future in done:
@@ -268,7 +268,7 @@ def _write_in_order(out: Output, name: str, header: bytes, items: list[_Item], q
         fh.write(header)
         for item in items:
             if item.kind == "scale":
-                fh.write(quantizer.scale(item.entry).tobytes())
+                fh.write(fp8.scale_bytes(quantizer.scale(item.entry), item.dtype))
                 continue
             for block in quantizer.weight(item.entry) if item.kind == "weight" else copier.stream(item.entry):
                 fh.write(block)
