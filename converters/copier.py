@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from . import dtypes, writeback
+from . import dtypes
 from .checksum import crc32, crc32_combine, crc32_zeros
 from .config import ContextPool
 from .errors import SourceError
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
+_COPY_STEP = 1 << 30
 _CRC_WINDOW = 2 << 20  # bytes mapped at a time to checksum a range
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
@@ -387,18 +388,15 @@ class Copier:
         return lock
 
     def _pwrite(self, fd: int, data: memoryview | bytes, offset: int) -> None:
-        """Write `data` at `offset` of the local output `fd`, in turn (told to `writeback` once written)."""
         with self._turn(fd):
             pwrite_all(fd, data, offset)
-        writeback.landed(fd, memoryview(data).nbytes)
 
     def _kernel_copy(self, piece: SourceRange, fd: int, dst: int) -> None:
-        """`copy_file_range` loop, a `writeback.EVERY` at a time (each step told to `writeback` as it lands); where
-        the filesystems cannot do it, read and write through a buffer instead."""
+        """`copy_file_range` loop; where the filesystems cannot do it, read and write through a buffer instead."""
         src_fd = self.reader.fd(piece.path)
         src, end = piece.offset, piece.offset + piece.length
         while src < end:
-            step = min(writeback.EVERY, end - src)
+            step = min(_COPY_STEP, end - src)
             n = -1
             if self._direct:
                 try:
@@ -415,8 +413,6 @@ class Copier:
                 n = len(view)
             elif n == 0:
                 raise _truncated(piece.path, end)
-            else:
-                writeback.landed(fd, n)
             src, dst = src + n, dst + n
 
     def _mapped_crc(self, path: str, offset: int, length: int, crc: int) -> int:
