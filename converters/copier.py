@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -85,6 +85,23 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
 def _truncated(path: str, end: int) -> SourceError:
     return SourceError(f"{path}: file is shorter than the checkpoint metadata says (wanted bytes up to {end}); it "
                        "is truncated: re-copy or re-upload it", uri=path)
+
+
+@contextmanager
+def settled(futures: Iterable[Future]) -> Iterator[None]:
+    """Kernel copies running beside the block's own writes into one file: on leaving the block, every copy has
+    ended (a failed one raises); on an error, the copies not started are cancelled and the running ones waited
+    out, so no thread writes to the file after its owner closes it."""
+    pending = list(futures)
+    try:
+        yield
+        done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()
+    finally:
+        for future in pending:
+            future.cancel()
+        wait(pending)
 
 
 def data_runs(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool, int]]:

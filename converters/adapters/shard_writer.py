@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from .. import dtypes
 from ..checksum import crc32_combine
 from ..config import ContextPool
-from ..copier import Copier, pwrite_all
+from ..copier import Copier, pwrite_all, settled
 from ..errors import FormatError
 from ..index import TensorEntry
 from ..output import Output
@@ -167,18 +167,10 @@ def write_file(out: Output, name: str, items: list[Item], copier: Copier) -> dic
         copier.note(fd, 0, header)
         futures = {item.name: pool.submit(copier.write_at, fd, offset, item.entry, item.dtype, None, True)
                    for offset, item in zip(offsets, items) if item.entry is not None}
-        try:
-            with ContextPool(WORKERS, thread_name_prefix="ckpt-merge-slab") as workers:
-                for offset, item in zip(offsets, items):
-                    if item.compute is not None:
-                        crcs[item.name] = _write_computed(workers, copier, fd, offset, item, futures.get(item.name))
-            done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
-            for future in done:
-                future.result()
-        finally:
-            for future in futures.values():
-                future.cancel()
-            wait(futures.values())  # no thread writes to fd after it is closed
+        with settled(futures.values()), ContextPool(WORKERS, thread_name_prefix="ckpt-merge-slab") as workers:
+            for offset, item in zip(offsets, items):
+                if item.compute is not None:
+                    crcs[item.name] = _write_computed(workers, copier, fd, offset, item, futures.get(item.name))
         os.ftruncate(fd, at)
     out.record(name, at)
     crcs.update({tensor: future.result() for tensor, future in futures.items() if tensor not in crcs})

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +31,7 @@ from .. import dtypes, heap, storage
 from ..certificate import Ledger, certify_derived
 from ..checksum import crc32, crc32_combine
 from ..config import ContextPool
-from ..copier import DEFAULT_MEMORY_LIMIT, Copier, pwrite_all
+from ..copier import DEFAULT_MEMORY_LIMIT, Copier, pwrite_all, settled
 from ..errors import FormatError, OptionError
 from ..index import TensorEntry
 from ..jsonsafe import loads
@@ -223,7 +222,7 @@ def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item],
         copier.note(fd, 0, header)
         copies = {item.name: pool.submit(copier.write_at, fd, start, item.entry, None, None, True)
                   for item, start in zip(items, offsets, strict=True) if item.kind == "copy"}
-        try:
+        with settled(copies.values()):
             for item, start in zip(items, offsets, strict=True):
                 if item.kind == "weight":
                     crc = 0
@@ -235,13 +234,6 @@ def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item],
                 if item.kind == "scale":  # its weight came before it in this shard or in an earlier one
                     data = memoryview(fp8.scale_bytes(quantizer.scale(item.entry), item.dtype))
                     crcs[item.name] = _write(fd, data, start, ledger)
-            done, _ = wait(copies.values(), return_when=FIRST_EXCEPTION)
-            for future in done:
-                future.result()
-        finally:
-            for future in copies.values():
-                future.cancel()
-            wait(copies.values())  # no thread writes to fd after it is closed
         os.ftruncate(fd, at)
     out.record(name, at)
     crcs.update({tensor: future.result() for tensor, future in copies.items()})
