@@ -322,20 +322,12 @@ class Copier:
 
     def _landed_tally(self, piece: SourceRange, fd: int, dst: int, crc: int, tally: Tally) -> int:
         """`crc` extended over `piece`, which lands at `dst` in the output `fd`, and its values taken into `tally`
-        (statistics), in one pass over windows of it read into a reused buffer (`_read_windows`); each part inside
-        one of the output's blocks is checksummed alone and recorded (`Ledger.wrote`), so the output's CRC-32s are
-        joined, not read back."""
-        from .certificate import block_parts
-
+        (statistics), in one pass over windows of it read into a reused buffer (`_read_windows`), each window's
+        CRC-32s noted block by block (`_noted_crc`), so the output's CRC-32s are joined, not read back."""
         at = dst
         for part in self._read_windows(piece.path, piece.offset, piece.length):
             tally.add_values(part)
-            for low, high in block_parts(at, at + len(part)):
-                with part[low - at:high - at] as inside:
-                    value = crc32(inside)
-                if self.ledger is not None:
-                    self.ledger.wrote(fd, low, high - low, value)
-                crc = crc32_combine(crc, value, high - low)
+            crc = self._noted_crc(fd, at, part, crc)
             at += len(part)
         return crc
 
@@ -366,14 +358,7 @@ class Copier:
         """`crc` extended over `data`, written at `offset` of `fd`; with a certificate, noted block by block too."""
         if self.ledger is None:
             return crc32(data, crc)
-        from .certificate import block_parts
-
-        with data.cast("B") as view:
-            for low, high in block_parts(offset, offset + len(view)):
-                part = crc32(view[low - offset:high - offset])
-                self.ledger.wrote(fd, low, high - low, part)
-                crc = crc32_combine(crc, part, high - low)
-        return crc
+        return crc32_combine(crc, self.ledger.wrote_bytes(fd, offset, data), data.nbytes)
 
     def write_noted(self, fd: int, data: memoryview, offset: int) -> int:
         """Write `data` at `offset` of the local output `fd` (in turn with the other writers of it); return its
