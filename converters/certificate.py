@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import storage
+from . import dtypes, storage
 from .checksum import crc32, crc32_combine
 from .index import CheckpointIndex, TensorEntry
 from .names import MANIFEST
@@ -109,44 +109,56 @@ def box_key(box: Box | None) -> list[list[int]] | None:
 
 
 class Tally:
-    """One stream of one tensor (or box): CRC-32s of the bytes read and written, their moments with stats."""
+    """One stream of one tensor (or box): CRC-32s of the bytes read and written, their moments with stats.
+
+    `counts` says whether it takes statistics; their `Moments` (and numpy) are made by the first thread that
+    hands it values, so a writer thread that only copies never waits for numpy's import."""
 
     def __init__(self, ledger: Ledger, entry: TensorEntry, out_dtype: str, box: Box | None) -> None:
         self.ledger, self.entry, self.out_dtype, self.box = ledger, entry, out_dtype, box
         self.src_crc = self.out_crc = 0
         self.copied = 0  # pieces the kernel copied so far (`add_crc`)
+        self.counts = ledger.stats and entry.dtype in dtypes.WITH_STATISTICS and out_dtype in dtypes.WITH_STATISTICS
         self.src: Moments | None = None
-        self.out: Moments | None = None
-        if not ledger.stats:
-            return
-        from .stats.moments import SUPPORTED, Moments
+        self.out: Moments | None = None  # None for an uncast copy: its output's statistics are the source's
 
-        if entry.dtype in SUPPORTED and out_dtype in SUPPORTED:
-            self.src = Moments(entry.name, entry.dtype, entry.shape)
+    def moments(self) -> tuple[Moments, Moments | None] | None:
+        """(source, output) moments, made on first use; None without statistics."""
+        if not self.counts:
+            return None
+        if self.src is None:
+            from .stats.moments import Moments
+
+            entry = self.entry
             # an uncast copy writes the bytes it read (their CRC-32s agree): its output's statistics are the source's
-            self.out = Moments(entry.name, out_dtype, entry.shape) if out_dtype != entry.dtype else None
+            self.out = Moments(entry.name, self.out_dtype, entry.shape) if self.out_dtype != entry.dtype else None
+            self.src = Moments(entry.name, entry.dtype, entry.shape)
+        return self.src, self.out
 
     def add(self, read: memoryview, written: memoryview) -> None:
         """Take a slab as read from the source and as written to the output (the same view when not cast)."""
         self.src_crc = crc32(read, self.src_crc)
         self.out_crc = self.src_crc if written is read else crc32(written, self.out_crc)
-        if self.src is not None:
+        moments = self.moments()
+        if moments is not None:
             import numpy as np
 
             from .stats.moments import numpy_dtype
 
-            self.src.add(np.frombuffer(read, dtype=numpy_dtype(self.entry.dtype)))
-            if self.out is not None:
-                self.out.add(np.frombuffer(written, dtype=numpy_dtype(self.out_dtype)))
+            src, out = moments
+            src.add(np.frombuffer(read, dtype=numpy_dtype(self.entry.dtype)))
+            if out is not None:
+                out.add(np.frombuffer(written, dtype=numpy_dtype(self.out_dtype)))
 
     def add_values(self, view: memoryview) -> None:
         """The statistics (not the CRC-32s) of a slab copied unchanged (`add_crc` gives the CRC-32s)."""
-        if self.src is not None:
+        moments = self.moments()
+        if moments is not None:
             import numpy as np
 
             from .stats.moments import numpy_dtype
 
-            self.src.add(np.frombuffer(view, dtype=numpy_dtype(self.entry.dtype)))
+            moments[0].add(np.frombuffer(view, dtype=numpy_dtype(self.entry.dtype)))
 
     def extend(self, crc: int, length: int) -> None:
         """Take the next `length` bytes read, whose CRC-32 is `crc` (a slab checksummed in another thread), as
@@ -242,14 +254,15 @@ class Ledger:
             return
         with self._lock:
             self.pieces.setdefault(entry.name, []).append(piece)
-            if tally.src is not None:
+            moments = tally.moments()  # an empty tensor's too
+            if moments is not None:
                 have = self.moments.get(entry.name)
                 if have is None:
-                    self.moments[entry.name] = (tally.src, tally.out)
+                    self.moments[entry.name] = moments
                 else:
-                    have[0].merge(tally.src)
-                    if have[1] is not None and tally.out is not None:
-                        have[1].merge(tally.out)
+                    have[0].merge(moments[0])
+                    if have[1] is not None and moments[1] is not None:
+                        have[1].merge(moments[1])
 
     def _relative(self, uri: str) -> str:
         prefix = self.source + "/"

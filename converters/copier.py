@@ -173,6 +173,7 @@ class Copier:
         self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
         self.ahead = Budget(self.slab_bytes)  # remote reads ahead of uploads, all files together
         self.ledger: Ledger | None = None  # a conversion's certificate: what each tensor read and wrote
+        self._lane: ThreadPoolExecutor | None = None  # statistics beside the kernel copies (`_stats_lane`)
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
@@ -234,7 +235,7 @@ class Copier:
             ranges = direct_ranges(entry, box)
             if ranges is not None and all(is_local(uri) for uri, _, _ in ranges):
                 tally = ledger.open(entry, entry.dtype, box) if ledger is not None else None
-                defer = tally is not None and tally.src is None and into is not None
+                defer = tally is not None and not tally.counts and into is not None
                 copied = []
                 crc = 0
                 lazy = tally is not None and into is None
@@ -281,28 +282,44 @@ class Copier:
 
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None, tally: Tally | None = None) -> int:
         """Copy the data runs of `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new
-        files), skipping holes; extend `crc` (unless None) over every byte, and with `tally` (statistics) take
-        the piece's values into it in the same mapping (`_landed_tally`). A range ending in a hole gets its last
-        byte written, so the file is as long as a dense copy would make it."""
+        files), skipping holes; extend `crc` (unless None) over every byte, and with `tally` (statistics) have
+        the piece's values and CRC-32s taken in the statistics lane while it copies (`_landed_tally`). A range
+        ending in a hole gets its last byte written, so the file is as long as a dense copy would make it."""
         src_fd = self.reader.fd(piece.path)
         end = piece.offset + piece.length
         if end > os.fstat(src_fd).st_size:
             raise _truncated(piece.path, end)
-        runs_crc = crc
-        if crc is not None and tally is not None and tally.src is not None:
-            crc, runs_crc = self._landed_tally(piece, fd, dst, crc, tally), None
-        last_is_hole = False
-        for start, stop, is_data in self._runs(src_fd, piece.offset, end):
-            last_is_hole = not is_data
-            at = dst + start - piece.offset
-            if runs_crc is not None:
-                crc = runs_crc = self._landed_crc(piece.path if is_data else None, start, stop - start, fd, at,
-                                                  runs_crc)
-            if is_data:
-                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
-        if last_is_hole:
-            self._pwrite(fd, b"\0", dst + piece.length - 1)
-        return crc or 0
+        counted: Future[int] | None = None
+        if crc is not None and tally is not None and tally.counts:
+            counted = self._stats_lane().submit(self._landed_tally, piece, fd, dst, crc, tally)
+        runs_crc = crc if counted is None else None
+        try:
+            last_is_hole = False
+            for start, stop, is_data in self._runs(src_fd, piece.offset, end):
+                last_is_hole = not is_data
+                at = dst + start - piece.offset
+                if runs_crc is not None:
+                    crc = runs_crc = self._landed_crc(piece.path if is_data else None, start, stop - start, fd, at,
+                                                      runs_crc)
+                if is_data:
+                    self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
+            if last_is_hole:
+                self._pwrite(fd, b"\0", dst + piece.length - 1)
+        finally:
+            if counted is not None:
+                wait([counted])  # its reads and notes end before this piece's writer moves on
+        return (counted.result() if counted is not None else crc) or 0
+
+    def _stats_lane(self) -> ThreadPoolExecutor:
+        """The thread(s) that take the statistics and CRC-32s of kernel-copied pieces (`_landed_tally`) while the
+        writer threads go on copying: the copies into one file take turns, so the statistics get the core(s) the
+        copies leave, and numpy's import there overlaps the first copies. Made on first use; its threads end
+        when the copier is collected."""
+        with self._locks_lock:
+            if self._lane is None:
+                lanes = max(1, min(self.threads // 2, (os.cpu_count() or 2) - 1))
+                self._lane = ContextPool(lanes, thread_name_prefix="ckpt-stats")
+            return self._lane
 
     def _landed_crc(self, path: str | None, offset: int, length: int, fd: int, at: int, crc: int) -> int:
         """`crc` extended over `length` bytes of local `path` from `offset` (None: a hole, zeros) that land at `at`
@@ -436,7 +453,7 @@ class Copier:
         end = piece.offset + piece.length
         if end > os.fstat(src_fd).st_size:
             raise _truncated(piece.path, end)
-        if tally.src is not None:
+        if tally.counts:
             return self._mapped_tally(piece.path, piece.offset, piece.length, tally, crc)
         for start, stop, is_data in self._runs(src_fd, piece.offset, end):
             crc = self._mapped_crc(piece.path, start, stop - start, crc) if is_data else crc32_zeros(stop - start, crc)

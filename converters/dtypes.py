@@ -49,6 +49,10 @@ _ALIASES = {**_TORCH_ALIASES, "fp32": "float32", "fp16": "float16", "bf16": "bfl
 # dtypes torch.distributed.checkpoint cannot save or load (its planner has no element size for them)
 _NOT_IN_DCP = frozenset({"bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+INTEGER = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"})
+#: every dtype statistics are computed for (`converters.stats`; the others, complex and packed sub-byte types, are
+#: listed as skipped): named here, without numpy, so a conversion decides what to count before it imports it
+WITH_STATISTICS = frozenset({*FLOATING, "float8_e4m3fnuz", "float8_e5m2fnuz", *INTEGER})
 #: the dtypes a conversion casts floating-point tensors to, declared once as a type (the service's option)
 CastTarget = Literal["float32", "bfloat16", "float16"]
 CAST_TARGETS: tuple[str, ...] = get_args(CastTarget)

@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import dtypes
+
 SUB_BLOCK = 1 << 17  # elements per step: a float64 copy of 1 MiB stays in cache
 
-_INTEGER = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"})
-#: every dtype statistics are computed for (the others, complex and packed sub-byte types, are listed as skipped)
-SUPPORTED = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-                       "float8_e4m3fnuz", "float8_e5m2fnuz", *_INTEGER})
+_INTEGER = dtypes.INTEGER
+SUPPORTED = dtypes.WITH_STATISTICS  # every dtype statistics are computed for
 
 
 @dataclass
