@@ -173,7 +173,6 @@ class Copier:
         self._data_runs: dict[int, tuple[int, int]] = {}  # source fd -> a run of data in it (start, end)
         self.ahead = Budget(self.slab_bytes)  # remote reads ahead of uploads, all files together
         self.ledger: Ledger | None = None  # a conversion's certificate: what each tensor read and wrote
-        self._lane: ThreadPoolExecutor | None = None  # statistics beside the kernel copies (`_stats_lane`)
 
     def out_dtype(self, entry: TensorEntry, cast_to: str | None) -> str:
         if cast_to and entry.dtype in dtypes.FLOATING and entry.dtype != cast_to:
@@ -282,44 +281,32 @@ class Copier:
 
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None, tally: Tally | None = None) -> int:
         """Copy the data runs of `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new
-        files), skipping holes; extend `crc` (unless None) over every byte, and with `tally` (statistics) have
-        the piece's values and CRC-32s taken in the statistics lane while it copies (`_landed_tally`). A range
-        ending in a hole gets its last byte written, so the file is as long as a dense copy would make it."""
+        files), skipping holes; extend `crc` (unless None) over every byte. With `tally` taking statistics, the
+        piece is read into a buffer for them and written from it (`_counted_write`), not copied in the kernel. A
+        range ending in a hole gets its last byte written, so the file is as long as a dense copy would make it."""
         src_fd = self.reader.fd(piece.path)
         end = piece.offset + piece.length
         if end > os.fstat(src_fd).st_size:
             raise _truncated(piece.path, end)
-        counted: Future[int] | None = None
+        runs = list(self._runs(src_fd, piece.offset, end))
+        runs_crc = crc
         if crc is not None and tally is not None and tally.counts:
-            counted = self._stats_lane().submit(self._landed_tally, piece, fd, dst, crc, tally)
-        runs_crc = crc if counted is None else None
-        try:
-            last_is_hole = False
-            for start, stop, is_data in self._runs(src_fd, piece.offset, end):
-                last_is_hole = not is_data
-                at = dst + start - piece.offset
-                if runs_crc is not None:
-                    crc = runs_crc = self._landed_crc(piece.path if is_data else None, start, stop - start, fd, at,
-                                                      runs_crc)
-                if is_data:
-                    self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
-            if last_is_hole:
-                self._pwrite(fd, b"\0", dst + piece.length - 1)
-        finally:
-            if counted is not None:
-                wait([counted])  # its reads and notes end before this piece's writer moves on
-        return (counted.result() if counted is not None else crc) or 0
-
-    def _stats_lane(self) -> ThreadPoolExecutor:
-        """The thread(s) that take the statistics and CRC-32s of kernel-copied pieces (`_landed_tally`) while the
-        writer threads go on copying: the copies into one file take turns, so the statistics get the core(s) the
-        copies leave, and numpy's import there overlaps the first copies. Made on first use; its threads end
-        when the copier is collected."""
-        with self._locks_lock:
-            if self._lane is None:
-                lanes = max(1, min(self.threads // 2, (os.cpu_count() or 2) - 1))
-                self._lane = ContextPool(lanes, thread_name_prefix="ckpt-stats")
-            return self._lane
+            dense = len(runs) == 1 and runs[0][2]
+            # windows from the piece's start hold whole elements; a sparse piece's data runs are copied after
+            crc = self._counted_write(piece.path, piece.offset, piece.length, fd, dst, crc, tally, dense)
+            if dense:
+                return crc
+            runs_crc = None
+        for start, stop, is_data in runs:
+            at = dst + start - piece.offset
+            if runs_crc is not None:
+                crc = runs_crc = self._landed_crc(piece.path if is_data else None, start, stop - start, fd, at,
+                                                  runs_crc)
+            if is_data:
+                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
+        if runs and not runs[-1][2]:
+            self._pwrite(fd, b"\0", dst + piece.length - 1)
+        return crc or 0
 
     def _landed_crc(self, path: str | None, offset: int, length: int, fd: int, at: int, crc: int) -> int:
         """`crc` extended over `length` bytes of local `path` from `offset` (None: a hole, zeros) that land at `at`
@@ -337,14 +324,19 @@ class Copier:
             crc = crc32_combine(crc, part, n)
         return crc
 
-    def _landed_tally(self, piece: SourceRange, fd: int, dst: int, crc: int, tally: Tally) -> int:
-        """`crc` extended over `piece`, which lands at `dst` in the output `fd`, and its values taken into `tally`
-        (statistics), in one pass over windows of it read into a reused buffer (`_read_windows`), each window's
-        CRC-32s noted block by block (`_noted_crc`), so the output's CRC-32s are joined, not read back."""
-        at = dst
-        for part in self._read_windows(piece.path, piece.offset, piece.length):
+    def _counted_write(self, path: str, offset: int, length: int, fd: int, at: int, crc: int, tally: Tally,
+                       write: bool) -> int:
+        """`crc` extended over `length` bytes of local `path` from `offset`, which land at `at` in the output `fd`,
+        and their values taken into `tally` (statistics), in one pass over windows of them read into a reused
+        buffer (`_read_windows`), each window written from it (unless not `write`: a hole, zeros already) and
+        its CRC-32s noted block by block (`_noted_crc`), so the output's CRC-32s are joined, not read back. The
+        statistics need the bytes in memory anyway: writing them from there moves half the memory a kernel copy
+        beside them would (which reads the source a second time)."""
+        for part in self._read_windows(path, offset, length):
             tally.add_values(part)
             crc = self._noted_crc(fd, at, part, crc)
+            if write:
+                self._pwrite(fd, part, at)
             at += len(part)
         return crc
 
@@ -499,7 +491,7 @@ class Copier:
     def _joins(self) -> bool:
         """Whether the certificate joins the output's CRC-32s from those of the bytes written (`Ledger.written`):
         checksummed in the writer threads as they are copied, instead of one pass reading the output back after.
-        With statistics too (taken in the same mapping, `_landed_tally`). Not for a derived export (it reads its
+        With statistics too (taken from the same buffer, `_counted_write`). Not for a derived export (it reads its
         files back for each tensor's CRC-32), nor in the paranoid mode that re-reads every output file."""
         from . import certificate
 

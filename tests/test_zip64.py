@@ -15,13 +15,16 @@ import zipfile
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
+from converters.certificate import Ledger, joined_crcs
 from converters.checksum import crc32, crc32_combine, crc32_zeros
 from converters.copier import Copier, SourceRange, data_runs
 from converters.errors import SourceError
+from converters.index import TensorEntry
 from converters.rangeread import RangeReader
 
 from .conftest import ckptctl
@@ -183,6 +186,37 @@ def test_copy_range_skips_holes(sparse_dir: Path, offset: int, length: int) -> N
     assert (sparse_dir / "dst").read_bytes() == b"head" + want
     # the data runs (each may straddle one more block at this unaligned destination) and the last byte's block
     assert allocated(sparse_dir / "dst") <= 8192 + 4096 + 3 * 4096
+
+
+@pytest.mark.parametrize(("offset", "length"), [(0, 2 << 20), (5000, (1 << 20) - 1000), (8192, 4096)])
+def test_copy_range_with_statistics(sparse_dir: Path, offset: int, length: int) -> None:
+    """With statistics the piece is read into a buffer and written from it: the same bytes, CRC-32 and (for a
+    sparse piece) holes as the kernel copy, the values (holes read as zeros) counted as numpy counts them, and
+    the output's CRC-32s noted block by block as the ledger joins them."""
+    dense = _holey(sparse_dir / "src")
+    want = dense[offset: offset + length]
+    ledger = Ledger(str(sparse_dir), "safetensors", stats=True)
+    entry = TensorEntry("t", "uint8", (length,), [])
+    tally = ledger.open(entry, "uint8", None)
+    with RangeReader() as reader, open(sparse_dir / "dst", "wb") as fh:
+        fh.write(b"head")
+        fh.flush()
+        copier = Copier(reader)
+        copier.ledger = ledger
+        crc = copier.copy_range(SourceRange(str(sparse_dir / "src"), offset, length, 77, None, tally),
+                                fh.fileno(), 4, 77)
+        ledger.wrote_bytes(fh.fileno(), 0, b"head")
+        noted = joined_crcs(next(iter(ledger.written.values())), 4 + length)
+    assert crc == zlib.crc32(want, 77) == tally.src_crc
+    assert (sparse_dir / "dst").read_bytes() == b"head" + want
+    assert noted is not None and noted[0] == zlib.crc32(b"head" + want)
+    if length > 8192:  # sparse pieces keep their holes
+        assert allocated(sparse_dir / "dst") <= 8192 + 4096 + 3 * 4096
+    moments = tally.moments()
+    assert moments is not None
+    got, values = moments[0].result(), np.frombuffer(want, np.uint8)
+    assert (got.count, got.zeros, got.min, got.max) == (length, int((values == 0).sum()), values.min(), values.max())
+    assert got.mean == pytest.approx(values.mean(), rel=1e-12)
 
 
 def test_copy_range_refuses_a_short_file(sparse_dir: Path) -> None:
