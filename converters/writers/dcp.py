@@ -116,7 +116,7 @@ class RankPart:
             note = partial(copier.note, fh.fileno()) if out.local else None
             for i, piece in enumerate(self.pieces):
                 nbytes = dtypes.numel(piece.box[1]) * dtypes.itemsize(piece.dtype)
-                stream = ahead[i] if ahead is not None else copier.pieces(*jobs[i], in_kernel=True)
+                stream = ahead[i] if ahead is not None else copier.pieces(*jobs[i], as_ranges=True)
                 pickled = picklewriter.tensor_pickle("0", piece.dtype, tuple(piece.box[1]))
                 length = _record(fh, at, pickled, [("data/0", stream, nbytes)], copier.copy_range,
                                  serial_id(self.serial, self.rank, i), note)
