@@ -4,7 +4,7 @@ base with the adapter merged into it, as PEFT's `merge_and_unload()` leaves it, 
 Any source the engine reads (PEFT's own folder, a DCP/FSDP, Accelerate or DeepSpeed training checkpoint) is
 opened through `load_index` under its wrapper-cleaned model names; the adapter is found by structure (`detect`).
 The merged export writes each output file at known offsets: every base tensor is first copied into place by the
-copier's ordinary path in one thread (`copy_file_range` when uncast: the kernel takes the output's new pages,
+copier's ordinary path in one thread (through a window buffer when uncast: the kernel takes the output's new pages,
 the dear part of writing a file, while torch is still being imported in the background), and a LoRA Linear is
 then merged into its copy in row slabs of 1/128 of `memory_limit`, read back from the page cache, merged and
 overwritten in place by two workers side by side (torch at one intra-op thread each); an embedding,

@@ -1,12 +1,12 @@
 """Writing the adapter exports' safetensors files: each output tensor is either a plain copy of a stored tensor
-(cast or not), which takes the copier's ordinary path (locally: `copy_file_range` when uncast, several at once in
-a thread pool), or computed (a merged LoRA weight): its slabs, each of known size, are computed and written at
+(cast or not), which takes the copier's ordinary path (locally: through a window buffer when uncast, several at once
+in a thread pool), or computed (a merged LoRA weight): its slabs, each of known size, are computed and written at
 their offsets by two worker threads side by side (torch, the checksums and the writes release the GIL), so both
-cores merge. A computed tensor may first be copied into place like any other (locally), and merged there: the
-copy runs in the kernel while torch is still being imported and takes the new pages (the dear part of writing a
-file: overwriting them is several times cheaper), and the merge reads its rows back from it. Locally every
-tensor's CRC-32 (and the certificate's CRC-32 of every range written) is taken from the bytes as they are written,
-so the output need not be read back."""
+cores merge. A computed tensor may first be copied into place like any other (locally), and merged there: the copy
+(system calls, which release the GIL) runs while torch is still being imported and takes the new pages (the dear
+part of writing a file: overwriting them is several times cheaper), and the merge reads its rows back from it.
+Locally every tensor's CRC-32 (and the certificate's CRC-32 of every range written) is taken from the bytes as they
+are written, so the output need not be read back."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ whole layout (header, every offset) is known before any data is written, so a lo
 each quantized weight is read once, its FP8 slabs written in place as they are quantized while the slab's scales
 (its rows', its 128-row bands') are taken from the same slab in memory, and the scales (small) are written into
 the places left for them once the shard's weights are done. Meanwhile the tensors kept as they are (embeddings,
-`lm_head`, norms: most of the bytes when the source is float32) take the copier's ordinary path in two threads
-(`copy_file_range`, in the kernel, when the source holds them whole). A per-tensor scale needs the whole weight's
-|max| first: such a weight is read twice, unless it fits in one slab. Object storage takes a stream in file order:
-there the scales of a shard are computed first (one pass over each of its weights) and the weights read again.
-The output appears only when complete (`open_output`).
+`lm_head`, norms: most of the bytes when the source is float32) take the copier's ordinary path in two threads (read
+into a window buffer and written from it, `Copier._through_buffer`, when the source holds them whole). A per-tensor
+scale needs the whole weight's |max| first: such a weight is read twice, unless it fits in one slab. Object storage
+takes a stream in file order: there the scales of a shard are computed first (one pass over each of its weights) and
+the weights read again. The output appears only when complete (`open_output`).
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def _write_at_offsets(out: Output, name: str, header: bytes, items: list[_Item],
 def _write(fd: int, data: memoryview, offset: int, ledger: Ledger | None) -> int:
     """Write `data` at `offset` of the local output `fd` and return its CRC-32, noted block by block for the
     certificate (`Ledger.wrote_bytes`). Not in turn with the copier's writes (`Copier.write_noted`): this thread
-    would wait out a whole kernel copy, quantizing nothing meanwhile; the kernel orders the writes itself."""
+    would wait out the copier's writes, quantizing nothing meanwhile; the kernel orders the writes itself."""
     crc = ledger.wrote_bytes(fd, offset, data) if ledger is not None else crc32(data)
     pwrite_all(fd, data, offset)
     return crc
