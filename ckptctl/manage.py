@@ -48,6 +48,30 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, Any]:
     return found
 
 
+def job_options(items: list[str] | None) -> dict[str, Any]:
+    """`--option KEY=VALUE` flags as a job's options, each VALUE read as JSON where it parses (else as the string).
+    A KEY given more than once collects its values into one list, a JSON list's items among them (`--option
+    require=finite --option 'require=max_abs<=10'`: both bounds), so no flag is silently dropped; the job's request
+    model then checks the list like any other value (a repeated single-valued option is refused there)."""
+    found: dict[str, list[Any]] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not key or not sep:
+            fail(f"--option {item!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        found.setdefault(key, []).append(value)
+    options: dict[str, Any] = {}
+    for key, values in found.items():
+        if len(values) == 1:
+            options[key] = values[0]
+            continue
+        options[key] = [item for value in values for item in (value if isinstance(value, list) else [value])]
+    return options
+
+
 def _emit(data: Any, as_json: bool) -> bool:
     if as_json:
         out.print_json(json.dumps(data))
@@ -264,13 +288,7 @@ def rules_add(name: str, pattern: Annotated[str, typer.Argument(help="e.g. '/dat
                                                         "older than this, e.g. 24h (a scheduled scrub).")] = None,
               as_json: AsJson = False, server: Server = DEFAULT_SERVER, token: Token = None) -> None:
     """Add a rule: each new complete checkpoint matching PATTERN gets one job (with --every, one a period)."""
-    options = {}
-    for key, value in _pairs(option, "--option").items():
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    job = {"kind": kind, "target": as_uri(target) if target else None, "options": options}
+    job = {"kind": kind, "target": as_uri(target) if target else None, "options": job_options(option)}
     body: dict[str, object] = {"name": name, "pattern": as_uri(pattern), "job": job, "latest_only": latest_only,
                                "skip_existing": skip_existing, "max_concurrent": max_concurrent}
     if every is not None:

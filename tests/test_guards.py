@@ -230,3 +230,29 @@ def test_ckptctl_alias_require_is_refused_by_a_real_server_in_one_line(steps: Pa
         assert "bound 'max_abs<=ten': limit 'ten' is not a number" in bad.stderr
     finally:
         server.stop()
+
+
+def test_repeated_rule_options_gather_into_one_list(tmp_path: Path) -> None:
+    """`ckptctl rules add --option KEY=...` given twice keeps both values (it kept the last): a list option takes
+    them all, a single-valued one is refused by the server in one line, naming it."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from ckpt_service.settings import Settings
+    from ckptctl.manage import job_options
+
+    options = job_options(["require=finite", 'require=["max_abs<=10"]', "dtype=bfloat16", "latest=3", "note=a=b"])
+    assert options == {"require": ["finite", "max_abs<=10"], "dtype": "bfloat16", "latest": 3, "note": "a=b"}
+    assert job_options(["dtype=bfloat16", "dtype=float16"]) == {"dtype": ["bfloat16", "float16"]}
+    settings = Settings(data_dir=tmp_path / "state", read_roots=[str(tmp_path)], write_roots=[str(tmp_path)])
+    settings.prepare()
+    with TestClient(create_app(settings)) as client:
+        def add(name: str, given: list[str]) -> Any:
+            job = {"kind": "export", "target": f"{tmp_path}/out/{{run}}", "options": job_options(given)}
+            return client.post("/v1/rules", json={"name": name, "pattern": f"{tmp_path}/*/step_*", "job": job})
+
+        kept = add("both", ["require=finite", "require=max_abs<=10"])
+        assert kept.status_code == 201, kept.text
+        assert kept.json()["spec"]["job"]["options"]["require"] == ["finite", "max_abs<=10"]
+        twice = add("twice", ["dtype=bfloat16", "dtype=float16"])
+        assert twice.status_code == 422 and "dtype" in twice.text, twice.text
