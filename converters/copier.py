@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from . import dtypes
+from . import dtypes, writeback
 from .checksum import crc32, crc32_combine, crc32_zeros
 from .config import ContextPool
 from .errors import SourceError
@@ -82,11 +82,14 @@ class Progress:
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    """Write all of `data` at `offset` of `fd`, at most `_WRITE_STEP` bytes per system call."""
+    """Write all of `data` at `offset` of the local file `fd`, at most `_WRITE_STEP` bytes per system call, then
+    tell `writeback` (which starts the file's writeback every so many bytes)."""
     view = memoryview(data).cast("B")
+    total = len(view)
     while view:
         n = os.pwrite(fd, view[:_WRITE_STEP], offset)
         view, offset = view[n:], offset + n
+    writeback.landed(fd, total)
 
 
 def _truncated(path: str, end: int) -> SourceError:
@@ -416,6 +419,8 @@ class Copier:
                 n = len(view)
             elif n == 0:
                 raise _truncated(piece.path, end)
+            else:
+                writeback.landed(fd, n)
             src, dst = src + n, dst + n
 
     def _mapped_crc(self, path: str, offset: int, length: int, crc: int) -> int:
