@@ -2,9 +2,8 @@
 
 While a conversion copies, the copier hands every tensor (or box of one, in a reshard) to a `Ledger`: the
 CRC-32 of the source bytes it read (row-major, before any cast) and of the bytes it wrote, and with `stats`
-the statistics of both (`converters.stats.moments`), all computed on the slabs already in memory (bytes the
-kernel copies file to file are checksummed through the page cache). At the end `certificate()` gives the
-manifest's `certificate`:
+the statistics of both (`converters.stats.moments`), all computed on the slabs and window buffers already in
+memory (`Copier._through_buffer`). At the end `certificate()` gives the manifest's `certificate`:
 
 - `source`: its URI and format, and per tensor (per box): the source byte ranges it was read from (file
   relative to the source, offset, length; a DCP record's range) and the CRC-32 of the values read;
@@ -22,8 +21,8 @@ over, else computed while each output file is read back for its own CRC-32s). A 
 is written beside it as `<file>.ckpt-manifest.json` (`write_sidecar`, once the file is in place).
 
 The manifest's CRC-32 of each local output file and of each `BLOCK` of it are joined (`crc32_combine`) from
-the CRC-32s of the bytes written into it, taken as they are written (`Ledger.wrote`: kernel-copied ranges through
-the source's page cache, cut at the output's block edges; headers and slabs from memory); a file those do not
+the CRC-32s of the bytes written into it, taken as they are written (`Ledger.wrote`: from the copier's window buffers
+and slabs, cut at the output's block edges, and headers from memory); a file those do not
 tile exactly (a derived export's, DCP's `.metadata`), or every file with `READBACK`, is read back instead.
 
 `converters.verification.check_certificate` re-checks an output against it later.
@@ -117,7 +116,7 @@ class Tally:
     def __init__(self, ledger: Ledger, entry: TensorEntry, out_dtype: str, box: Box | None) -> None:
         self.ledger, self.entry, self.out_dtype, self.box = ledger, entry, out_dtype, box
         self.src_crc = self.out_crc = 0
-        self.copied = 0  # pieces the kernel copied so far (`add_crc`)
+        self.copied = 0  # source ranges the copier copied so far (`add_crc`)
         self.counts = ledger.stats and entry.dtype in dtypes.WITH_STATISTICS and out_dtype in dtypes.WITH_STATISTICS
         self.src: Moments | None = None
         self.out: Moments | None = None  # None for an uncast copy: its output's statistics are the source's
@@ -166,7 +165,7 @@ class Tally:
         self.src_crc = self.out_crc = crc32_combine(self.src_crc, crc, length)
 
     def add_crc(self, crc: int) -> None:
-        """A piece the kernel copied unchanged: `crc` is both CRC-32s extended over it."""
+        """A source range the copier copied unchanged: `crc` is both CRC-32s extended over it."""
         self.src_crc = self.out_crc = crc
         self.copied += 1
 
@@ -182,7 +181,7 @@ class Ledger:
         self.derived = derived  # what a derived export makes ("gguf", "fp8", ...): its pieces are what it read
         self.pieces: dict[str, list[dict[str, Any]]] = {}
         self.reads: dict[tuple[str, str, str], dict[str, Any]] = {}  # (name, box, first file) -> a piece read
-        # tallies of pieces the kernel copied whose CRC-32 is taken from the output as it is read back:
+        # tallies of source ranges copied unchanged whose CRC-32 is taken from the output as it is read back:
         # (tally, (device, inode) of the output file, start, length, how to compute it from the source instead)
         self.deferred: list[tuple[Tally, tuple[int, int], int, int, Callable[[], int]]] = []
         self.moments: dict[str, tuple[Moments, Moments | None]] = {}  # output None: an uncast copy
@@ -195,7 +194,7 @@ class Ledger:
         return Tally(self, entry, out_dtype, box)
 
     def defer(self, tally: Tally, fd: int, start: int, length: int, fallback: Callable[[], int]) -> None:
-        """`tally`'s bytes were copied unchanged (in the kernel) into `length` bytes of the local file `fd` from
+        """`tally`'s bytes were copied unchanged (source ranges) into `length` bytes of the local file `fd` from
         `start`: their CRC-32 is computed when the certificate reads the output back (`resolve`), or else by
         `fallback`."""
         st = os.fstat(fd)

@@ -39,11 +39,6 @@ DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
 _COPY_STEP = 1 << 30
 _WINDOW = 2 << 20  # bytes read, checksummed and written at a time (a mapping's, to checksum a range)
-#: bytes per write system call. A larger write has the page cache allocate larger folios for it, which costs
-#: compaction once free memory runs low (a full page cache, as on any machine that has been working): 1 GB written
-#: in 2 MiB writes took 1.3-2.2 s of system time there against 0.47-0.67 s in 256 KiB writes (and 0.45-0.55 s by
-#: copy_file_range, which writes 64 KiB at a time); with free memory both were ~0.1 s per 250 MB.
-_WRITE_STEP = 256 << 10
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
@@ -82,12 +77,12 @@ class Progress:
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    """Write all of `data` at `offset` of the local file `fd`, at most `_WRITE_STEP` bytes per system call, then
-    tell `writeback` (which starts the file's writeback every so many bytes)."""
+    """Write all of `data` at `offset` of the local file `fd`, at most `writeback.WRITE_STEP` bytes per system
+    call, then tell `writeback` (which starts the file's writeback every so many bytes)."""
     view = memoryview(data).cast("B")
     total = len(view)
     while view:
-        n = os.pwrite(fd, view[:_WRITE_STEP], offset)
+        n = os.pwrite(fd, view[:writeback.WRITE_STEP], offset)
         view, offset = view[n:], offset + n
     writeback.landed(fd, total)
 
@@ -323,8 +318,8 @@ class Copier:
         system time of a read and a write of the same bytes and left ~30 % more writeback for a `sync` (1 GB
         FSDP2 DCP to safetensors, 2 cores: sys 0.75 -> 0.52 s, exit 1.0 -> 0.73 s, exit + sync 1.55 -> 1.18 s),
         and checksumming its bytes meant faulting in mappings of the source besides; from the buffer the CRC-32
-        and the statistics read bytes already in cache. 2 MiB windows measured best (1 MiB close; 4-8 MiB writes
-        cost 2x the system time)."""
+        and the statistics read bytes already in cache. 2 MiB windows measured best (1 MiB close; 4-8 MiB ones,
+        then written whole, doubled the system time: see `writeback.WRITE_STEP`)."""
         for part in self._read_windows(path, offset, length):
             if tally is not None:
                 tally.add_values(part)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from . import storage, upload
+from . import storage, upload, writeback
 from .checksum import crc32
 from .errors import TargetError
 from .jsonsafe import dumps_indented
@@ -74,7 +74,7 @@ class Output:
             if "/" in name:  # a file of a folder inside the output (a framework's layout: model/, optimizer/)
                 os.makedirs(os.path.dirname(self.path(name)), exist_ok=True)
             with open(self.path(name), "wb") as fh:
-                yield fh
+                yield writeback.SteppedFile(fh)
             self.record(name, os.path.getsize(self.path(name)))
             return
         fs, _ = storage.filesystem(self.uri)

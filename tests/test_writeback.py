@@ -3,8 +3,10 @@ and a copy through the writers' window buffer writes the exact bytes, starting t
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -83,3 +85,35 @@ def copier_window() -> int:
     from converters import copier
 
     return copier._WINDOW
+
+
+
+def test_sequential_writes_reach_the_kernel_in_steps_and_start_writeback(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """`Output.open` gives sequential writers (GGUF, DCP records, torch.save files) a `SteppedFile`: a large write
+    reaches the kernel in `WRITE_STEP` pieces (larger ones make the page cache compact memory for big folios),
+    small ones are still gathered by the file's buffer, every byte lands in order, and the writeback starts as
+    they land."""
+    from converters.output import open_output
+
+    calls = _recording(monkeypatch, 512 << 10)
+    sizes: list[int] = []
+
+    class Counting(io.FileIO):  # the system calls the buffered file makes
+        def write(self, data: Any) -> int:
+            sizes.append(memoryview(data).nbytes)
+            return super().write(data)
+
+    payload = os.urandom(3 * writeback.WRITE_STEP + 1234)
+    fh = writeback.SteppedFile(io.BufferedWriter(Counting(tmp_path / "f", "wb")))
+    fh.write(b"head")
+    fh.write(payload)
+    fh.write(memoryview(payload)[:10])
+    fh.close()
+    assert (tmp_path / "f").read_bytes() == b"head" + payload + payload[:10]
+    assert sizes == [4, *([writeback.WRITE_STEP] * 3), 1234 + 10]
+    assert len(calls) == 1  # EVERY 512 KiB: reached once, by the big write
+    with open_output(str(tmp_path / "o.bin"), False, "test", single_file=True) as out, out.open() as fh:
+        assert isinstance(fh, writeback.SteppedFile)
+        fh.write(payload)
+    assert (tmp_path / "o.bin").read_bytes() == payload
