@@ -1,12 +1,12 @@
 """Moves tensor bytes from a source index to an output in bounded slabs, casting on the way.
 
-Uncast local-to-local copies of whole-row chunks are handed to the writer as source ranges
-(`SourceRange`), which it copies through a reused 2 MiB window buffer per thread (`Copier._through_buffer`:
-read, checksum and statistics from the buffer, `pwrite`), faster than `copy_file_range` into ext4; the
-data runs of a sparse source go through `copy_file_range` and its holes are skipped (the output stays
-sparse; a CRC is extended over a hole without reading it). Everything else is read in slabs of at most
-`slab_bytes` and written with `pwrite` at known offsets, so independent tensors can be written by several
-threads at once; the writes into one output file take turns (the kernel serialises them anyway).
+Uncast local-to-local copies of whole-row chunks are handed to the writer as source ranges (`SourceRange`),
+which it copies through a reused 2 MiB window buffer per thread (`Copier._through_buffer`: read, checksum
+and statistics from the buffer, `pwrite`), faster than `copy_file_range` into ext4; the holes of a sparse
+source are skipped (the output stays sparse; a CRC is extended over a hole without reading it). Everything
+else is read in slabs of at most `slab_bytes` and written with `pwrite` at known offsets, so independent
+tensors can be written by several threads at once; the writes into one output file take turns (the kernel
+serialises them anyway).
 """
 
 from __future__ import annotations
@@ -285,27 +285,48 @@ class Copier:
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None, tally: Tally | None = None) -> int:
         """Copy `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new files); extend `crc`
         (unless None) over every byte, and with `tally` take the piece's statistics. A dense piece is read into
-        this thread's window buffer and written from it (`_through_buffer`); a sparse one's data runs are copied
-        in the kernel, its holes skipped (the output stays sparse), and a range ending in a hole gets its last
-        byte written, so the file is as long as a dense copy would make it."""
+        this thread's window buffer and written from it (`_through_buffer`). A sparse one's holes are skipped
+        (the output stays sparse; the CRC-32 is extended over a hole without reading it, `_noted_zeros`, except
+        with statistics, which read the piece whole for whole elements), and a range ending in a hole gets its
+        last byte written, so the file is as long as a dense copy would make it."""
         src_fd = self.reader.fd(piece.path)
         end = piece.offset + piece.length
         if end > os.fstat(src_fd).st_size:
             raise _truncated(piece.path, end)
         runs = list(self._runs(src_fd, piece.offset, end))
-        dense = len(runs) == 1 and runs[0][2]
         counts = tally if tally is not None and tally.counts else None
-        if dense or crc is not None or counts is not None:
-            # windows from the piece's start hold whole elements (a sparse piece's holes read as zeros)
-            crc = self._through_buffer(piece.path, piece.offset, piece.length, fd, dst, crc, counts, write=dense)
-        if dense:
-            return crc or 0
+        if len(runs) == 1 and runs[0][2]:  # dense: the common case
+            return self._through_buffer(piece.path, piece.offset, piece.length, fd, dst, crc, counts, True) or 0
+        runs_crc = crc
+        if counts is not None:  # windows from the piece's start hold whole elements (its holes read as zeros)
+            crc = self._through_buffer(piece.path, piece.offset, piece.length, fd, dst, crc, counts, False)
+            runs_crc = None
         for start, stop, is_data in runs:
-            if is_data:
-                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, dst + start - piece.offset)
+            at = dst + start - piece.offset
+            if is_data and runs_crc is None:
+                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
+            elif is_data:
+                crc = runs_crc = self._through_buffer(piece.path, start, stop - start, fd, at, runs_crc, None, True)
+            elif runs_crc is not None:
+                crc = runs_crc = self._noted_zeros(fd, at, stop - start, runs_crc)
         if runs and not runs[-1][2]:
             self._pwrite(fd, b"\0", dst + piece.length - 1)
         return crc or 0
+
+    def _noted_zeros(self, fd: int, at: int, length: int, crc: int) -> int:
+        """`crc` extended over `length` zero bytes (a hole) at `at` of the output `fd`, without reading them; with a
+        certificate, noted block by block (`Ledger.wrote`), as written bytes are."""
+        ledger = self.ledger
+        if ledger is None:
+            return crc32_zeros(length, crc)
+        from .certificate import block_parts
+
+        for low, high in block_parts(at, at + length):
+            n = high - low
+            part = crc32_zeros(n)
+            ledger.wrote(fd, low, n, part)
+            crc = crc32_combine(crc, part, n)
+        return crc
 
     def _through_buffer(self, path: str, offset: int, length: int, fd: int, at: int, crc: int | None,
                         tally: Tally | None, write: bool) -> int | None:
