@@ -37,9 +37,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MEMORY_LIMIT = 256 * 1024 * 1024
 DEFAULT_THREADS = 4
-_COPY_STEP = 1 << 30
 _WINDOW = 2 << 20  # bytes read, checksummed and written at a time (a mapping's, to checksum a range)
-_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
 @dataclass
@@ -94,7 +92,7 @@ def _truncated(path: str, end: int) -> SourceError:
 
 @contextmanager
 def settled(futures: Iterable[Future]) -> Iterator[None]:
-    """Kernel copies running beside the block's own writes into one file: on leaving the block, every copy has
+    """The copier's copies running beside the block's own writes into one file: on leaving the block, every copy has
     ended (a failed one raises); on an error, the copies not started are cancelled and the running ones waited
     out, so no thread writes to the file after its owner closes it."""
     pending = list(futures)
@@ -133,7 +131,7 @@ def data_runs(fd: int, start: int, end: int) -> Iterator[tuple[int, int, bool, i
 
 @dataclass(frozen=True)
 class SourceRange:
-    """Bytes to copy file-to-file inside the kernel: `length` bytes of local `path` from `offset`. When the
+    """Bytes to copy file to file (`Copier.copy_range`): `length` bytes of local `path` from `offset`. When the
     certificate already read them, `crc` is the running CRC-32 of the tensor's bytes through this piece, extended
     from `crc_before` (the copy takes it instead of reading them again)."""
 
@@ -171,7 +169,6 @@ class Copier:
         self.threads = max(1, threads)
         # room for a source slab and its cast copy in every thread
         self.slab_bytes = max(64 * 1024, memory_limit // (3 * self.threads))
-        self._direct = hasattr(os, "copy_file_range")
         self._local = threading.local()
         self._file_locks: dict[int, threading.Lock] = {}  # output fd -> its writers' turn
         self._locks_lock = threading.Lock()
@@ -283,12 +280,12 @@ class Copier:
         return out
 
     def _copy(self, piece: SourceRange, fd: int, dst: int, crc: int | None, tally: Tally | None = None) -> int:
-        """Copy `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new files); extend `crc`
-        (unless None) over every byte, and with `tally` take the piece's statistics. A dense piece is read into
-        this thread's window buffer and written from it (`_through_buffer`). A sparse one's holes are skipped
-        (the output stays sparse; the CRC-32 is extended over a hole without reading it, `_noted_zeros`, except
-        with statistics, which read the piece whole for whole elements), and a range ending in a hole gets its
-        last byte written, so the file is as long as a dense copy would make it."""
+        """Copy `piece` into `fd` at `dst` (whose range must still be zeros: outputs are new files) through this
+        thread's window buffer (`_through_buffer`); extend `crc` (unless None) over every byte, and with `tally`
+        take the piece's statistics. A sparse piece's holes are skipped (the output stays sparse; the CRC-32 is
+        extended over a hole without reading it, `_noted_zeros`, except with statistics, which read the piece
+        whole for whole elements), and a range ending in a hole gets its last byte written, so the file is as
+        long as a dense copy would make it."""
         src_fd = self.reader.fd(piece.path)
         end = piece.offset + piece.length
         if end > os.fstat(src_fd).st_size:
@@ -303,15 +300,13 @@ class Copier:
             runs_crc = None
         for start, stop, is_data in runs:
             at = dst + start - piece.offset
-            if is_data and runs_crc is None:
-                self._kernel_copy(SourceRange(piece.path, start, stop - start), fd, at)
-            elif is_data:
-                crc = runs_crc = self._through_buffer(piece.path, start, stop - start, fd, at, runs_crc, None, True)
+            if is_data:
+                runs_crc = self._through_buffer(piece.path, start, stop - start, fd, at, runs_crc, None, True)
             elif runs_crc is not None:
-                crc = runs_crc = self._noted_zeros(fd, at, stop - start, runs_crc)
+                runs_crc = self._noted_zeros(fd, at, stop - start, runs_crc)
         if runs and not runs[-1][2]:
             self._pwrite(fd, b"\0", dst + piece.length - 1)
-        return crc or 0
+        return (crc if counts is not None else runs_crc) or 0
 
     def _noted_zeros(self, fd: int, at: int, length: int, crc: int) -> int:
         """`crc` extended over `length` zero bytes (a hole) at `at` of the output `fd`, without reading them; with a
@@ -413,32 +408,6 @@ class Copier:
         with self._turn(fd):
             pwrite_all(fd, data, offset)
 
-    def _kernel_copy(self, piece: SourceRange, fd: int, dst: int) -> None:
-        """`copy_file_range` loop; where the filesystems cannot do it, read and write through a buffer instead."""
-        src_fd = self.reader.fd(piece.path)
-        src, end = piece.offset, piece.offset + piece.length
-        while src < end:
-            step = min(_COPY_STEP, end - src)
-            n = -1
-            if self._direct:
-                try:
-                    with self._turn(fd):
-                        n = os.copy_file_range(src_fd, fd, step, src, dst)
-                except OSError as exc:
-                    if exc.errno not in _NO_COPY_RANGE:
-                        raise
-                    self._direct = False  # this filesystem pair cannot: plain reads from now on
-            if n < 0:
-                view = self._buffer(min(step, self.slab_bytes))
-                self.reader.readinto(piece.path, src, view)
-                self._pwrite(fd, view, dst)
-                n = len(view)
-            elif n == 0:
-                raise _truncated(piece.path, end)
-            else:
-                writeback.landed(fd, n)
-            src, dst = src + n, dst + n
-
     def _mapped_crc(self, path: str, offset: int, length: int, crc: int) -> int:
         """CRC-32 of a local file range, read through the page cache without a copy (`mapped_windows`)."""
         for part in mapped_windows(self.reader.fd(path), offset, length):
@@ -483,8 +452,8 @@ class Copier:
     def write_at(self, fd: int, offset: int, entry: TensorEntry, cast_to: str | None = None,
                  box: Box | None = None, checksum: bool = False) -> int:
         """Write the bytes of `entry` (or `entry[box]`) into the local file `fd` at `offset`; return their
-        CRC-32 with `checksum` (computed on the bytes in flight, or through the page cache when the kernel
-        copies), else 0."""
+        CRC-32 with `checksum` (computed on the bytes in flight, in the slab or window buffer they are
+        copied through), else 0."""
         crc = 0
         track = checksum or self._joins()
         for piece in self.pieces(entry, cast_to, box, as_ranges=True, into=None if track else (fd, offset)):
